@@ -1,0 +1,237 @@
+"""The reference policy loss: plain differentiable torch, and the specification of every kernel.
+
+Notation (packed batch of N trajectories, T tokens):
+  s(t)  sequence of token t (from cu_seqlens); M_t = chunk_ids[t] >= 0 marks trained tokens.
+  A chunk is a maximal run of trained tokens of one sequence with the same chunk id (ids are
+  non-decreasing over the pack and strictly increase from one sequence to the next, so a run of
+  equal ids never spans two sequences; untrained tokens inside a run do not split it).
+  Delta(c) = number of chunks after c in its sequence.
+
+Advantages (per trajectory i in group g, computed in the compute dtype):
+  group_std:  (R_i - mean_g) / (std_g + eps), std unbiased (Bessel); group_mean: R_i - mean_g;
+  none: R_i.  A group whose rewards are all equal (incl. size 1) gets advantage exactly 0 under
+  group_std and group_mean.  Token t gets A_t = gamma**Delta(c(t)) * A_s(t); positive_only
+  clamps A_t at 0.
+
+Ratios: d_t = logp_t - old_logp_t; the level's log-ratio is the mean of d over the token's
+  segment (token: itself; chunk: its chunk; sequence: the trained tokens of its sequence),
+  clamped to +-log_ratio_clamp, and r_t = exp(.) — gradient flows to every token of the segment.
+
+Mismatch weight w_t (no gradient): m = exp(clamp(mean over the level's segment of
+  old_logp - rollout_logp)); mask: w = 1[low <= m <= high]; truncate: w = min(m, high);
+  level none: w = 1.
+
+Surrogate pg_t:
+  ppo_clip: pg1 = -A r, pg2 = -A clip(r, 1-clip_low, 1+clip_high); pg = pg2 if pg2 > pg1 else pg1;
+            dual_clip c: if A < 0 and pg > -c A then pg = -c A.
+  topr:     pg = -A * v * logp_t with v = 1 if A >= 0 else sg(min(r, 1)).
+
+Token loss l_t = w_t pg_t + kl_beta * kl_t - entropy_coef * H_t, kl from ref_logp:
+  k1: logp - ref; k2: (logp - ref)^2 / 2; k3: exp(x) - x - 1 with x = clamp(ref - logp).
+
+Aggregation: loss = sum_t M_t coef_t l_t / D with
+  token-mean: coef 1, D = #trained tokens;  seq-mean-token-mean: coef 1/n_s, D = S;
+  seq-mean-token-sum: coef 1, D = S;  seq-mean-token-sum-norm: coef 1, D = S * L,
+  where n_s = trained tokens of sequence s, S = #sequences with n_s > 0, L = agg_constant or
+  max n_s.  A given ``normalizer`` replaces D (the whole step's D, so that micro-batches and
+  ranks sum to the step's loss).  Masked (mismatch) and zero-advantage tokens still count in D.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import LossConfig
+from .types import LossInputs, LossOutput
+
+METRIC_KEYS = (
+    "clip_frac",
+    "dual_clip_frac",
+    "mismatch_masked_frac",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "adv_nonzero_frac",
+    "zero_var_group_frac",
+    "tokens_kept",
+    "pg_loss",
+    "kl_mean",
+    "entropy_mean",
+)
+
+
+class PackLayout:
+    """Index bookkeeping of a packed batch, shared by the reference loss and tests."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, chunk_ids: torch.Tensor, n_seq: int):
+        dev = chunk_ids.device
+        cu = cu_seqlens.long()
+        self.T = chunk_ids.numel()
+        self.N = n_seq
+        lengths = cu[1:] - cu[:-1]
+        self.seq_of_tok = torch.repeat_interleave(torch.arange(n_seq, device=dev), lengths)
+        self.trained = chunk_ids >= 0
+        self.tidx = self.trained.nonzero().squeeze(1)  # trained token positions
+        cid = chunk_ids[self.tidx].long()
+        starts = torch.ones_like(cid, dtype=torch.bool)
+        if cid.numel() > 1:
+            starts[1:] = cid[1:] != cid[:-1]
+        self.chunk_of_trained = torch.cumsum(starts.long(), 0) - 1  # dense chunk index per trained token
+        self.C = int(self.chunk_of_trained[-1].item()) + 1 if cid.numel() else 0
+        seq_t = self.seq_of_tok[self.tidx]
+        self.chunk_seq = seq_t[starts]  # sequence of each chunk (chunks are in pack order)
+        self.chunks_per_seq = torch.bincount(self.chunk_seq, minlength=n_seq)
+        self.tokens_per_seq = torch.bincount(seq_t, minlength=n_seq)  # trained tokens n_s
+        first_chunk = torch.cumsum(self.chunks_per_seq, 0) - self.chunks_per_seq
+        rank = torch.arange(self.C, device=dev) - first_chunk[self.chunk_seq]
+        self.chunks_after = self.chunks_per_seq[self.chunk_seq] - 1 - rank  # Delta(c)
+
+    def segment_of_trained(self, level: str) -> tuple[torch.Tensor, int]:
+        """Segment index of each trained token at a ratio level, and the number of segments."""
+        if level == "token":
+            return torch.arange(self.tidx.numel(), device=self.tidx.device), self.tidx.numel()
+        if level == "chunk":
+            return self.chunk_of_trained, self.C
+        if level == "sequence":
+            return self.seq_of_tok[self.tidx], self.N
+        raise ValueError(f"unknown level {level!r}")
+
+    def segment_mean(self, x: torch.Tensor, level: str) -> torch.Tensor:
+        """Mean of x (over trained tokens) within each token's segment, broadcast back to tokens."""
+        seg, n = self.segment_of_trained(level)
+        if level == "token":
+            return x
+        sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seg, x)
+        cnt = torch.bincount(seg, minlength=n).to(x.dtype).clamp_min(1)
+        return (sums / cnt)[seg]
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: LossConfig):
+    """Per-trajectory advantages and the number of zero-variance groups."""
+    _, g = torch.unique(group_ids, return_inverse=True)
+    G = int(g.max().item()) + 1
+    cnt = torch.bincount(g, minlength=G).to(rewards.dtype)
+    rmax = torch.full((G,), -torch.inf, dtype=rewards.dtype, device=rewards.device).scatter_reduce(0, g, rewards, "amax")
+    rmin = torch.full((G,), torch.inf, dtype=rewards.dtype, device=rewards.device).scatter_reduce(0, g, rewards, "amin")
+    zero_var = rmax == rmin
+    if cfg.adv_norm == "none":
+        adv = rewards.clone()
+    else:
+        mean = torch.zeros(G, dtype=rewards.dtype, device=rewards.device).index_add(0, g, rewards) / cnt
+        adv = rewards - mean[g]
+        if cfg.adv_norm == "group_std":
+            ss = torch.zeros(G, dtype=rewards.dtype, device=rewards.device).index_add(0, g, adv * adv)
+            std = torch.sqrt(ss / (cnt - 1).clamp_min(1))
+            adv = adv / (std[g] + cfg.adv_eps)
+        adv = torch.where(zero_var[g], torch.zeros_like(adv), adv)
+    return adv, int(zero_var.sum().item()), G
+
+
+def _clamp(x: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    c = cfg.log_ratio_clamp
+    return x if c is None else x.clamp(-c, c)
+
+
+def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
+    cdt = torch.float64 if inp.logp.dtype == torch.float64 else torch.float32
+    lay = PackLayout(inp.cu_seqlens, inp.chunk_ids, inp.rewards.numel())
+    tidx = lay.tidx
+    n_tr = tidx.numel()
+
+    logp = inp.logp.to(cdt)[tidx]
+    old = inp.old_logp.to(cdt)[tidx]
+
+    # advantages: per trajectory, discounted per chunk, broadcast to trained tokens
+    adv_seq, n_zero_var, n_groups = group_advantages(inp.rewards.to(cdt), inp.group_ids, cfg)
+    disc = torch.pow(torch.tensor(cfg.gamma, dtype=cdt, device=logp.device), lay.chunks_after.to(cdt))
+    A = adv_seq[lay.seq_of_tok[tidx]] * disc[lay.chunk_of_trained]
+    if cfg.positive_only:
+        A = A.clamp_min(0)
+
+    # policy ratio at the configured level
+    lr = _clamp(lay.segment_mean(logp - old, cfg.ratio_level), cfg)
+    r = torch.exp(lr)
+
+    # rollout/trainer mismatch weight (no gradient)
+    if cfg.mismatch_level == "none":
+        w = torch.ones_like(logp)
+        altered = torch.zeros_like(logp, dtype=torch.bool)
+    else:
+        roll = inp.rollout_logp.to(cdt)[tidx]
+        m = torch.exp(_clamp(lay.segment_mean(old - roll, cfg.mismatch_level), cfg))
+        if cfg.mismatch_mode == "mask":
+            keep = (m >= cfg.mismatch_low) & (m <= cfg.mismatch_high)
+            w, altered = keep.to(cdt), ~keep
+        else:
+            w, altered = m.clamp_max(cfg.mismatch_high), m > cfg.mismatch_high
+
+    # surrogate
+    dual = torch.zeros_like(logp, dtype=torch.bool)
+    if cfg.surrogate == "ppo_clip":
+        pg1 = -A * r
+        pg2 = -A * r.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        clipped = pg2 > pg1
+        pg = torch.where(clipped, pg2, pg1)
+        if cfg.dual_clip is not None:
+            pg3 = -A * cfg.dual_clip
+            dual = (A < 0) & (pg > pg3)
+            pg = torch.where(dual, pg3, pg)
+    else:  # topr
+        v = torch.where(A >= 0, torch.ones_like(r), r.detach().clamp_max(1.0))
+        pg = -A * v * logp
+        clipped = (A < 0) & (r > 1)
+
+    tok = w * pg
+    kl = None
+    if cfg.kl_beta > 0:
+        ref = inp.ref_logp.to(cdt)[tidx]
+        if cfg.kl_estimator == "k1":
+            kl = logp - ref
+        elif cfg.kl_estimator == "k2":
+            kl = 0.5 * (logp - ref) ** 2
+        else:
+            x = _clamp(ref - logp, cfg)
+            kl = torch.exp(x) - x - 1
+        tok = tok + cfg.kl_beta * kl
+    ent = None
+    if inp.entropy is not None:
+        ent = inp.entropy.to(cdt)[tidx]
+        if cfg.entropy_coef != 0:
+            tok = tok - cfg.entropy_coef * ent
+
+    # aggregation
+    n_s = lay.tokens_per_seq.to(cdt)
+    S = int((lay.tokens_per_seq > 0).sum().item())
+    if cfg.loss_agg == "seq-mean-token-mean":
+        tok = tok / n_s[lay.seq_of_tok[tidx]]
+        D = float(S)
+    elif cfg.loss_agg == "token-mean":
+        D = float(n_tr)
+    elif cfg.loss_agg == "seq-mean-token-sum":
+        D = float(S)
+    else:
+        L = cfg.agg_constant if cfg.agg_constant is not None else float(n_s.max().item())
+        D = float(S) * L
+    if normalizer is not None:
+        D = float(normalizer)
+    loss = tok.sum() / max(D, 1e-30) if n_tr else inp.logp.to(cdt)[:0].sum()
+
+    # metrics (detached; over trained tokens of this micro-batch)
+    with torch.no_grad():
+        nf = float(max(n_tr, 1))
+        d_tok = _clamp(logp - old, cfg)
+        metrics = {
+            "clip_frac": clipped.sum() / nf,
+            "dual_clip_frac": dual.sum() / nf,
+            "mismatch_masked_frac": altered.sum() / nf,
+            "approx_kl": (torch.exp(d_tok) - 1 - d_tok).sum() / nf,
+            "ratio_mean": r.sum() / nf,
+            "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt),
+            "adv_nonzero_frac": (A != 0).sum() / nf,
+            "zero_var_group_frac": torch.tensor(n_zero_var / n_groups, dtype=cdt),
+            "tokens_kept": (w > 0).sum().to(cdt),
+            "pg_loss": (w * pg).sum() / nf,
+            "kl_mean": kl.sum() / nf if kl is not None else torch.zeros((), dtype=cdt),
+            "entropy_mean": ent.sum() / nf if ent is not None else torch.zeros((), dtype=cdt),
+        }
+        metrics = {k: v.detach().to(cdt).reshape(()) for k, v in metrics.items()}
+    return LossOutput(loss=loss, metrics=metrics)

@@ -1,0 +1,129 @@
+"""Input checks for policy_loss: every bad input is a ValueError naming the argument and index.
+
+The checks are vectorized (a few passes over T) and can be switched off with
+``LossConfig(validate_inputs=False)`` once a pipeline is trusted.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import LossConfig
+from .types import LossInputs
+
+_TOKEN_FLOATS = ("old_logp", "rollout_logp", "ref_logp", "entropy")
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0].item())
+
+
+def _need_1d(name: str, x, floating: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+    if not floating and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        raise ValueError(f"{name}: expected an integer dtype, got {x.dtype}")
+
+
+def _finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    bad = ~torch.isfinite(x)
+    if where is not None:
+        bad &= where
+    if bool(bad.any()):
+        i = _first(bad)
+        raise ValueError(f"{name}: non-finite value {x[i].item()} at index {i}")
+
+
+def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
+    _need_1d("logp", inp.logp, True)
+    T = inp.logp.numel()
+    if T == 0:
+        raise ValueError("logp: empty batch (0 tokens)")
+    _need_1d("old_logp", inp.old_logp, True)
+    _need_1d("rewards", inp.rewards, True)
+    _need_1d("group_ids", inp.group_ids, False)
+    _need_1d("cu_seqlens", inp.cu_seqlens, False)
+    _need_1d("chunk_ids", inp.chunk_ids, False)
+    N = inp.rewards.numel()
+    if N == 0:
+        raise ValueError("rewards: empty batch (0 sequences)")
+
+    required = {
+        "rollout_logp": (cfg.mismatch_level != "none", f"mismatch_level={cfg.mismatch_level!r}"),
+        "ref_logp": (cfg.kl_beta > 0, f"kl_beta={cfg.kl_beta}"),
+        "entropy": (cfg.entropy_coef != 0, f"entropy_coef={cfg.entropy_coef}"),
+    }
+    for name, (needed, why) in required.items():
+        if needed and getattr(inp, name) is None:
+            raise ValueError(f"{name}: required by {why}")
+
+    dev = inp.logp.device
+    for name in ("old_logp", "rewards", "group_ids", "cu_seqlens", "chunk_ids") + _TOKEN_FLOATS:
+        x = getattr(inp, name)
+        if x is not None and x.device != dev:
+            raise ValueError(f"{name}: on device {x.device}, but logp is on {dev}")
+    for name in _TOKEN_FLOATS:
+        x = getattr(inp, name)
+        if x is None:
+            continue
+        _need_1d(name, x, True)
+        if x.shape != inp.logp.shape:
+            raise ValueError(f"{name}: shape {tuple(x.shape)} does not match logp {tuple(inp.logp.shape)}")
+    if inp.old_logp.shape != inp.logp.shape:
+        raise ValueError(f"old_logp: shape {tuple(inp.old_logp.shape)} does not match logp {tuple(inp.logp.shape)}")
+    if inp.chunk_ids.numel() != T:
+        raise ValueError(f"chunk_ids: {inp.chunk_ids.numel()} entries, but logp has {T} tokens")
+    if inp.group_ids.numel() != N:
+        raise ValueError(f"group_ids: {inp.group_ids.numel()} entries, but rewards has {N} sequences")
+    if inp.cu_seqlens.numel() != N + 1:
+        raise ValueError(f"cu_seqlens: {inp.cu_seqlens.numel()} entries, expected N+1 = {N + 1} (N = len(rewards))")
+
+    cu = inp.cu_seqlens.long()
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, got {int(cu[0])} at index 0")
+    dec = cu[1:] < cu[:-1]
+    if bool(dec.any()):
+        i = _first(dec) + 1
+        raise ValueError(f"cu_seqlens: decreases at index {i} ({int(cu[i])} after {int(cu[i - 1])})")
+    if int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens: last entry {int(cu[-1])} at index {N} must equal the token count {T}")
+
+    cid = inp.chunk_ids.long()
+    low = cid < -1
+    if bool(low.any()):
+        i = _first(low)
+        raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
+    trained = cid >= 0
+    _finite("rewards", inp.rewards)
+    for name in ("logp", "old_logp") + _TOKEN_FLOATS:
+        x = getattr(inp, name)
+        if x is not None:
+            _finite(name, x, trained)  # untrained positions (prompt, observation) may hold anything
+
+    tidx = trained.nonzero().squeeze(1)
+    if tidx.numel() > 1:
+        c = cid[tidx]
+        seq = torch.repeat_interleave(torch.arange(N, device=dev), cu[1:] - cu[:-1])[tidx]
+        back = c[1:] < c[:-1]
+        if bool(back.any()):
+            j = _first(back) + 1
+            raise ValueError(
+                f"chunk_ids: goes backwards at token index {int(tidx[j])} ({int(c[j])} after {int(c[j - 1])})"
+            )
+        cross = (seq[1:] != seq[:-1]) & (c[1:] == c[:-1])
+        if bool(cross.any()):
+            j = _first(cross) + 1
+            raise ValueError(
+                f"chunk_ids: chunk {int(c[j])} crosses from sequence {int(seq[j - 1])} into sequence "
+                f"{int(seq[j])} at token index {int(tidx[j])}"
+            )
+
+    if normalizer is not None:
+        v = float(normalizer)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"normalizer: must be a positive finite number, got {v}")

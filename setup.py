@@ -1,0 +1,55 @@
+"""Build arl: the Python package, arl.kernels (Triton, from kernels/), the C++ CPU op library
+(csrc/cpu -> arl._C) and, where torch has CUDA and nvcc exists, the CUDA op library
+(csrc/cuda -> arl._C_cuda).  Install after torch:  pip install -e . --no-build-isolation
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+# -march=native: arl is always built from source on the machine that runs it
+cpu_arch = os.environ.get("ARL_CPU_ARCH", "native")
+cxx_flags = ["-O3", "-fopenmp", "-std=c++17"] + ([f"-march={cpu_arch}"] if cpu_arch else [])
+ext_modules = [
+    CppExtension("arl._C", rel("csrc/cpu/*.cpp"), extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+]
+
+want_cuda = os.environ.get("ARL_BUILD_CUDA", "auto")
+if want_cuda != "0" and torch.version.cuda and shutil.which("nvcc"):
+    from torch.utils.cpp_extension import CUDAExtension
+
+    ext_modules.append(
+        CUDAExtension(
+            "arl._C_cuda",
+            rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp"),
+            extra_compile_args={
+                "cxx": ["-O3", "-std=c++17"],
+                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+                         "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"],
+            },
+        )
+    )
+
+packages = find_packages(include=["arl", "arl.*"]) + ["arl.kernels"]
+setup(
+    name="arl",
+    version="0.1.0",
+    description="Agentic RL for LLMs with fused chunk-level policy-loss kernels",
+    packages=packages,
+    package_dir={"arl": "arl", "arl.kernels": "kernels"},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    zip_safe=False,
+)
