@@ -220,13 +220,13 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
         nf = float(max(n_tr, 1))
         d_tok = _clamp(logp - old, cfg)
         metrics = {
-            "clip_frac": clipped.sum() / nf,
-            "dual_clip_frac": dual.sum() / nf,
-            "mismatch_masked_frac": altered.sum() / nf,
+            "clip_frac": clipped.sum().to(cdt) / nf,
+            "dual_clip_frac": dual.sum().to(cdt) / nf,
+            "mismatch_masked_frac": altered.sum().to(cdt) / nf,
             "approx_kl": (torch.exp(d_tok) - 1 - d_tok).sum() / nf,
             "ratio_mean": r.sum() / nf,
             "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt),
-            "adv_nonzero_frac": (A != 0).sum() / nf,
+            "adv_nonzero_frac": (A != 0).sum().to(cdt) / nf,
             "zero_var_group_frac": torch.tensor(n_zero_var / n_groups, dtype=cdt),
             "tokens_kept": (w > 0).sum().to(cdt),
             "pg_loss": (w * pg).sum() / nf,
