@@ -1,6 +1,9 @@
 """Multi-turn tool environments (async), their registry and the tool-call turn format."""
-from .base import ANSWER_END, TOOL_CALL_END, Environment, Fault, StepResult
+from .base import ANSWER_END, STOP_STRINGS, TOOL_CALL_END, Environment, Fault, StepResult
 from .registry import ENVIRONMENTS, make_env, register_env
+from .toolcall import ParsedTurn, ToolSpec, format_answer, format_tool_call, parse_turn
+from . import toy  # noqa: F401  (registers toy_lookup)
 
-__all__ = ["ANSWER_END", "ENVIRONMENTS", "Environment", "Fault", "StepResult", "TOOL_CALL_END",
-           "make_env", "register_env"]
+__all__ = ["ANSWER_END", "ENVIRONMENTS", "Environment", "Fault", "ParsedTurn", "STOP_STRINGS",
+           "StepResult", "TOOL_CALL_END", "ToolSpec", "format_answer", "format_tool_call",
+           "make_env", "parse_turn", "register_env"]
