@@ -406,3 +406,33 @@ def test_bad_config_is_one_line(kw, msg):
     with pytest.raises(ValueError) as e:
         LossConfig(**kw)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("level", ["token", "chunk"])
+def test_step_advantages_override_lets_groups_split_across_micro_batches(level):
+    from arl.loss import step_advantages
+
+    b = make_batch(n_seq=12, max_len=30, group_size=4, seed=11, dtype=torch.float64)
+    cfg = LossConfig(ratio_level=level, gamma=0.9, positive_only=False)
+    logp = b.logp.clone().requires_grad_()
+    full = policy_loss(logp, b.old_logp, config=cfg, **b.kwargs())
+    (g_full,) = torch.autograd.grad(full.loss, logp)
+    adv, zero_frac = step_advantages(b.rewards, b.group_ids, cfg)
+    assert zero_frac == pytest.approx(full.metrics["zero_var_group_frac"].item())
+    lay = PackLayout(b.cu_seqlens, b.chunk_ids, 12)
+    D = lay.tidx.numel()
+    cu = b.cu_seqlens.long()
+    total, grad = 0.0, torch.zeros_like(b.logp)
+    for seqs in ([0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10, 11]):
+        lo, hi = int(cu[seqs[0]]), int(cu[seqs[-1] + 1])  # groups of 4 are split by these cuts
+        lp = b.logp[lo:hi].clone().requires_grad_()
+        out = policy_loss(lp, b.old_logp[lo:hi], rewards=b.rewards[seqs], group_ids=b.group_ids[seqs],
+                          cu_seqlens=(cu[seqs[0]:seqs[-1] + 2] - lo).int(), chunk_ids=b.chunk_ids[lo:hi],
+                          config=cfg, normalizer=D, advantages=adv[seqs])
+        assert "zero_var_group_frac" not in out.metrics
+        total += out.loss.item()
+        grad[lo:hi] = torch.autograd.grad(out.loss, lp)[0]
+    assert total == pytest.approx(full.loss.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(grad, g_full)
+    with pytest.raises(ValueError, match="^advantages:"):
+        policy_loss(logp, b.old_logp, config=cfg, advantages=adv[:-1], **b.kwargs())

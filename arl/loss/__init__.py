@@ -1,12 +1,12 @@
 """The policy-loss family (PPO/GRPO, DAPO, GSPO, IPA chunk level, TOPR) and its backends."""
-from .api import available_backends, policy_loss, register_backend
+from .api import available_backends, policy_loss, register_backend, step_advantages
 from .config import LossConfig
 from .reference import METRIC_KEYS, PackLayout, reference_policy_loss
 from .types import LossInputs, LossOutput
 
 __all__ = [
     "LossConfig", "LossInputs", "LossOutput", "METRIC_KEYS", "PackLayout", "available_backends",
-    "policy_loss", "reference_policy_loss", "register_backend",
+    "policy_loss", "reference_policy_loss", "register_backend", "step_advantages",
 ]
 
 # Kernel backends register themselves on import (each reports whether it can run here).

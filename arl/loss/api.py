@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .config import LossConfig
-from .reference import reference_policy_loss
+from .reference import group_advantages, reference_policy_loss
 from .types import LossInputs, LossOutput
 from .validate import validate_inputs
 
@@ -58,10 +58,29 @@ def policy_loss(
     entropy: Optional[torch.Tensor] = None,
     config: Optional[LossConfig] = None,
     normalizer: Optional[float] = None,
+    advantages: Optional[torch.Tensor] = None,
     backend: str = "reference",
 ) -> LossOutput:
-    """Clipped / TOPR policy loss over a packed batch; see ``arl/loss/reference.py`` for the math."""
+    """Clipped / TOPR policy loss over a packed batch; see ``arl/loss/reference.py`` for the math.
+
+    ``advantages`` ([N], optional) overrides the in-batch group normalization with per-trajectory
+    advantages computed over the whole step (``step_advantages``) — needed when a group is split
+    across micro-batches or ranks.  gamma discounting and positive_only still apply per chunk;
+    the step-level ``zero_var_group_frac`` then comes from ``step_advantages``, not from here.
+    """
     cfg = config if config is not None else LossConfig()
+    if advantages is not None:
+        if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1 or not advantages.is_floating_point():
+            raise ValueError("advantages: expected a 1-D floating tensor [N]")
+        if advantages.numel() != rewards.numel():
+            raise ValueError(f"advantages: {advantages.numel()} entries, but rewards has {rewards.numel()} sequences")
+        if cfg.validate_inputs and not bool(torch.isfinite(advantages).all()):
+            i = int((~torch.isfinite(advantages)).nonzero()[0, 0])
+            raise ValueError(f"advantages: non-finite value {advantages[i].item()} at index {i}")
+        # each trajectory its own group with adv_norm=none makes every backend use A_i = advantages_i
+        rewards = advantages.to(rewards.dtype)
+        group_ids = torch.arange(advantages.numel(), device=advantages.device)
+        cfg = cfg.model_copy(update={"adv_norm": "none"})
     inp = LossInputs(
         logp=logp, old_logp=old_logp, rewards=rewards, group_ids=group_ids, cu_seqlens=cu_seqlens,
         chunk_ids=chunk_ids, rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy,
@@ -75,4 +94,15 @@ def policy_loss(
         raise ValueError(f"backend: unknown {backend!r}; choose from {['auto'] + sorted(_BACKENDS)}")
     if not _AVAILABLE[name]():
         raise ValueError(f"backend: {name!r} is not available here; available: {available_backends()}")
-    return _BACKENDS[name](inp, cfg, normalizer)
+    out = _BACKENDS[name](inp, cfg, normalizer)
+    if advantages is not None:
+        out.metrics.pop("zero_var_group_frac", None)
+    return out
+
+
+def step_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: Optional[LossConfig] = None):
+    """Per-trajectory advantages over a whole step (all micro-batches and ranks), for the
+    ``advantages=`` override, and the step's zero-variance group fraction."""
+    cfg = config if config is not None else LossConfig()
+    adv, n_zero, n_groups = group_advantages(rewards.to(torch.float64), group_ids, cfg)
+    return adv.to(rewards.dtype), n_zero / n_groups
