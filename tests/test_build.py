@@ -23,3 +23,15 @@ def test_cpp_op_library_loads():
 
     assert hasattr(torch.ops, "arl")
     assert len(list(torch.ops.arl.__dir__())) > 0
+
+
+def test_install_script_is_idempotent():
+    """A second run of install.sh finds every pin satisfied and installs nothing (it only checks
+    pins, rebuilds the C++ ops incrementally and imports arl)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(["bash", os.path.join(root, "install.sh")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[install] installing" not in out.stdout, out.stdout
+    assert "[install] arl ready" in out.stdout
