@@ -23,11 +23,11 @@ def one_line_error(err: ValidationError, where: str) -> str:
     """Pydantic's multi-line report squeezed into one line naming the key and what is allowed."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or where
-        msg = e["msg"]
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
         if e.get("type") == "extra_forbidden":
             msg = "unknown key"
-        parts.append(f"{loc}: {msg}")
+        parts.append(f"{loc}: {msg}" if loc else msg)
     return f"{where}: " + "; ".join(parts)
 
 
@@ -72,7 +72,7 @@ class LossConfig(BaseModel):
     def _check_ranges(self) -> "LossConfig":
         def need(ok: bool, key: str, what: str) -> None:
             if not ok:
-                raise ValueError(f"{key}={getattr(self, key)!r}: {what}")
+                raise ValueError(f"{key}: {getattr(self, key)!r} {what}")
 
         need(0.0 <= self.clip_low < 1.0, "clip_low", "must be in [0, 1)")
         need(self.clip_high >= 0.0, "clip_high", "must be >= 0")

