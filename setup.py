@@ -22,7 +22,8 @@ def rel(pattern):
 cpu_arch = os.environ.get("ARL_CPU_ARCH", "native")
 cxx_flags = ["-O3", "-fopenmp", "-std=c++17"] + ([f"-march={cpu_arch}"] if cpu_arch else [])
 ext_modules = [
-    CppExtension("arl._C", rel("csrc/cpu/*.cpp"), extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+    CppExtension("arl._C", rel("csrc/cpu/*.cpp"), include_dirs=[os.path.join(ROOT, "csrc")],
+                 extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
 ]
 
 want_cuda = os.environ.get("ARL_BUILD_CUDA", "auto")
@@ -33,9 +34,10 @@ if want_cuda != "0" and torch.version.cuda and shutil.which("nvcc"):
         CUDAExtension(
             "arl._C_cuda",
             rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp"),
+            include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={
                 "cxx": ["-O3", "-std=c++17"],
-                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+                "nvcc": ["-O3", "-std=c++17", "-lineinfo",
                          "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"],
             },
         )
