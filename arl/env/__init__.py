@@ -2,7 +2,7 @@
 from .base import ANSWER_END, STOP_STRINGS, TOOL_CALL_END, Environment, Fault, StepResult
 from .registry import ENVIRONMENTS, make_env, register_env
 from .toolcall import ParsedTurn, ToolSpec, format_answer, format_tool_call, parse_turn
-from . import toy  # noqa: F401  (registers toy_lookup)
+from . import code, toy  # noqa: F401  (register code_exec, toy_lookup)
 
 __all__ = ["ANSWER_END", "ENVIRONMENTS", "Environment", "Fault", "ParsedTurn", "STOP_STRINGS",
            "StepResult", "TOOL_CALL_END", "ToolSpec", "format_answer", "format_tool_call",
