@@ -401,3 +401,42 @@ def test_many_micro_batches_reproduce_step_loss():
     torch.testing.assert_close(acc, total, rtol=1e-10, atol=1e-12)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("lc", [dict(ratio_level="chunk", gamma=0.9), dict(adv_norm="group_mean", loss_agg="seq-mean-token-sum")],
+                         ids=["chunk_group_std", "group_mean"])
+@settings(max_examples=8, **SETTINGS)
+@given(s=step_args, p=pack_args)
+def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
+    """Groups spread over micro-batches and ranks: with ``advantages=mb.advantages`` the summed
+    micro-batch losses and gradients are still the step's."""
+    s = {**s, "n": max(s["n"], 2), "max_len": min(s["max_len"], 120), "filtered": 0.0}
+    trajs = make_step(**s)
+    loss = LossConfig(**lc)
+    _, ps = pack(trajs, {**p, "keep_groups": False, "slack": p["slack"] % 40}, loss)
+    idx = packed_trajs(trajs)
+    gen = torch.Generator().manual_seed(s["seed"])
+    old = {i: -torch.rand(len(trajs[i]), generator=gen, dtype=torch.float64) * 2 for i in idx}
+    leaf = {i: (old[i] + 0.3 * torch.randn(len(trajs[i]), generator=gen, dtype=torch.float64)).requires_grad_(True)
+            for i in idx}
+    w = whole_step(trajs, idx, leaf)
+    if not bool((w["chunk_ids"] >= 0).any()):
+        return
+    w["rewards"] = torch.tensor([trajs[i].reward for i in idx], dtype=torch.float64)
+    total = policy_loss(w.pop("logp"), torch.cat([old[i] for i in idx]), config=loss, **w).loss
+    acc = torch.zeros((), dtype=torch.float64)
+    for mb in ps.all_micro_batches():
+        if mb.is_empty or not bool(mb.loss_mask.any()):
+            continue
+        ids = mb.traj_indices.tolist()
+        kw = {**mb.loss_kwargs(), "rewards": mb.rewards.double(), "rollout_logp": mb.rollout_logp.double()}
+        acc = acc + policy_loss(torch.cat([leaf[i] for i in ids]), torch.cat([old[i] for i in ids]), config=loss,
+                                advantages=mb.advantages, **kw).loss
+    g1 = torch.autograd.grad(total, [leaf[i] for i in idx], allow_unused=True)
+    g2 = torch.autograd.grad(acc, [leaf[i] for i in idx], allow_unused=True)
+    torch.testing.assert_close(acc, total.detach(), rtol=1e-10, atol=1e-12)
+    for a, b in zip(g1, g2):
+        if a is not None and b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+        else:
+            assert all(x is None or not x.abs().max() > 0 for x in (a, b))

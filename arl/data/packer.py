@@ -35,8 +35,9 @@ is given*.  That equals the whole step's advantage only when every group is enti
 micro-batch, which ``keep_groups`` (default) ensures whenever the group fits in the budget; each
 micro-batch says so in ``complete_groups``, and ``PackedStep.split_groups`` lists the groups that did
 not fit.  For those (or with ``keep_groups=False``) each micro-batch also carries ``advantages``, the
-step-wide per-trajectory advantages computed with the loss config's ``adv_norm``; a loss that accepts
-precomputed advantages must be given them instead of recomputing from a partial group.
+step-wide per-trajectory advantages computed with the loss config's ``adv_norm``: pass
+``policy_loss(..., advantages=mb.advantages)`` for a micro-batch whose ``complete_groups`` is False
+(passing it always is also exact).
 """
 from __future__ import annotations
 
