@@ -198,7 +198,7 @@ LOSS_CONFIGS += [dict(ratio_level="chunk", gamma=0.95, mismatch_level="chunk", m
 
 
 @pytest.mark.parametrize("lc", LOSS_CONFIGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=5, **SETTINGS)
 @given(s=step_args, p=pack_args)
 def test_micro_batches_reproduce_step_loss_and_grad(lc, s, p):
     s = {**s, "n": max(s["n"], 2), "max_len": min(s["max_len"], 120)}
@@ -405,7 +405,7 @@ def test_many_micro_batches_reproduce_step_loss():
 
 @pytest.mark.parametrize("lc", [dict(ratio_level="chunk", gamma=0.9), dict(adv_norm="group_mean", loss_agg="seq-mean-token-sum")],
                          ids=["chunk_group_std", "group_mean"])
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=5, **SETTINGS)
 @given(s=step_args, p=pack_args)
 def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
     """Groups spread over micro-batches and ranks: with ``advantages=mb.advantages`` the summed
