@@ -12,3 +12,6 @@ if not _has_gpu:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# session-scoped vLLM engine + tiny model fixtures (rollout tests)
+from vllm_fixture import arun, engine_loop, tiny_model_dir, tiny_tokenizer, vllm_engine  # noqa: E402,F401

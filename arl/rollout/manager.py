@@ -1,0 +1,305 @@
+"""Async rollout manager: many episodes in flight, groups handed to the trainer, bounded staleness.
+
+Scheduling.  Each task seed becomes a group of ``group_size`` episodes (same task, different
+samples).  An episode holds one environment from a bounded pool for its whole life, so the pool
+size bounds both live environments and concurrent tool calls; the engine batches whatever turns are
+pending, so it stays busy while other episodes wait on tools.
+
+Staleness.  Policy version v = the weights after v trainer updates.  A group started at version v
+may be consumed at step ``v + max_staleness`` at the latest.  Two rules make that hold:
+(1) generation pauses once ``(version + max_staleness + 1) * groups_per_step`` groups have been
+started (so at most ``groups_per_step`` unconsumed groups are ever due at a step), and
+(2) ``get_batch`` takes the groups that are due first, waiting for them, then the oldest finished
+ones.  Finished-but-unconsumed groups are therefore bounded too (the hand-over queue).
+
+Mask & filter.  An unrecoverable fault (env failed to start, died) → the trajectory becomes a
+MASKED placeholder (all chunk ids -1, reward 0) so the batch keeps its size.  A recoverable fault
+(tool timeout, transient error) → the episode is re-run (``max_retries`` times, new fault draws),
+then FILTERED.  Per batch at most ``max_filtered_frac`` of the trajectories may be FILTERED; past
+the cap the extra ones are kept (``over_cap="keep"``: trained with reward 0) or masked.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from arl.data.trajectory import Trajectory, TrajectoryStatus
+from arl.env.base import Environment, Fault
+
+from .engine import RolloutEngine
+from .episode import ChatFormat, EpisodeConfig, run_episode
+
+OVER_CAP_ACTIONS = ("keep", "mask")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 4  # samples per task
+    groups_per_step: int = 4  # groups in one trainer batch
+    max_staleness: int = 1  # max policy versions between generation and training
+    env_pool_size: int = 32  # live environments = max episodes (and tool calls) in flight
+    max_retries: int = 1  # re-runs of an episode after a recoverable fault
+    max_filtered_frac: float = 0.5  # cap on FILTERED trajectories per batch
+    over_cap: str = "keep"  # what happens to filtered trajectories past the cap: keep | mask
+    seed: int | None = None  # sampling seeds derived from it (None: engine randomness)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+
+    def __post_init__(self):
+        for name in ("group_size", "groups_per_step", "env_pool_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_staleness", "max_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RolloutConfig.{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.max_filtered_frac <= 1.0:
+            raise ValueError(f"RolloutConfig.max_filtered_frac: must be in [0, 1], got {self.max_filtered_frac}")
+        if self.over_cap not in OVER_CAP_ACTIONS:
+            raise ValueError(f"RolloutConfig.over_cap: {self.over_cap!r} not in {OVER_CAP_ACTIONS}")
+
+
+@dataclass
+class _Group:
+    gid: int
+    seed: int
+    start_version: int
+    trajectories: list = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    trajectories: list  # groups_per_step * group_size, group by group; FILTERED ones included
+    metrics: dict
+
+    def trainable(self) -> list:
+        """Everything but FILTERED (MASKED placeholders stay: they keep the batch size)."""
+        return [t for t in self.trajectories if t.status is not TrajectoryStatus.FILTERED]
+
+
+def placeholder(t: Trajectory) -> Trajectory:
+    """Masked stand-in for a broken trajectory: same tokens, nothing trained, reward 0."""
+    return Trajectory(tokens=t.tokens, chunk_ids=np.full(len(t), -1, np.int32), rollout_logp=np.zeros(len(t), np.float32),
+                      reward=0.0, group_id=t.group_id, policy_version=t.policy_version, turns=[],
+                      status=TrajectoryStatus.MASKED, metadata=dict(t.metadata))
+
+
+class EnvPool:
+    """At most ``size`` live environments, created lazily, reused across episodes."""
+
+    def __init__(self, factory: Callable[[], Environment], size: int):
+        self.factory, self.size = factory, size
+        self._free: list = []
+        self._sem = asyncio.Semaphore(size)
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    async def acquire(self) -> Environment:
+        await self._sem.acquire()
+        self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return self._free.pop() if self._free else self.factory()
+
+    async def release(self, env: Environment, broken: bool = False) -> None:
+        self.in_use -= 1
+        if broken:  # a dead sandbox is not handed out again
+            try:
+                await env.close()
+            except Exception:
+                pass
+        else:
+            self._free.append(env)
+        self._sem.release()
+
+    async def close(self) -> None:
+        envs, self._free = self._free, []
+        for e in envs:
+            await e.close()
+
+
+class RolloutManager:
+    def __init__(self, engine: RolloutEngine, env_factory: Callable[[], Environment], tokenizer_or_format,
+                 tasks: Iterable[int] | None = None, config: RolloutConfig | None = None):
+        self.engine = engine
+        self.cfg = config or RolloutConfig()
+        self.fmt = tokenizer_or_format if isinstance(tokenizer_or_format, ChatFormat) else ChatFormat(tokenizer_or_format)
+        self.pool = EnvPool(env_factory, self.cfg.env_pool_size)
+        self._tasks: Iterator[int] = iter(tasks if tasks is not None else itertools.count())
+        self.version = engine.version
+        self.step = 0  # batches handed out so far
+        self._groups: list = []  # started, not yet consumed (oldest first)
+        self._started = 0
+        self._cond = asyncio.Condition()
+        self._producer: asyncio.Task | None = None
+        self._tasks_running: set = set()
+        self._error: BaseException | None = None
+        self._exhausted = False
+        self.counters = Counter()
+
+    # --- lifecycle ---
+    async def start(self) -> None:
+        if self._producer is None:
+            self._producer = asyncio.create_task(self._produce())
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks_running) + ([self._producer] if self._producer else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._producer = None
+        await self.pool.close()
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.stop()
+
+    # --- trainer side ---
+    async def update_weights(self, weights_dir: str | os.PathLike, version: int | None = None) -> None:
+        """Sync the trainer's weights into the engine; opens the generation gate by one step."""
+        await self.engine.update_weights(weights_dir, version)
+        async with self._cond:
+            self.version = self.engine.version
+            self._cond.notify_all()
+
+    async def get_batch(self) -> RolloutBatch:
+        """The next step's groups (waits for them).  Every trajectory in it has
+        ``step - policy_version <= max_staleness`` where step counts batches consumed before it."""
+        G, k = self.cfg.groups_per_step, self.cfg.max_staleness
+        if self.step > self.version + k:
+            raise ValueError(f"get_batch: step {self.step} is more than max_staleness={k} ahead of the "
+                             f"policy version {self.version}; call update_weights first")
+        await self.start()
+        async with self._cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("rollout producer failed") from self._error
+                due = [g for g in self._groups if g.start_version + k <= self.step]
+                finished = [g for g in self._groups if g.done]
+                if all(g.done for g in due) and len(finished) >= G:
+                    break
+                if self._exhausted and not self._tasks_running and len(finished) < G:
+                    raise ValueError("tasks: exhausted before a full batch could be formed")
+                await self._cond.wait()
+            picked = due + [g for g in sorted(finished, key=lambda g: (g.start_version, g.gid)) if g not in due]
+            picked = picked[:G]
+            for g in picked:
+                self._groups.remove(g)
+            self.step += 1
+            self._cond.notify_all()
+        trajs = [t for g in sorted(picked, key=lambda g: g.gid) for t in g.trajectories]
+        return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), self._metrics(trajs))
+
+    # --- generation side ---
+    async def _produce(self) -> None:
+        G, k = self.cfg.groups_per_step, self.cfg.max_staleness
+        try:
+            while True:
+                async with self._cond:
+                    while self._started >= (self.version + k + 1) * G:
+                        self.counters["gate_waits"] += 1
+                        await self._cond.wait()  # trainer lags: generation pauses
+                    try:
+                        seed = int(next(self._tasks))
+                    except StopIteration:
+                        self._exhausted = True
+                        self._cond.notify_all()
+                        return
+                    g = _Group(self._started, seed, self.version)
+                    self._groups.append(g)
+                    self._started += 1
+                t = asyncio.create_task(self._run_group(g))
+                self._tasks_running.add(t)
+                t.add_done_callback(self._tasks_running.discard)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # surfaced to the trainer by get_batch
+            self._error = e
+            async with self._cond:
+                self._cond.notify_all()
+
+    async def _run_group(self, g: _Group) -> None:
+        try:
+            trajs = await asyncio.gather(*(self._run_one(g, i) for i in range(self.cfg.group_size)))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._error = e
+            trajs = []
+        async with self._cond:
+            g.trajectories, g.done = list(trajs), True
+            self._cond.notify_all()
+
+    async def _run_one(self, g: _Group, index: int) -> Trajectory:
+        n = self.cfg.group_size
+        for attempt in range(self.cfg.max_retries + 1):
+            sample = index + attempt * n  # new fault/latency draws on a retry, same task
+            sample_seed = None if self.cfg.seed is None else hash((self.cfg.seed, g.seed, sample)) & 0x7FFFFFFF
+            env = await self.pool.acquire()
+            broken = True
+            try:
+                t = await run_episode(self.engine, env, self.fmt, g.seed, self.cfg.episode,
+                                      sample=sample, group_id=g.gid, sample_seed=sample_seed)
+                broken = t.metadata["fault"] == Fault.UNRECOVERABLE.value
+            finally:
+                await self.pool.release(env, broken=broken)
+            t.metadata.update(attempts=attempt + 1, start_version=g.start_version)
+            if not t.turns:
+                t.policy_version = g.start_version
+            fault = Fault(t.metadata["fault"])
+            if fault is Fault.UNRECOVERABLE:
+                self.counters["unrecoverable"] += 1
+                return placeholder(t)
+            if fault is Fault.NONE:
+                return t
+            self.counters["recoverable"] += 1
+            if attempt < self.cfg.max_retries:
+                self.counters["retries"] += 1
+        t.status = TrajectoryStatus.FILTERED
+        return t
+
+    # --- mask & filter cap, metrics ---
+    def _apply_filter_cap(self, trajs: list) -> list:
+        cap = math.floor(self.cfg.max_filtered_frac * len(trajs))
+        filtered = [i for i, t in enumerate(trajs) if t.status is TrajectoryStatus.FILTERED]
+        for i in filtered[cap:]:
+            t = trajs[i]
+            t.metadata["over_filter_cap"] = True
+            if self.cfg.over_cap == "mask":
+                trajs[i] = placeholder(t)
+            else:
+                t.status = TrajectoryStatus.OK
+                t.reward = 0.0
+        return trajs
+
+    def _metrics(self, trajs: list) -> dict:
+        status = Counter(t.status for t in trajs)
+        stale = [self.step - 1 - t.policy_version for t in trajs]
+        ok = [t for t in trajs if t.status is TrajectoryStatus.OK]
+        n = max(len(trajs), 1)
+        return {
+            "rollout/num_trajectories": len(trajs),
+            "rollout/num_ok": status[TrajectoryStatus.OK],
+            "rollout/num_masked": status[TrajectoryStatus.MASKED],
+            "rollout/num_filtered": status[TrajectoryStatus.FILTERED],
+            "rollout/filtered_frac": status[TrajectoryStatus.FILTERED] / n,
+            "rollout/num_over_filter_cap": sum(bool(t.metadata.get("over_filter_cap")) for t in trajs),
+            "rollout/retries": sum(t.metadata.get("attempts", 1) - 1 for t in trajs),
+            "rollout/staleness_mean": float(np.mean(stale)) if stale else 0.0,
+            "rollout/staleness_max": int(max(stale)) if stale else 0,
+            "rollout/reward_mean": float(np.mean([t.reward for t in ok])) if ok else 0.0,
+            "rollout/tokens": int(sum(len(t) for t in trajs)),
+            "rollout/turns_mean": float(np.mean([len(t.turns) for t in trajs])) if trajs else 0.0,
+            "rollout/tool_calls": int(sum(t.metadata.get("tool_calls", 0) for t in trajs)),
+            "rollout/env_pool_peak": self.pool.peak_in_use,
+            "rollout/gate_waits": self.counters["gate_waits"],
+        }
