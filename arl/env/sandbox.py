@@ -15,7 +15,8 @@ Layers (outermost first), as measured on this machine kind (root in a container,
    opened/changed outside the private directory (reads of the interpreter's own library dirs are
    allowed), subprocess/exec/fork, signals, sockets, ctypes, rlimit changes, gc introspection.
 5. The parent: wall-clock limit and output-size limit (kills the whole process group, and with it
-   the PID namespace), private temporary working directory removed afterwards.
+   the PID namespace; without one, everything of the throw-away uid), private temporary working
+   directory removed afterwards.
 
 Residual risks, honestly: the audit hook is not a security boundary (CPython's own docs say so);
 code that reaches native calls the hook does not see could get past it, and then only layers 1-3
@@ -201,6 +202,19 @@ class Sandbox:
         finally:
             run.kill()
             os.close(rfd)
+            if uid is not None and not iso.namespaces:
+                await _kill_uid(iso.python, uid)
+
+
+async def _kill_uid(python: str, uid: int) -> None:
+    """Without a PID namespace, processes that left the group (setsid) survive killpg; as the
+    throw-away uid, kill(-1) reaches exactly the processes of that uid."""
+    code = f"import os; os.setgroups([]); os.setgid({uid}); os.setuid({uid}); os.kill(-1, 9)"
+    for _ in range(3):
+        proc = await asyncio.create_subprocess_exec(python, "-I", "-S", "-c", code,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        if await proc.wait() != 0:  # ProcessLookupError: nothing of that uid is left
+            return
 
 
 class _Run:
