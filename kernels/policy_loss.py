@@ -6,8 +6,8 @@ Design (one program per packed sequence, tokens walked in blocks of ``BLOCK``):
 
 * Group advantage, in the same program: the program loads all N rewards/group ids in blocks of
   ``BLOCK_N`` and reduces its own group's count, sum, min, max (then the squared deviations), so no
-  pre-pass and no host sync is needed.  O(N) per program, O(N^2) in all: fine for RL batches
-  (N in the thousands at most), and it is negligible next to the token work.
+  pre-pass launch and no host sync is needed.  O(N) per program, O(N^2) in all: fine for RL batches
+  (N up to a few thousand); beyond that a per-group pre-pass kernel would be the better shape.
 * Pass 1 (only when a segment statistic is needed): a forward walk that builds a per-chunk table
   for the sequence in the sequence's own slice ``[cu[s], cu[s+1])`` of T-sized scratch buffers (a
   sequence has at most as many chunks as tokens).  Chunk starts are found without a segmented
@@ -33,6 +33,10 @@ Only ``tl.cumsum`` and plain reductions are used (no custom-combine scans): they
 scratch are followed by ``tl.debug_barrier()`` before other threads of the program read them
 (GPU risk: this relies on bar.sync ordering global memory within a CTA, which CUDA guarantees).
 
+GPU-only risks (not testable on the CPU machine this was written on): the compiled path relies on
+constexpr-if scoping, fp64 tl.exp/exp2 (fp64 inputs only) and ``tl.debug_barrier`` ordering of
+global-memory stores within a program; BLOCK=1024 / 4 warps is a guess to tune on the device.
+
 Dtypes: fp32 and bf16 logp compute in fp32, fp64 logp in fp64 (gradcheck); prefix sums and
 metric partials are fp64 in both cases.  Scalar options travel in a small tensor of the compute
 dtype, so fp64 runs see the options in fp64 as the reference does.
@@ -47,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-NPART = 16  # metric partials per program (see _PARTS)
+NPART = 16  # metric partials per program, columns in the order of _PARTS
 _PARTS = ("loss", "ntok", "clip", "dual", "altered", "approx_kl", "ratio_sum", "ratio_max", "adv_nonzero",
           "kept", "pg", "kl", "ent", "first", "zero_var")
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -501,13 +505,13 @@ def fused_policy_loss(logp, old_logp, rewards, group_ids, cu_seqlens, chunk_ids,
     ntok = parts[:, 1]
     n_tr = tot[1]
     if normalizer is not None:
-        D = torch.tensor(float(normalizer), dtype=torch.float64, device=dev)
+        D = torch.full((), float(normalizer), dtype=torch.float64, device=dev)  # a fill, not a host copy
     elif cfg.loss_agg == "token-mean":
         D = n_tr
     else:
         S = (ntok > 0).sum().to(torch.float64)
         if cfg.loss_agg == "seq-mean-token-sum-norm":
-            Lc = ntok.max() if cfg.agg_constant is None else torch.tensor(float(cfg.agg_constant), dtype=torch.float64, device=dev)
+            Lc = ntok.max() if cfg.agg_constant is None else torch.full((), float(cfg.agg_constant), dtype=torch.float64, device=dev)
             D = S * Lc
         else:
             D = S
