@@ -111,7 +111,8 @@ def _tile_logits(h, w, inv_temp):
     """One [tt, tv] logit tile in the accumulation dtype (matmul in the inputs' dtype, as the
     naive path does)."""
     z = torch.mm(h, w.t())
-    return z.to(_acc_dtype(z.dtype)).mul_(inv_temp)
+    z = z.to(_acc_dtype(z.dtype))
+    return z if inv_temp == 1.0 else z.mul_(inv_temp)
 
 
 class _ChunkedLogprob(torch.autograd.Function):
@@ -126,8 +127,8 @@ class _ChunkedLogprob(torch.autograd.Function):
             t1 = min(T, t0 + tile_t)
             h, y = hidden[t0:t1], targets[t0:t1]
             n = t1 - t0
-            m = torch.full((n,), -math.inf, dtype=acc, device=dev)
-            s = torch.zeros(n, dtype=acc, device=dev)
+            m = torch.full((n,), -math.inf, dtype=acc, device=dev)  # running lse (no entropy) or max
+            s = torch.zeros(n, dtype=acc, device=dev)  # sum exp(z - m)
             u = torch.zeros(n, dtype=acc, device=dev)  # sum exp(z - m) * z
             zy = torch.zeros(n, dtype=acc, device=dev)
             for v0 in range(0, V, tile_v):
@@ -135,14 +136,18 @@ class _ChunkedLogprob(torch.autograd.Function):
                 z = _tile_logits(h, weight[v0:v1], inv_temp)
                 hit = (y >= v0) & (y < v1)
                 zy = torch.where(hit, z.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zy)
+                if not with_entropy:  # torch's fused logsumexp: no exp tile is allocated
+                    m = torch.logaddexp(m, torch.logsumexp(z, 1))
+                    del z  # free before the next tile is allocated
+                    continue
                 m_new = torch.maximum(m, z.amax(1))
                 scale = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile
-                e = torch.exp(z - m_new[:, None])
+                e = torch.sub(z, m_new[:, None]).exp_()  # one tile allocation, not two
                 s = s * scale + e.sum(1)
-                if with_entropy:
-                    u = u * scale + e.mul_(z).sum(1)
+                u = u * scale + e.mul_(z).sum(1)
                 m = m_new
-            lse_c = m + torch.log(s)
+                del z, e
+            lse_c = m + torch.log(s) if with_entropy else m
             lse[t0:t1] = lse_c
             logp[t0:t1] = zy - lse_c
             if with_entropy:
@@ -170,6 +175,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             t1 = min(T, t0 + tile_t)
             h, y = hidden[t0:t1], targets[t0:t1]
             gl = g_logp[t0:t1, None]
+            neg_gl_t = gl * -inv_temp
             lse_c = lse[t0:t1, None]
             if use_ent:
                 ge, S_c = g_ent[t0:t1, None].to(acc), S[t0:t1, None]
@@ -178,29 +184,32 @@ class _ChunkedLogprob(torch.autograd.Function):
                 v1 = min(V, v0 + tile_v)
                 w = weight[v0:v1]
                 z = _tile_logits(h, w, inv_temp)
-                p = torch.exp(z - lse_c)
-                if use_ent:  # dz = p * (e * (S - z) - g)
+                p = torch.sub(z, lse_c).exp_()
+                if use_ent:  # dz = p * (e * (S - z) - g) / temp
                     dz = z.neg_().add_(S_c).mul_(ge).sub_(gl).mul_(p)
-                else:  # dz = -g * p
-                    dz = p.mul_(gl).neg_()
+                    if inv_temp != 1.0:
+                        dz.mul_(inv_temp)
+                else:  # dz = -g * p / temp, in one pass
+                    dz = p.mul_(neg_gl_t)
                 hit = (y >= v0) & (y < v1)
                 if bool(hit.any()):
                     rows = hit.nonzero().squeeze(1)
-                    dz[rows, y[rows] - v0] += g_logp[t0:t1][rows]
-                dz.mul_(inv_temp)
+                    dz[rows, y[rows] - v0] += g_logp[t0:t1][rows] * inv_temp
                 if need_h:
                     grad_h[t0:t1].addmm_(dz, w.to(acc))
                 if need_w:
                     grad_w[v0:v1].addmm_(dz.t(), hf)
+                del z, p, dz  # free before the next tile is allocated
         gh = grad_h.to(hidden.dtype) if need_h else None
         gw = grad_w.to(weight.dtype) if need_w else None
         return gh, gw, None, None, None, None, None
 
 
 def _default_tiles(T: int, V: int, H: int) -> Tuple[int, int]:
-    # ~8M-element (32 MiB fp32) logit tiles: big enough for efficient matmuls, small next to [T, V]
+    # <= 8M-element (32 MiB fp32) logit tiles: big enough for efficient matmuls; at least 8 token
+    # chunks so that the live tiles stay a small fraction of [T, V] at every size
     tile_v = min(V, 8192)
-    tile_t = max(16, min(T if T > 0 else 1, (8 << 20) // max(tile_v, 1)))
+    tile_t = max(16, min((8 << 20) // tile_v, -(-T // 8)))
     return tile_t, tile_v
 
 
