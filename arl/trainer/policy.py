@@ -1,0 +1,199 @@
+"""The trainer step: a DeepSpeed engine over a Hugging Face causal LM, fed packed micro-batches.
+
+One optimizer step = every micro-batch of this rank (the packer gives each rank the same count),
+each forward → fused logprobs → ``policy_loss`` with the step's GLOBAL normalizer, then one
+``engine.step()``.  DeepSpeed's gradient accumulation is unmanaged (``step()`` is the boundary), so
+steps may hold any number of micro-batches; it averages gradients over ranks, so each
+micro-batch loss is multiplied by the world size to give the whole-step sum / normalizer.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import torch
+
+from ..config import OptimConfig
+from ..data.packer import MicroBatch
+from ..loss import LossConfig, policy_loss
+from ..model.packed import packed_logprobs
+from .dist import world_size
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Linear warm-up, then constant, linear decay or cosine decay to 0 at ``total_steps``."""
+    warm = optim.warmup_steps
+    total = max(total_steps, warm + 1)
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        if optim.schedule == "linear":
+            return 1.0 - frac
+        if optim.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    return f
+
+
+def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,  # step() is the boundary: any number of micro-batches
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,  # torch AdamW: no run-time C++ build of DeepSpeed's Adam
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": False},
+        "steps_per_print": 2 ** 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class PolicyTrainer:
+    def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
+                 dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
+                 ref_model: Optional[torch.nn.Module] = None):
+        import deepspeed
+
+        self.device = next(model.parameters()).device
+        self.dtype = dtype
+        self.loss_backend = loss_backend
+        self.temperature = temperature
+        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype))
+        self.world = world_size()
+        if zero_stage == 0 and dtype == torch.float32:
+            self._record_grad_norm_on_clip()
+
+    def _record_grad_norm_on_clip(self) -> None:
+        """Without ZeRO, DeepSpeed clips fp32 gradients but drops the norm; keep it for metrics."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        eng = self.engine
+
+        def clip_and_record():
+            eng._global_grad_norm = float(clip_grad_norm_(parameters=eng.module.parameters(),
+                                                          max_norm=eng.gradient_clipping(), mpu=eng.mpu))
+
+        eng.clip_fp32_gradients = clip_and_record
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    # ------------------------------------------------------------ forward helpers
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None):
+        model = model if model is not None else self.engine.module
+        return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
+                               temperature=self.temperature, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def old_logprobs(self, mbs: Sequence[MicroBatch], model=None) -> list:
+        """Logprobs of the current weights (the PPO 'old' policy), or of ``model`` (reference)."""
+        m = model if model is not None else self.engine.module
+        was = m.training
+        m.eval()
+        out = [None if mb.is_empty else self.logprobs(mb, model=m)[0].float() for mb in mbs]
+        m.train(was)
+        return out
+
+    def _dummy_backward(self) -> None:
+        # an empty micro-batch still runs forward/backward so every rank joins the same gradient
+        # collectives (ZeRO reduces in backward hooks); its loss is exactly 0
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
+        lp, _ = packed_logprobs(self.engine.module, ids, cu, temperature=self.temperature)
+        self.engine.backward(lp.sum() * 0.0, scale_wrt_gas=False)
+
+    def _finish_step(self, metrics: dict) -> dict:
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm()
+        out = {k: float(sum(v) / len(v)) for k, v in metrics.items() if v}
+        out["grad_norm"] = float(gn) if gn is not None else float("nan")
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        return out
+
+    # ------------------------------------------------------------ steps
+    def rl_step(self, mbs: Sequence[MicroBatch], old_logps: Sequence[Optional[torch.Tensor]], loss_cfg: LossConfig,
+                ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None) -> dict:
+        """One optimizer step of the policy loss over this rank's micro-batches."""
+        self.engine.train()
+        metrics = defaultdict(list)
+        for i, (mb, old) in enumerate(zip(mbs, old_logps)):
+            if mb.is_empty:
+                self._dummy_backward()
+                continue
+            logp, ent = self.logprobs(mb, with_entropy=True)
+            kw = mb.loss_kwargs()
+            kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+            out = policy_loss(
+                logp, old.to(self.device), config=loss_cfg, entropy=ent,
+                ref_logp=ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None,
+                advantages=None if mb.complete_groups else mb.advantages.to(self.device, torch.float32),
+                backend=self.loss_backend, **kw)
+            self.engine.backward(out.loss * self.world, scale_wrt_gas=False)
+            metrics["loss"].append(float(out.loss.detach()) * len(mbs))
+            for k, v in out.metrics.items():
+                metrics[k].append(float(v))
+        return self._finish_step(metrics)
+
+    def sft_step(self, mbs: Sequence[MicroBatch], normalizer: float) -> dict:
+        """One optimizer step of NLL on the trained (chunk) tokens; ``normalizer`` = the step's
+        trained-token count over all ranks."""
+        self.engine.train()
+        metrics = defaultdict(list)
+        for mb in mbs:
+            if mb.is_empty:
+                self._dummy_backward()
+                continue
+            logp, _ = self.logprobs(mb)
+            mask = mb.loss_mask.to(self.device)
+            nll = -(logp * mask).sum() / normalizer
+            self.engine.backward(nll * self.world, scale_wrt_gas=False)
+            metrics["sft_nll_per_token"].append(float(-(logp.detach() * mask).sum() / mask.sum().clamp_min(1)))
+        return self._finish_step(metrics)
+
+    # ------------------------------------------------------------ state
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, directory: str, tag: Optional[str] = None) -> dict:
+        path, client_state = self.engine.load_checkpoint(directory, tag=tag)
+        if path is None:
+            raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
+        return client_state or {}
+
+    def export_hf(self, directory: str, tokenizer=None) -> None:
+        """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3."""
+        import deepspeed
+        import torch.distributed as dist
+
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        params = list(self.engine.module.parameters())
+        gather = self.engine.zero_optimization_stage() == 3
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if gather else _null()
+        with ctx:
+            if rank0:
+                os.makedirs(directory, exist_ok=True)
+                state = {k: v.detach().to("cpu").contiguous() for k, v in self.engine.module.state_dict().items()}
+                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(directory)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
