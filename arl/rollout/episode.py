@@ -48,6 +48,11 @@ class ChatFormat:
     def encode(self, text: str) -> list:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def decode(self, ids) -> str:
+        """The env sees the decode of exactly the trained ids (not the engine's streamed text,
+        which holds back an unfinished UTF-8 tail)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def prompt_ids(self, system: str, task: str) -> list:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": task}]
         return self.encode(_render(self.tokenizer, messages, add_generation_prompt=True))
@@ -124,12 +129,13 @@ class Episode:
         self.logp += list(sample.logprobs)
         self.turns.append((start, len(self.tokens)))
         self.versions.append(sample.version)
+        text = self.fmt.decode(sample.token_ids)
         t0 = time.perf_counter()
         try:
             if self.cfg.step_timeout_s is not None:
-                res = await asyncio.wait_for(self.env.step(sample.text), self.cfg.step_timeout_s)
+                res = await asyncio.wait_for(self.env.step(text), self.cfg.step_timeout_s)
             else:
-                res = await self.env.step(sample.text)
+                res = await self.env.step(text)
         except asyncio.TimeoutError:
             res = StepResult("error: tool timed out", 0.0, False, {"fault": Fault.RECOVERABLE, "tool_error": True})
         except Exception as e:  # the env broke (contract: malformed calls never raise)

@@ -84,6 +84,11 @@ class RolloutBatch:
         return [t for t in self.trajectories if t.status is not TrajectoryStatus.FILTERED]
 
 
+def derive_sample_seed(base: int, task_seed: int, sample: int) -> int:
+    """Sampling seed of one trajectory (int tuples hash the same in every process)."""
+    return hash((int(base), int(task_seed), int(sample))) & 0x7FFFFFFF
+
+
 def placeholder(t: Trajectory) -> Trajectory:
     """Masked stand-in for a broken trajectory: same tokens, nothing trained, reward 0."""
     return Trajectory(tokens=t.tokens, chunk_ids=np.full(len(t), -1, np.int32), rollout_logp=np.zeros(len(t), np.float32),
@@ -132,8 +137,10 @@ class RolloutManager:
         self.fmt = tokenizer_or_format if isinstance(tokenizer_or_format, ChatFormat) else ChatFormat(tokenizer_or_format)
         self.pool = EnvPool(env_factory, self.cfg.env_pool_size)
         self._tasks: Iterator[int] = iter(tasks if tasks is not None else itertools.count())
-        self.version = engine.version
-        self.step = 0  # batches handed out so far
+        # versions are the engine's; step counts from the version the manager starts at (a
+        # resumed trainer at step s starts with an engine at version s)
+        self.version = self._base = engine.version
+        self.step = engine.version  # index of the next batch, in policy versions
         self._groups: list = []  # started, not yet consumed (oldest first)
         self._started = 0
         self._cond = asyncio.Condition()
@@ -205,7 +212,7 @@ class RolloutManager:
         try:
             while True:
                 async with self._cond:
-                    while self._started >= (self.version + k + 1) * G:
+                    while self._started >= (self.version - self._base + k + 1) * G:
                         self.counters["gate_waits"] += 1
                         await self._cond.wait()  # trainer lags: generation pauses
                     try:
@@ -243,7 +250,7 @@ class RolloutManager:
         n = self.cfg.group_size
         for attempt in range(self.cfg.max_retries + 1):
             sample = index + attempt * n  # new fault/latency draws on a retry, same task
-            sample_seed = None if self.cfg.seed is None else hash((self.cfg.seed, g.seed, sample)) & 0x7FFFFFFF
+            sample_seed = None if self.cfg.seed is None else derive_sample_seed(self.cfg.seed, g.seed, sample)
             env = await self.pool.acquire()
             broken = True
             try:

@@ -1,0 +1,200 @@
+"""Episodes and the async rollout manager on the real vLLM engine: exact masks and chunk ids,
+mask & filter under injected faults, the staleness bound, reset determinism."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from arl.data.trajectory import TrajectoryStatus
+from arl.env.base import Environment, Fault, StepResult
+from arl.env.registry import make_env
+from arl.rollout import (ChatFormat, EpisodeConfig, RolloutConfig, RolloutManager, SamplingConfig,
+                         run_episode)
+
+SAMPLING = SamplingConfig(max_tokens=4, stop=())  # a random tiny model: fixed-length turns
+
+
+class ScriptedEnv(Environment):
+    """Ignores the model; answers a fixed script.  Turn 2 is a tool error.  Records actions."""
+
+    system_prompt = "You look keys up."
+    max_turns = 8
+
+    def __init__(self, script=("k03", "error: malformed tool call", "v42")):
+        self.script = list(script)
+        self.actions = []
+
+    async def reset(self, seed):
+        self.i = 0
+        return f"Find the value for k{seed:02d}."
+
+    async def step(self, action_text):
+        self.actions.append(action_text)
+        self.i += 1
+        if self.i > len(self.script):
+            return StepResult("", 1.0, True, {"tool": None})
+        obs = self.script[self.i - 1]
+        return StepResult(obs, 0.0, False, {"tool": "lookup", "tool_error": obs.startswith("error")})
+
+
+class FaultyEnv(Environment):
+    """Fault injection (test double): per task seed, 'ok', 'died' (unrecoverable at step 1),
+    'nostart' (reset raises), 'flaky' (recoverable at step 1 on every attempt),
+    'flaky_once' (recoverable only for the first attempt, sample < group size)."""
+
+    system_prompt = "sys"
+    max_turns = 4
+    plan: dict = {}
+    group_size = 2
+
+    async def reset(self, seed, *, sample=0):
+        self.kind, self.sample, self.i = self.plan.get(seed, "ok"), sample, 0
+        if self.kind == "nostart":
+            raise RuntimeError("sandbox failed to start")
+        return f"task {seed}"
+
+    async def step(self, action_text):
+        self.i += 1
+        await asyncio.sleep(0.01 * (self.i % 3))
+        if self.i == 1 and self.kind == "died":
+            return StepResult("error: tool server died", 0.0, True, {"fault": Fault.UNRECOVERABLE})
+        if self.i == 1 and (self.kind == "flaky" or (self.kind == "flaky_once" and self.sample < self.group_size)):
+            return StepResult("error: tool timed out", 0.0, False, {"fault": Fault.RECOVERABLE})
+        if self.i == 2:
+            return StepResult("", 1.0, True, {})
+        return StepResult("obs", 0.0, False, {"tool": "t"})
+
+
+def test_scripted_episode_masks_and_chunk_ids_exact(vllm_engine, tiny_tokenizer, arun):
+    fmt, env = ChatFormat(tiny_tokenizer), ScriptedEnv()
+    cfg = EpisodeConfig(sampling=SAMPLING)
+    t = arun(run_episode(vllm_engine, env, fmt, 5, cfg, group_id=9, sample_seed=11))
+    assert t.reward == 1.0 and len(t.turns) == 4 and t.group_id == 9 and t.status is TrajectoryStatus.OK
+    enc = lambda s: tiny_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    prompt = enc("<|im_start|>system\nYou look keys up.<|im_end|>\n<|im_start|>user\nFind the value for k05."
+                 "<|im_end|>\n<|im_start|>assistant\n")
+    exp_tokens, exp_chunks, turns = list(prompt), [-1] * len(prompt), []
+    for k, (s, e) in enumerate(t.turns):
+        assert s == len(exp_tokens)
+        sampled = t.tokens[s:e].tolist()
+        # token in / token out: replaying the exact prefix with the turn's seed gives the same ids
+        replay = arun(vllm_engine.generate_one(exp_tokens, SamplingConfig(max_tokens=4, stop=(), seed=(11 * 7919 + k) % (1 << 31))))
+        assert replay.token_ids == sampled
+        np.testing.assert_allclose(t.rollout_logp[s:e], replay.logprobs, atol=1e-5)
+        assert env.actions[k] == tiny_tokenizer.decode(sampled, skip_special_tokens=True)
+        exp_tokens += sampled
+        exp_chunks += [k] * len(sampled)
+        if k < 3:
+            obs = enc("<|im_end|>\n<|im_start|>tool\n" + env.script[k] + "<|im_end|>\n<|im_start|>assistant\n")
+            exp_tokens += obs
+            exp_chunks += [-1] * len(obs)
+    assert t.tokens.tolist() == exp_tokens
+    assert t.chunk_ids.tolist() == exp_chunks  # prompt, observations and the tool error all -1
+    assert np.all(t.rollout_logp[t.chunk_ids < 0] == 0) and np.all(t.rollout_logp[t.chunk_ids >= 0] < 0)
+    assert t.metadata["tool_errors"] == 1 and t.num_chunks == 4
+
+
+def test_observation_after_eos_turn_has_no_double_turn_end(tiny_tokenizer):
+    fmt = ChatFormat(tiny_tokenizer)
+    enc = lambda s: tiny_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert fmt.observation_ids("x") == enc("<|im_end|>\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n")
+    assert fmt.observation_ids("x", turn_ended_with_eos=True) == enc("\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_limits_max_turns_and_total_tokens(vllm_engine, tiny_tokenizer, arun):
+    fmt = ChatFormat(tiny_tokenizer)
+    t = arun(run_episode(vllm_engine, ScriptedEnv(["o"] * 10), fmt, 1, EpisodeConfig(max_turns=2, sampling=SAMPLING)))
+    assert len(t.turns) == 2 and t.reward == 0.0 and t.metadata["truncated"] == "max_turns"
+    t = arun(run_episode(vllm_engine, ScriptedEnv(["o"] * 10), fmt, 1, EpisodeConfig(max_total_tokens=60, sampling=SAMPLING)))
+    assert len(t) <= 60 and t.reward == 0.0 and t.metadata["truncated"] == "max_total_tokens"
+
+
+def _manager(engine, tok, env_factory, tasks, **kw):
+    cfg = RolloutConfig(episode=EpisodeConfig(max_turns=3, sampling=SAMPLING), **kw)
+    return RolloutManager(engine, env_factory, tok, tasks=tasks, config=cfg)
+
+
+def test_faults_keep_batch_size_and_filter_cap(vllm_engine, tiny_tokenizer, arun):
+    FaultyEnv.plan = {0: "ok", 1: "died", 2: "nostart", 3: "flaky", 4: "flaky_once", 5: "flaky", 6: "flaky", 7: "flaky"}
+
+    async def go():
+        m = _manager(vllm_engine, tiny_tokenizer, FaultyEnv, range(8), group_size=2, groups_per_step=4,
+                     max_staleness=0, max_retries=1, max_filtered_frac=0.5)
+        async with m:
+            b1 = await m.get_batch()
+            await m.update_weights(vllm_engine.model_path)
+            b2 = await m.get_batch()
+        return b1, b2
+
+    b1, b2 = arun(go())
+    for b in (b1, b2):
+        assert len(b.trajectories) == 8  # batch size kept
+    by_task = {}
+    for t in b1.trajectories + b2.trajectories:
+        by_task.setdefault(t.metadata["task_seed"], []).append(t)
+    assert all(t.status is TrajectoryStatus.OK and t.reward == 1.0 for t in by_task[0])
+    for seed in (1, 2):  # unrecoverable: masked placeholders
+        for t in by_task[seed]:
+            assert t.status is TrajectoryStatus.MASKED and t.reward == 0.0 and np.all(t.chunk_ids == -1) and len(t) > 0
+    assert all(t.status is TrajectoryStatus.FILTERED for t in by_task[3])  # 2 of 8 filtered: under the cap
+    assert b1.metrics["rollout/num_masked"] == 4 and b1.metrics["rollout/num_filtered"] == 2
+    assert b1.metrics["rollout/retries"] == 2 and len(b1.trainable()) == 6
+    # retried once, then fine
+    assert all(t.status is TrajectoryStatus.OK and t.metadata["attempts"] == 2 and t.reward == 1.0 for t in by_task[4])
+    # batch 2: 6 would be filtered, only 4 (50%) may be: 2 are kept, with reward 0
+    st = [t.status for t in b2.trajectories]
+    assert st.count(TrajectoryStatus.FILTERED) == 4 and st.count(TrajectoryStatus.OK) == 4
+    kept = [t for t in b2.trajectories if t.metadata.get("over_filter_cap")]
+    assert len(kept) == 2 and all(t.status is TrajectoryStatus.OK and t.reward == 0.0 for t in kept)
+    assert b2.metrics["rollout/num_over_filter_cap"] == 2 and b2.metrics["rollout/filtered_frac"] == 0.5
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
+    G, n, steps = 2, 2, 4
+
+    async def go():
+        m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), range(100), group_size=n,
+                     groups_per_step=G, max_staleness=staleness)
+        seen = []
+        async with m:
+            for step in range(steps):
+                b = await m.get_batch()
+                await asyncio.sleep(0.3)  # the trainer is slow: generation must pause at the gate
+                assert m._started <= (m.version - m._base + staleness + 1) * G
+                seen.append((b.step, [t.policy_version for t in b.trajectories], b.metrics))
+                if step == 1:  # a trainer that skips its sync is refused past the bound
+                    for _ in range(staleness):
+                        await m.get_batch()
+                    with pytest.raises(ValueError, match="max_staleness"):
+                        await m.get_batch()
+                    return seen
+                await m.update_weights(vllm_engine.model_path)
+        return seen
+
+    for step, versions, metrics in arun(go()):
+        assert len(versions) == G * n
+        assert all(0 <= step - v <= staleness for v in versions)
+        assert metrics["rollout/staleness_max"] <= staleness
+        if staleness == 0:
+            assert set(versions) == {step}
+
+
+def test_env_reset_determinism_through_rollout(vllm_engine, tiny_tokenizer, arun):
+    async def go():
+        m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), [3, 4], group_size=2,
+                     groups_per_step=2, max_staleness=0, seed=123)
+        async with m:
+            return await m.get_batch()
+
+    a, b = arun(go()), arun(go())
+    ta = {(t.metadata["task_seed"], t.metadata["sample"]): t for t in a.trajectories}
+    tb = {(t.metadata["task_seed"], t.metadata["sample"]): t for t in b.trajectories}
+    assert ta.keys() == tb.keys() == {(3, 0), (3, 1), (4, 0), (4, 1)}
+    for key in ta:  # same task seed and sampling seed: the whole trajectory replays
+        assert ta[key].tokens.tolist() == tb[key].tokens.tolist()
+        assert ta[key].chunk_ids.tolist() == tb[key].chunk_ids.tolist()
+    prompt = lambda t: t.tokens[: t.turns[0][0]].tolist()  # noqa: E731
+    assert prompt(ta[(3, 0)]) == prompt(ta[(3, 1)]) != prompt(ta[(4, 0)])  # a group shares its task
