@@ -1,10 +1,17 @@
 // Torch bindings of the raw-pointer CUDA kernels; compiled only when torch has CUDA and nvcc exists.
+// The policy-loss ops have their own names and schemas (arl::policy_loss_cuda,
+// arl::policy_loss_entropy_grad_cuda) so that this library does not depend on arl._C.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <Python.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 #include <cuda_runtime.h>
+
+#include "common/policy_loss_core.h"
+#include "cuda/policy_loss_cuda.h"
 
 namespace arl {
 cudaError_t scale_launch(const float* x, float* y, float s, int64_t n, cudaStream_t stream);
@@ -18,9 +25,117 @@ at::Tensor scale_cuda(const at::Tensor& x, double s) {
   TORCH_CHECK(err == cudaSuccess, "arl::scale_cuda: ", cudaGetErrorString(err));
   return y;
 }
+
+namespace {
+const char* kOp = "arl::policy_loss_cuda";
+
+const void* token_ptr(const c10::optional<at::Tensor>& x, const char* name, const at::Tensor& logp, bool required) {
+  if (!x.has_value() || !x->defined()) {
+    TORCH_CHECK_VALUE(!required, kOp, ": ", name, " is required by the options");
+    return nullptr;
+  }
+  TORCH_CHECK_VALUE(x->is_cuda() && x->device() == logp.device(), kOp, ": ", name, " must be on ", logp.device());
+  TORCH_CHECK_VALUE(x->dim() == 1 && x->numel() == logp.numel() && x->is_contiguous(), kOp, ": ", name,
+                    " must be contiguous [T] like logp");
+  TORCH_CHECK_VALUE(x->scalar_type() == logp.scalar_type(), kOp, ": ", name, " dtype differs from logp");
+  return x->data_ptr();
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
+    const at::Tensor& logp, const at::Tensor& old_logp, const c10::optional<at::Tensor>& rollout_logp,
+    const c10::optional<at::Tensor>& ref_logp, const c10::optional<at::Tensor>& entropy, const at::Tensor& rewards,
+    const at::Tensor& group_ids, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids, at::IntArrayRef iopts,
+    at::ArrayRef<double> fopts, bool need_grad) {
+  using namespace ploss;
+  TORCH_CHECK_VALUE(iopts.size() == kINumIOpts && fopts.size() == kFNumFOpts, kOp, ": wrong number of options");
+  const auto dt = logp.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16, kOp,
+                    ": logp must be float32, float64 or bfloat16");
+  TORCH_CHECK_VALUE(logp.is_cuda() && logp.dim() == 1 && logp.is_contiguous(), kOp,
+                    ": logp must be a contiguous 1-D CUDA tensor");
+  const int64_t T = logp.numel();
+  const int64_t N = rewards.numel();
+  TORCH_CHECK_VALUE(N > 0, kOp, ": rewards is empty");
+  const auto cdt = dt == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK_VALUE(rewards.scalar_type() == cdt && rewards.is_contiguous() && rewards.device() == logp.device(),
+                    kOp, ": rewards must be contiguous [N] of the compute dtype on logp's device");
+  TORCH_CHECK_VALUE(group_ids.scalar_type() == at::kLong && group_ids.numel() == N && group_ids.is_contiguous() &&
+                        group_ids.device() == logp.device(), kOp, ": group_ids must be int64 [N] on logp's device");
+  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.numel() == N + 1 &&
+                        cu_seqlens.is_contiguous() && cu_seqlens.device() == logp.device(),
+                    kOp, ": cu_seqlens must be int64 [N+1] on logp's device");
+  TORCH_CHECK_VALUE((chunk_ids.scalar_type() == at::kInt || chunk_ids.scalar_type() == at::kLong) &&
+                        chunk_ids.numel() == T && chunk_ids.is_contiguous() && chunk_ids.device() == logp.device(),
+                    kOp, ": chunk_ids must be int32/int64 [T] on logp's device");
+
+  const auto fopt = logp.options().dtype(cdt);
+  at::Tensor grad = need_grad ? at::empty({T}, fopt) : at::empty({0}, fopt);
+  at::Tensor loss = at::empty({}, fopt);
+  at::Tensor stats = at::empty({kNumStats}, fopt);
+  at::Tensor coef = at::empty({N}, fopt);
+  at::Tensor adv = at::empty({N}, fopt);
+  at::Tensor part = at::empty({N * kNumPartials}, fopt);
+  at::Tensor flags = at::empty({N}, logp.options().dtype(at::kInt));
+
+  PolicyLossArgs a;
+  a.dtype = dt == at::kFloat ? 0 : (dt == at::kDouble ? 1 : 2);
+  a.idx64 = chunk_ids.scalar_type() == at::kLong;
+  a.n_seq = N;
+  a.logp = logp.data_ptr();
+  a.old_logp = token_ptr(old_logp, "old_logp", logp, true);
+  a.rollout_logp = token_ptr(rollout_logp, "rollout_logp", logp, iopts[kIMismatchLevel] != kNoLevel);
+  a.ref_logp = token_ptr(ref_logp, "ref_logp", logp, iopts[kIKL] != kKLOff);
+  a.entropy = token_ptr(entropy, "entropy", logp, iopts[kIEntropyTerm] != 0);
+  a.chunk_ids = chunk_ids.data_ptr();
+  a.rewards = rewards.data_ptr();
+  a.cu_seqlens = cu_seqlens.data_ptr<int64_t>();
+  a.group_ids = group_ids.data_ptr<int64_t>();
+  a.iopts = iopts.data();
+  a.fopts = fopts.data();
+  a.grad = need_grad ? grad.data_ptr() : nullptr;
+  a.loss = loss.data_ptr();
+  a.stats = stats.data_ptr();
+  a.seq_coef = coef.data_ptr();
+  a.adv_scratch = adv.data_ptr();
+  a.part_scratch = part.data_ptr();
+  a.flags_scratch = flags.data_ptr<int>();
+  const cudaError_t err = policy_loss_cuda_launch(a, at::cuda::getCurrentCUDAStream(logp.device().index()));
+  TORCH_CHECK(err == cudaSuccess, kOp, ": ", cudaGetErrorString(err));
+  return {loss, grad, stats, coef};
+}
+
+at::Tensor policy_loss_entropy_grad_cuda(const at::Tensor& chunk_ids, const at::Tensor& cu_seqlens,
+                                         const at::Tensor& seq_coef, double scale) {
+  const int64_t N = seq_coef.numel();
+  TORCH_CHECK_VALUE(seq_coef.is_cuda() && (seq_coef.scalar_type() == at::kFloat || seq_coef.scalar_type() == at::kDouble),
+                    "arl::policy_loss_entropy_grad_cuda: seq_coef must be a float32/64 CUDA tensor");
+  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.numel() == N + 1 && cu_seqlens.is_contiguous(),
+                    "arl::policy_loss_entropy_grad_cuda: cu_seqlens must be int64 [N+1]");
+  TORCH_CHECK_VALUE((chunk_ids.scalar_type() == at::kInt || chunk_ids.scalar_type() == at::kLong) &&
+                        chunk_ids.is_contiguous(), "arl::policy_loss_entropy_grad_cuda: chunk_ids must be int32/int64");
+  at::Tensor out = at::empty({chunk_ids.numel()}, seq_coef.options());
+  const cudaError_t err = policy_loss_entropy_grad_launch(
+      chunk_ids.data_ptr(), chunk_ids.scalar_type() == at::kLong, cu_seqlens.data_ptr<int64_t>(), seq_coef.data_ptr(),
+      seq_coef.scalar_type() == at::kDouble, scale, N, out.data_ptr(),
+      at::cuda::getCurrentCUDAStream(seq_coef.device().index()));
+  TORCH_CHECK(err == cudaSuccess, "arl::policy_loss_entropy_grad_cuda: ", cudaGetErrorString(err));
+  return out;
+}
 }  // namespace arl
 
-TORCH_LIBRARY_IMPL(arl, CUDA, m) { m.impl("scale", &arl::scale_cuda); }
+TORCH_LIBRARY_FRAGMENT(arl, m) {
+  m.def(
+      "policy_loss_cuda(Tensor logp, Tensor old_logp, Tensor? rollout_logp, Tensor? ref_logp, Tensor? entropy, "
+      "Tensor rewards, Tensor group_ids, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
+      "bool need_grad) -> (Tensor loss, Tensor grad_logp, Tensor stats, Tensor seq_coef)");
+  m.def("policy_loss_entropy_grad_cuda(Tensor chunk_ids, Tensor cu_seqlens, Tensor seq_coef, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(arl, CUDA, m) {
+  m.impl("scale", &arl::scale_cuda);
+  m.impl("policy_loss_cuda", &arl::policy_loss_cuda);
+  m.impl("policy_loss_entropy_grad_cuda", &arl::policy_loss_entropy_grad_cuda);
+}
 
 static struct PyModuleDef arl_cuda_module = {PyModuleDef_HEAD_INIT, "_C_cuda", "arl CUDA ops", -1, nullptr};
 PyMODINIT_FUNC PyInit__C_cuda(void) { return PyModule_Create(&arl_cuda_module); }
