@@ -1,0 +1,59 @@
+"""Agentic-RL stabilizers: switches that control which trajectories, which parts of them and with
+what weight enter the gradient, plus monitors of the signals that move before reward collapses.
+Every one is off by default (``StabilizerConfig``) and exports metrics that show its effect.
+
+Where each acts, and what it exports (``stab/*``, ``monitor/*``, ``ipa/*``):
+
+=====================  ===================  =====================================================
+stabilizer             acts on              metrics
+=====================  ===================  =====================================================
+dynamic sampling       sampling (groups)    stab/zero_var_frac (before filtering), groups_sampled,
+ (dynamic_sampling.py)                      groups_kept, sampling_rounds, groups_short
+process-reward         rewards (before      stab/shaping_bonus_mean, shaping_checkpoints_mean,
+ shaping (shaping.py)  advantages)          shaping_capped_frac
+extreme-trajectory     batch (long failed   stab/long_failures, failed_len_max/mean,
+ control (extreme.py)  -> MASKED copy) and  success_len_max/mean, failure_share (always on),
+                       advantages (weights) stab/neg_adv_share, adv_mean (always on)
+negative reweighting   advantages           stab/neg_adv_share
+ (extreme.py)
+positive-only          loss config          stab/positive_only
+ curriculum            (positive_only)
+ (curriculum.py)
+adaptive KL,           loss config          stab/kl_beta, kl_skipped; entropy_coef is in the
+ entropy schedule      (kl_beta,            LossConfig of the step
+ (schedules.py)        entropy_coef)
+IPA chunk-init         rollout start        stab/ipa_offset; ipa/il_nll, il_tokens, rl_loss,
+ resampling (ipa.py)   states and the loss  rl_tokens
+                       (imitation + RL)
+behaviour monitors     after the step       monitor/tool_freq/<tool>, tool_calls_per_traj,
+ and alarm             (decision: continue  tool_error_rate, repeat_call_frac, looping_frac,
+ (monitors.py)         / rollback / stop)   destructive_calls, destructive_traj_frac; stab/rollbacks
+=====================  ===================  =====================================================
+
+Weights reach the loss only through per-trajectory advantages (``policy_loss(...,
+advantages=mb.advantages)``), so every kernel backend supports them unchanged; masking goes
+through the packer's MASKED status (chunk ids -1).  ``Stabilizers`` (pipeline.py) is the facade the
+RL loop calls a few times per step.
+"""
+from .advantages import advantage_metrics, apply_advantages, trajectory_advantages
+from .config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
+                     ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig)
+from .curriculum import PositiveOnlyCurriculum
+from .dynamic_sampling import DynamicSampler, filter_zero_variance_groups
+from .extreme import control_extremes, length_metrics, reweight_negatives
+from .ipa import (IPAResampler, StartState, expert_trajectory, ipa_mixed_loss, ipa_normalizers, split_chunk_roles,
+                  start_state, tag_resampled)
+from .monitors import Alarm, Decision, behaviour_metrics
+from .pipeline import PreparedBatch, Stabilizers
+from .schedules import AdaptiveKLController, entropy_coef
+from .shaping import shape_rewards
+
+__all__ = [
+    "AdaptiveKLConfig", "AdaptiveKLController", "Alarm", "AlarmRule", "CurriculumConfig", "Decision", "DynamicSampler",
+    "DynamicSamplingConfig", "EntropyScheduleConfig", "ExtremeTrajectoryConfig", "IPAResampleConfig", "IPAResampler",
+    "MonitorConfig", "PositiveOnlyCurriculum", "PreparedBatch", "ShapingConfig", "StabilizerConfig", "Stabilizers",
+    "StartState", "advantage_metrics", "apply_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
+    "expert_trajectory", "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
+    "reweight_negatives", "shape_rewards", "split_chunk_roles", "start_state", "tag_resampled",
+    "trajectory_advantages",
+]

@@ -1,0 +1,159 @@
+"""``StabilizerConfig``: one pydantic section per stabilizer, every one off by default.
+
+Meant to sit in the training config as ``TrainConfig.stabilizers``; standalone construction
+(``StabilizerConfig(**yaml_dict)``) raises one-line ValueErrors naming the dotted key.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..loss.config import one_line_error
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _need(ok: bool, key: str, value, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}: {value!r} {what}")
+
+
+class DynamicSamplingConfig(_Section):
+    """DAPO dynamic sampling: drop groups whose rewards all agree (no advantage signal)."""
+
+    enabled: bool = False
+    max_rounds: int = Field(3, ge=0)  # extra sampling rounds after the first batch
+    atol: float = Field(0.0, ge=0)  # rewards within atol of each other count as equal
+    on_short: Literal["partial", "pad"] = "pad"  # retries spent: train a smaller batch, or pad with dropped groups
+
+
+class ExtremeTrajectoryConfig(_Section):
+    """Control of long failed trajectories and of the weight of negative samples."""
+
+    enabled: bool = False
+    failure_reward: float = 0.0  # outcome reward <= this is a failure
+    max_failed_tokens: Optional[int] = Field(None, ge=1)  # failed and longer than this: masked/down-weighted
+    length_of: Literal["tokens", "trained_tokens"] = "tokens"
+    action: Literal["mask", "weight"] = "mask"  # mask: status MASKED (out of the normalizer); weight: advantage * long_weight
+    long_weight: float = Field(0.0, ge=0)
+    negative_weight: float = Field(1.0, ge=0)  # every negative advantage is scaled by this
+
+
+class CurriculumConfig(_Section):
+    """Positive-only (negative advantages zeroed inside the surrogate) until a step or success rate."""
+
+    enabled: bool = False
+    until_step: Optional[int] = Field(None, ge=0)  # both from this step on
+    until_success: Optional[float] = Field(None, ge=0, le=1)  # both once the success rate reaches this
+
+    @model_validator(mode="after")
+    def _check(self):
+        _need(not self.enabled or self.until_step is not None or self.until_success is not None,
+              "until_step", self.until_step, "and until_success are both None: positive-only would never end")
+        return self
+
+
+class IPAResampleConfig(_Section):
+    """IPA chunk initialization resampling from expert trajectories."""
+
+    enabled: bool = False
+    mode: Literal["sequential", "parallel"] = "sequential"
+    steps_per_chunk: int = Field(10, ge=1)  # sequential: move the start one chunk back every this many steps
+    advance_at_success: Optional[float] = Field(None, gt=0, le=1)  # ... or as soon as the success rate reaches this
+    anchors: tuple[float, ...] = (0.25, 0.5, 0.75)  # parallel: start chunks at these fractions of the expert's chunks
+    lambda_il: float = Field(1.0, ge=0)  # weight of the imitation NLL on the expert prefix
+    lambda_rl: float = Field(1.0, ge=0)  # weight of the chunk-level RL loss on the resampled part
+    imitate_once_per_group: bool = True  # the prefix is imitated by one member of each start-state group
+
+    @model_validator(mode="after")
+    def _check(self):
+        _need(len(self.anchors) > 0 and all(0.0 <= a < 1.0 for a in self.anchors), "anchors", self.anchors,
+              "must be a non-empty list of fractions in [0, 1)")
+        return self
+
+
+class ShapingConfig(_Section):
+    """Capped process rewards added to the outcome reward."""
+
+    enabled: bool = False
+    per_checkpoint: float = Field(0.1, ge=0)
+    cap: float = Field(0.5, ge=0)
+    outcome_reward: float = Field(1.0, gt=0)  # reward of a success; the cap must stay below it
+    checkpoints: tuple[Literal["valid_tool_call", "new_state"], ...] = ("valid_tool_call", "new_state")
+
+    @model_validator(mode="after")
+    def _check(self):
+        _need(self.cap < self.outcome_reward, "cap", self.cap,
+              f"must be < outcome_reward ({self.outcome_reward}) so the outcome dominates")
+        return self
+
+
+class AdaptiveKLConfig(_Section):
+    """Adaptive KL coefficient (proportional controller on the measured KL to the reference)."""
+
+    enabled: bool = False
+    target: float = Field(0.05, gt=0)
+    horizon: int = Field(100, ge=1)  # steps over which beta may change by ~e^(0.2)
+    init_beta: float = Field(0.05, gt=0)
+    min_beta: float = Field(1e-4, gt=0)
+    max_beta: float = Field(10.0, gt=0)
+    signal: str = "kl_mean"  # metric holding the measured KL (policy_loss metric of the reference KL)
+
+    @model_validator(mode="after")
+    def _check(self):
+        _need(self.min_beta <= self.init_beta <= self.max_beta, "init_beta", self.init_beta,
+              f"must be in [min_beta, max_beta] = [{self.min_beta}, {self.max_beta}]")
+        return self
+
+
+class EntropyScheduleConfig(_Section):
+    """Entropy bonus decaying linearly from ``start`` to ``end`` over ``steps``, then ``end``."""
+
+    enabled: bool = False
+    start: float = Field(1e-3, ge=0)
+    end: float = Field(1e-4, ge=0)
+    steps: int = Field(100, ge=1)
+
+
+class AlarmRule(_Section):
+    """Fires when ``signal`` jumps: |x - running mean| > z * running std + min_delta (after
+    ``min_history`` values), or when x crosses the absolute ``above`` bound."""
+
+    signal: str
+    z: float = Field(4.0, gt=0)
+    min_delta: float = Field(0.0, ge=0)
+    min_history: int = Field(5, ge=2)
+    direction: Literal["up", "down", "both"] = "up"
+    above: Optional[float] = None  # absolute bound (e.g. destructive calls > 0)
+    action: Literal["stop", "rollback"] = "rollback"
+
+
+class MonitorConfig(_Section):
+    """Behaviour monitors (tool frequency, loops, destructive commands) and alarms on any metric."""
+
+    enabled: bool = False
+    loop_min_repeats: int = Field(3, ge=2)  # a trajectory repeating one identical call this often loops
+    destructive_patterns: tuple[str, ...] = ()  # extra regexes, added to the built-in list
+    alarms: tuple[AlarmRule, ...] = ()
+    ema: float = Field(0.0, ge=0, lt=1)  # 0: plain running mean/std over all history; else EMA decay
+    max_rollbacks: int = Field(3, ge=0)  # past this a rollback alarm stops the run
+
+
+class StabilizerConfig(_Section):
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    extreme: ExtremeTrajectoryConfig = ExtremeTrajectoryConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    ipa: IPAResampleConfig = IPAResampleConfig()
+    shaping: ShapingConfig = ShapingConfig()
+    kl: AdaptiveKLConfig = AdaptiveKLConfig()
+    entropy: EntropyScheduleConfig = EntropyScheduleConfig()
+    monitors: MonitorConfig = MonitorConfig()
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ValueError(one_line_error(e, "StabilizerConfig")) from None

@@ -1,0 +1,239 @@
+"""IPA chunk initialization resampling (arXiv 2512.24873): roll out from chunk k of an expert
+trajectory, imitate the expert prefix, reinforce the resampled continuation.
+
+Bookkeeping.  An expert demonstration is rendered token-level as a ``Trajectory``
+(``expert_trajectory``: expert turn j is chunk j, observations untrained).  A ``StartState`` at
+chunk k is the expert prefix up to the first token of chunk k (prompt, expert turns 0..k-1 and their
+observations) plus the expert turns to replay in the environment.  The rollout continues from there
+(the rollout hook: reset the env, replay the k expert turns through ``env.step``, append the prefix
+tokens with the expert's chunk ids and rollout_logp 0, then sample from turn k on).
+``tag_resampled`` checks that a returned trajectory starts with the prefix and records
+``metadata["ipa_prefix_chunks"] = k`` (and ``ipa_imitate``).  Chunks < k are *prefix* (imitation),
+chunks >= k *resampled* (RL).
+
+Schedules.  sequential: start at the last chunk (only the final turn is sampled) and move one chunk
+back every ``steps_per_chunk`` steps, or as soon as the success rate reaches ``advance_at_success``;
+parallel: start at each anchor fraction of the expert's chunks.
+
+Loss (``ipa_mixed_loss``, on packed logprobs):
+``lambda_il * NLL(prefix chunk tokens of imitating sequences) / il_normalizer
+ + lambda_rl * policy_loss(resampled chunks only, normalizer=rl_normalizer)``; both normalizers are
+step-global (``ipa_normalizers``), like every loss term in arl.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..data.packer import step_normalizer
+from ..data.trajectory import Trajectory, TrajectoryStatus
+from ..loss.config import LossConfig
+from .config import IPAResampleConfig
+
+
+class ChatFormatLike(Protocol):
+    """What ``arl.rollout.episode.ChatFormat`` offers and ``expert_trajectory`` needs."""
+
+    def prompt_ids(self, system: str, task: str) -> list: ...
+    def encode(self, text: str) -> list: ...
+    def observation_ids(self, observation: str, turn_ended_with_eos: bool = False) -> list: ...
+
+
+def expert_trajectory(fmt: ChatFormatLike, system_prompt: str, task: str, transcript: Sequence,
+                      *, group_id: int = 0, task_seed: Optional[int] = None) -> Trajectory:
+    """Render ``(task, [(turn_text, StepResult), ...])`` of ``arl.env.expert.expert_transcript`` as a
+    token-level Trajectory (rollout_logp 0: nothing was sampled)."""
+    if not transcript:
+        raise ValueError("transcript: empty (no expert turns)")
+    tokens = list(fmt.prompt_ids(system_prompt, task))
+    chunks = [-1] * len(tokens)
+    turns, texts = [], []
+    reward = 0.0
+    for k, (text, res) in enumerate(transcript):
+        ids = list(fmt.encode(text))
+        turns.append((len(tokens), len(tokens) + len(ids)))
+        tokens += ids
+        chunks += [k] * len(ids)
+        texts.append(text)
+        if res.done:
+            reward = float(res.reward)
+            break
+        obs = list(fmt.observation_ids(res.observation))
+        tokens += obs
+        chunks += [-1] * len(obs)
+    return Trajectory(tokens=tokens, chunk_ids=chunks, rollout_logp=np.zeros(len(tokens), np.float32), reward=reward,
+                      group_id=group_id, turns=turns,
+                      metadata={"expert": True, "task_seed": task_seed, "expert_turns": texts})
+
+
+@dataclass(frozen=True)
+class StartState:
+    expert: Trajectory
+    chunk: int  # k: the first resampled chunk
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens before chunk k's first token (the whole prompt when k = 0)."""
+        return int(self.expert.turns[self.chunk][0])
+
+    @property
+    def prefix_tokens(self) -> np.ndarray:
+        return self.expert.tokens[: self.prefix_len]
+
+    @property
+    def prefix_chunk_ids(self) -> np.ndarray:
+        return self.expert.chunk_ids[: self.prefix_len]
+
+    @property
+    def replay_turns(self) -> list:
+        """Expert turn texts the env must be stepped through before sampling."""
+        return list(self.expert.metadata.get("expert_turns", []))[: self.chunk]
+
+    @property
+    def task_seed(self):
+        return self.expert.metadata.get("task_seed")
+
+
+class PrefixRollout(Protocol):
+    """The rollout hook this module is written against: play ``group_size`` episodes of the task
+    ``state.task_seed`` that start from ``state`` (env replayed through ``state.replay_turns``,
+    trajectory starting with ``state.prefix_tokens`` / ``state.prefix_chunk_ids``)."""
+
+    async def __call__(self, state: StartState, group_size: int, group_id: int) -> list: ...
+
+
+def start_state(expert: Trajectory, k: int) -> StartState:
+    K = len(expert.turns)
+    if not 0 <= k < K:
+        raise ValueError(f"k: start chunk {k} outside the expert's {K} chunks")
+    return StartState(expert, int(k))
+
+
+class IPAResampler:
+    """Which chunk each expert's rollouts start from, per step (see module doc)."""
+
+    def __init__(self, cfg: IPAResampleConfig):
+        self.cfg = cfg
+        self.offset = 0  # sequential: chunks back from the last one
+        self._since = 0  # steps at the current offset
+
+    def start_chunks(self, num_chunks: int) -> list:
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks: must be >= 1, got {num_chunks}")
+        if self.cfg.mode == "sequential":
+            return [max(0, num_chunks - 1 - self.offset)]
+        return sorted({min(int(a * num_chunks), num_chunks - 1) for a in self.cfg.anchors})
+
+    def start_states(self, experts: Sequence[Trajectory]) -> list:
+        return [start_state(e, k) for e in experts for k in self.start_chunks(len(e.turns))]
+
+    def advance(self, success_rate: Optional[float] = None) -> None:
+        """Call once per step (sequential mode), with the success rate of the resampled rollouts."""
+        self._since += 1
+        thr = self.cfg.advance_at_success
+        if self._since >= self.cfg.steps_per_chunk or (thr is not None and success_rate is not None and success_rate >= thr):
+            self.offset += 1
+            self._since = 0
+
+    def metrics(self) -> dict:
+        return {"stab/ipa_offset": self.offset} if self.cfg.mode == "sequential" else {}
+
+    def state_dict(self) -> dict:
+        return {"offset": self.offset, "since": self._since}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.offset, self._since = int(s["offset"]), int(s["since"])
+
+
+def tag_resampled(state: StartState, traj: Trajectory, imitate: bool = True) -> Trajectory:
+    """A copy of a rollout from ``state`` tagged with its prefix length in chunks."""
+    P = state.prefix_len
+    if len(traj) < P or not np.array_equal(traj.tokens[:P], state.prefix_tokens):
+        raise ValueError(f"traj: does not start with the expert prefix of {P} tokens (start chunk {state.chunk})")
+    if not np.array_equal(traj.chunk_ids[:P], state.prefix_chunk_ids):
+        raise ValueError("traj.chunk_ids: prefix chunk ids differ from the expert's")
+    return dataclasses.replace(traj, metadata={**traj.metadata, "ipa_prefix_chunks": state.chunk,
+                                               "ipa_imitate": bool(imitate)})
+
+
+def _prefix_chunks(t: Trajectory) -> int:
+    return int(t.metadata.get("ipa_prefix_chunks", 0))
+
+
+def ipa_normalizers(trajs: Sequence[Trajectory], loss_cfg: LossConfig):
+    """``(il_normalizer, rl_normalizer)`` over the whole step: imitated prefix tokens, and the
+    ``loss_agg`` denominator of the resampled (chunk >= k) tokens.  Same trajectory list as packed."""
+    il, rl = 0, []
+    for t in trajs:
+        if t.status is TrajectoryStatus.FILTERED:
+            continue
+        if t.status is TrajectoryStatus.MASKED:
+            rl.append(0)
+            continue
+        k = _prefix_chunks(t)
+        c = t.chunk_ids
+        if t.metadata.get("ipa_imitate", False):
+            il += int(((c >= 0) & (c < k)).sum())
+        rl.append(int((c >= k).sum()))
+    return float(max(il, 1)), step_normalizer(rl, loss_cfg)
+
+
+def split_chunk_roles(mb, trajs: Sequence[Trajectory]):
+    """``(il_mask [T] bool, rl_chunk_ids [T] int32)`` of a packed micro-batch: tokens of prefix chunks
+    of imitating sequences, and the chunk ids with every prefix chunk set to -1 (ids made dense)."""
+    cu = mb.cu_seqlens.tolist()
+    trained = (mb.chunk_ids >= 0).numpy()
+    prefix = np.zeros(mb.num_tokens, dtype=bool)
+    il = np.zeros(mb.num_tokens, dtype=bool)
+    for j, i in enumerate(mb.traj_indices.tolist()):
+        t = trajs[i]
+        a, b = cu[j], cu[j + 1]
+        k = _prefix_chunks(t)
+        local = t.chunk_ids[: b - a]
+        p = trained[a:b] & (local < k)
+        prefix[a:b] = p
+        if t.metadata.get("ipa_imitate", False):
+            il[a:b] = p
+    rl = mb.chunk_ids.numpy().astype(np.int64).copy()
+    rl[prefix] = -1
+    keep = rl >= 0
+    if keep.any():
+        _, dense = np.unique(rl[keep], return_inverse=True)
+        rl[keep] = dense
+    return torch.from_numpy(il), torch.from_numpy(rl.astype(np.int32))
+
+
+def ipa_mixed_loss(logp: torch.Tensor, old_logp: torch.Tensor, *, mb, il_mask: torch.Tensor,
+                   rl_chunk_ids: torch.Tensor, loss_cfg: LossConfig, il_normalizer: float, rl_normalizer: float,
+                   lambda_il: float = 1.0, lambda_rl: float = 1.0, advantages: Optional[torch.Tensor] = None,
+                   entropy: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
+                   backend: str = "reference"):
+    """``(loss, metrics)``: lambda_il * imitation NLL + lambda_rl * chunk-level RL loss (see module doc)."""
+    from ..loss import policy_loss
+
+    if il_mask.shape != logp.shape or rl_chunk_ids.shape != logp.shape:
+        raise ValueError(f"il_mask/rl_chunk_ids: shapes {tuple(il_mask.shape)}/{tuple(rl_chunk_ids.shape)} "
+                         f"do not match logp {tuple(logp.shape)}")
+    if not (il_normalizer > 0 and rl_normalizer > 0):
+        raise ValueError(f"il_normalizer/rl_normalizer: must be > 0, got {il_normalizer}/{rl_normalizer}")
+    m = il_mask.to(logp.device)
+    nll = -(logp * m.to(logp.dtype)).sum() / il_normalizer
+    kw = mb.loss_kwargs()
+    kw.update(chunk_ids=rl_chunk_ids.to(logp.device), normalizer=rl_normalizer)
+    kw = {k: (v.to(logp.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    has_rl = bool((rl_chunk_ids >= 0).any())
+    if has_rl:
+        rl = policy_loss(logp, old_logp, config=loss_cfg, advantages=advantages, entropy=entropy, ref_logp=ref_logp,
+                         backend=backend, **kw)
+        rl_loss, metrics = rl.loss, dict(rl.metrics)
+    else:
+        rl_loss, metrics = logp.sum() * 0.0, {}
+    loss = lambda_il * nll + lambda_rl * rl_loss
+    n_il = int(m.sum())
+    metrics.update({"ipa/il_nll": float(nll.detach()) * il_normalizer / max(n_il, 1), "ipa/il_tokens": n_il,
+                    "ipa/rl_loss": float(rl_loss.detach()), "ipa/rl_tokens": int((rl_chunk_ids >= 0).sum())})
+    return loss, metrics

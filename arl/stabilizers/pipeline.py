@@ -1,0 +1,130 @@
+"""``Stabilizers``: the few calls per step the RL loop makes; holds every stabilizer's state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..data.trajectory import Trajectory
+from ..loss.config import LossConfig
+from .advantages import advantage_metrics, apply_advantages, trajectory_advantages
+from .config import StabilizerConfig
+from .curriculum import PositiveOnlyCurriculum
+from .dynamic_sampling import DynamicSampler
+from .extreme import control_extremes, length_metrics, reweight_negatives
+from .ipa import IPAResampler
+from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
+from .schedules import AdaptiveKLController, entropy_coef
+from .shaping import shape_rewards
+
+
+@dataclass
+class PreparedBatch:
+    trajectories: list  # give these to pack_step (long failures may have become MASKED copies)
+    rewards: np.ndarray  # [N] shaped rewards (outcome + capped bonus)
+    advantages: np.ndarray  # [N] float64 weighted step advantages, aligned with trajectories
+    metrics: dict = field(default_factory=dict)
+
+
+class Stabilizers:
+    """Per step, the loop calls::
+
+        sampler = stab.sampler(groups_per_step)        # dynamic sampling (pass-through when off)
+        ... sampler.add(...) while sampler.groups_needed() ...
+        trajs, m_sampling = sampler.finish()
+        prep = stab.prepare(trajs)                      # shaping, extremes, advantages, monitors
+        packed = pack_step(prep.trajectories, packer_cfg, loss_cfg)
+        stab.apply(packed, prep)                        # weighted advantages into micro-batches
+        step_loss_cfg = stab.loss_config(step, success_rate)   # curriculum, KL beta, entropy coef
+        ... rl_step(..., step_loss_cfg) with advantages=mb.advantages for every micro-batch ...
+        decision = stab.after_step(step, metrics)       # KL controller update, alarms
+        if decision.action != "continue": ...           # "stop" or "rollback" to the last checkpoint
+    """
+
+    def __init__(self, cfg: Optional[StabilizerConfig] = None, loss_cfg: Optional[LossConfig] = None,
+                 decode: Optional[Callable] = None):
+        self.cfg = cfg if cfg is not None else StabilizerConfig()
+        self.loss_cfg = loss_cfg if loss_cfg is not None else LossConfig()
+        self.decode = decode  # tokenizer decode, for monitors when trajectories carry no turn texts
+        self.curriculum = PositiveOnlyCurriculum(self.cfg.curriculum)
+        self.kl = AdaptiveKLController(self.cfg.kl)
+        self.ipa = IPAResampler(self.cfg.ipa)
+        m = self.cfg.monitors
+        self.alarm = Alarm(m.alarms, m.ema, m.max_rollbacks)
+        self._patterns = compile_patterns(m.destructive_patterns)
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def sampler(self, target_groups: int) -> DynamicSampler:
+        return DynamicSampler(self.cfg.dynamic_sampling, target_groups)
+
+    # -- batch and advantages ---------------------------------------------------------------------
+    def prepare(self, trajs: Sequence[Trajectory], loss_cfg: Optional[LossConfig] = None) -> PreparedBatch:
+        for i, t in enumerate(trajs):
+            if not isinstance(t, Trajectory):
+                raise ValueError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
+        loss_cfg = loss_cfg if loss_cfg is not None else self.loss_cfg
+        metrics = length_metrics(trajs, self.cfg.extreme)  # early-warning signals, always on
+        rewards, m = shape_rewards(trajs, self.cfg.shaping)
+        metrics.update(m)
+        out, weights, m = control_extremes(trajs, self.cfg.extreme)
+        metrics.update(m)
+        adv = trajectory_advantages(out, rewards, loss_cfg)
+        if self.cfg.extreme.enabled:
+            adv = reweight_negatives(adv, self.cfg.extreme.negative_weight) * weights
+        metrics.update(advantage_metrics(out, adv))
+        if self.cfg.monitors.enabled:
+            metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
+        return PreparedBatch(out, rewards, adv, metrics)
+
+    @staticmethod
+    def apply(packed, prep: PreparedBatch) -> None:
+        apply_advantages(packed, prep.advantages)
+
+    # -- loss config ------------------------------------------------------------------------------
+    def loss_config(self, step: int, success_rate: Optional[float] = None) -> LossConfig:
+        """The LossConfig for this step: the base one with the curriculum's ``positive_only``, the
+        KL controller's ``kl_beta`` and the entropy schedule's ``entropy_coef`` (each only if on)."""
+        update = {}
+        po = self.curriculum.positive_only(step, success_rate)
+        if po is not None:
+            update["positive_only"] = po
+        if self.cfg.kl.enabled:
+            update["kl_beta"] = self.kl.beta
+        if self.cfg.entropy.enabled:
+            update["entropy_coef"] = entropy_coef(self.cfg.entropy, step)
+        return self.loss_cfg.model_copy(update=update) if update else self.loss_cfg
+
+    # -- after the optimizer step ---------------------------------------------------------------
+    def after_step(self, step: int, metrics: dict, success_rate: Optional[float] = None) -> Decision:
+        """Feed the step's metrics (loss, rollout, prepare's): KL controller, IPA schedule, alarms.
+        Returns the alarm decision; ``stab_metrics()`` has the controllers' state to log."""
+        if self.cfg.kl.enabled and self.cfg.kl.signal in metrics:
+            self.kl.update(float(metrics[self.cfg.kl.signal]))
+        if self.cfg.ipa.enabled and self.cfg.ipa.mode == "sequential":
+            self.ipa.advance(success_rate)
+        if not self.cfg.monitors.enabled:
+            return Decision()
+        return self.alarm.observe(metrics)
+
+    def stab_metrics(self) -> dict:
+        out = dict(self.curriculum.metrics())
+        if self.cfg.kl.enabled:
+            out.update(self.kl.metrics())
+        if self.cfg.ipa.enabled:
+            out.update(self.ipa.metrics())
+        if self.cfg.monitors.enabled:
+            out["stab/rollbacks"] = self.alarm.rollbacks
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"curriculum": self.curriculum.state_dict(), "kl": self.kl.state_dict(),
+                "ipa": self.ipa.state_dict(), "alarm": self.alarm.state_dict()}
+
+    def load_state_dict(self, s: dict) -> None:
+        """Restore (resume or rollback); the alarm's rollback count never goes back."""
+        self.curriculum.load_state_dict(s["curriculum"])
+        self.kl.load_state_dict(s["kl"])
+        self.ipa.load_state_dict(s["ipa"])
+        self.alarm.load_state_dict(s["alarm"])

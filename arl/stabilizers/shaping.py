@@ -1,0 +1,66 @@
+"""Capped process-reward shaping: each per-turn checkpoint earns ``per_checkpoint``, the sum is capped
+at ``cap`` (< the success reward, so the outcome dominates), and the bonus is added to the outcome.
+
+Checkpoints come from the trajectory's metadata.  Preferred: ``metadata["turn_info"]``, one dict per
+model turn, recorded by the episode from ``StepResult.info`` (see the rollout hook in the report):
+``{"tool": name or None, "tool_error": bool, "call": canonical call text (optional),
+"new_state": bool (optional), "observation": str (optional)}``.
+  * valid_tool_call: a turn with a tool and no tool error, counted once per distinct ``call`` (a
+    repeated identical call earns nothing: rewarding "called a tool" teaches tool spam);
+  * new_state: ``new_state`` if the env reports it, else an observation of a valid call not seen
+    before in the episode.
+Fallback without ``turn_info``: valid calls = ``tool_calls - tool_errors`` from the episode's
+counters; new states are then unknown (0).  Only OK trajectories are shaped (MASKED/FILTERED keep
+their reward).  Rewards are returned, trajectories are not modified.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..data.trajectory import Trajectory, TrajectoryStatus
+from .config import ShapingConfig
+
+
+def count_checkpoints(t: Trajectory, kinds: Sequence[str]) -> int:
+    info = t.metadata.get("turn_info")
+    if info is None:
+        if "valid_tool_call" not in kinds:
+            return 0
+        return max(0, int(t.metadata.get("tool_calls", 0)) - int(t.metadata.get("tool_errors", 0)))
+    n, calls, states = 0, set(), set()
+    for k, turn in enumerate(info):
+        if not isinstance(turn, dict):
+            raise ValueError(f"metadata['turn_info'][{k}]: expected a dict, got {type(turn).__name__}")
+        if not turn.get("tool") or turn.get("tool_error"):
+            continue
+        call = turn.get("call", k)  # without the call text every valid call is distinct
+        if "valid_tool_call" in kinds and call not in calls:
+            n += 1
+        calls.add(call)
+        if "new_state" in kinds:
+            if "new_state" in turn:
+                n += bool(turn["new_state"])
+            elif "observation" in turn and turn["observation"] not in states:
+                states.add(turn["observation"])
+                n += 1
+    return n
+
+
+def shape_rewards(trajs: Sequence[Trajectory], cfg: ShapingConfig):
+    """``(rewards [N] float64, metrics)``: outcome + min(cap, per_checkpoint * checkpoints)."""
+    outcome = np.array([float(t.reward) for t in trajs], dtype=np.float64)
+    if not cfg.enabled:
+        return outcome, {}
+    ok = np.array([t.status is TrajectoryStatus.OK for t in trajs], dtype=bool)
+    counts = np.array([count_checkpoints(t, cfg.checkpoints) if o else 0 for t, o in zip(trajs, ok)], dtype=np.int64)
+    raw = cfg.per_checkpoint * counts
+    bonus = np.where(ok, np.minimum(raw, cfg.cap), 0.0)
+    m = int(ok.sum())
+    metrics = {
+        "stab/shaping_bonus_mean": float(bonus[ok].mean()) if m else 0.0,
+        "stab/shaping_checkpoints_mean": float(counts[ok].mean()) if m else 0.0,
+        "stab/shaping_capped_frac": float((raw[ok] > cfg.cap).mean()) if m else 0.0,
+    }
+    return outcome + bonus, metrics

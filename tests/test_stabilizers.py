@@ -1,0 +1,375 @@
+"""Stabilizers on scripted batches: exact masks, weights, advantages, schedules, monitors, IPA."""
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from arl.data.packer import PackerConfig, pack_step
+from arl.data.trajectory import Trajectory, TrajectoryStatus as S
+from arl.loss import LossConfig, policy_loss
+from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSampler, IPAResampler, StabilizerConfig,
+                             Stabilizers, behaviour_metrics, entropy_coef, expert_trajectory, filter_zero_variance_groups,
+                             ipa_mixed_loss, ipa_normalizers, shape_rewards, split_chunk_roles, start_state,
+                             tag_resampled)
+from arl.stabilizers.config import (AdaptiveKLConfig, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
+                                    IPAResampleConfig, MonitorConfig, ShapingConfig)
+
+EPS = LossConfig().adv_eps
+
+
+def traj(reward=0.0, group=0, turn_lens=(3, 3), prompt=2, obs=2, status=S.OK, **meta):
+    """prompt (-1) | turn 0 | obs (-1) | turn 1 | ...; token ids are arbitrary positive ints."""
+    tokens, chunks, turns = [1] * prompt, [-1] * prompt, []
+    for k, n in enumerate(turn_lens):
+        if k:
+            tokens += [2] * obs
+            chunks += [-1] * obs
+        turns.append((len(tokens), len(tokens) + n))
+        tokens += [10 + k] * n
+        chunks += [k] * n
+    return Trajectory(tokens=tokens, chunk_ids=chunks, rollout_logp=np.full(len(tokens), -1.0, np.float32),
+                      reward=reward, group_id=group, turns=turns, status=status, metadata=dict(meta))
+
+
+def group_std(r):
+    r = np.asarray(r, dtype=np.float64)
+    if r.max() == r.min():
+        return np.zeros_like(r)
+    return (r - r.mean()) / (r.std(ddof=1) + EPS)
+
+
+# ---------------------------------------------------------------------------------------- config
+def test_config_defaults_off_and_one_line_errors():
+    cfg = StabilizerConfig()
+    assert not any(getattr(cfg, k).enabled for k in type(cfg).model_fields)
+    for bad, key in [(dict(kl=dict(targt=1)), "kl.targt: unknown key"), (dict(shaping=dict(cap=1.0)), "cap"),
+                     (dict(curriculum=dict(enabled=True)), "until_step"), (dict(entropy=dict(steps=0)), "entropy.steps"),
+                     (dict(monitors=dict(alarms=[dict(z=1.0)])), "monitors.alarms.0.signal")]:
+        with pytest.raises(ValueError, match=key) as e:
+            StabilizerConfig(**bad)
+        assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------ dynamic sampling
+def test_filter_zero_variance_groups_exact():
+    b = [traj(1, 0), traj(1, 0), traj(0, 1), traj(1, 1), traj(0, 2), traj(0, 2),
+         traj(1, 3), traj(0, 3, status=S.MASKED)]  # group 3: one OK member -> zero variance
+    kept, m = filter_zero_variance_groups(b)
+    assert [t.group_id for t in kept] == [1, 1]
+    assert m["stab/zero_var_frac"] == 0.75 and m["stab/groups_kept"] == 1
+
+
+def test_dynamic_sampler_fills_batch_with_bounded_retries():
+    s = DynamicSampler(DynamicSamplingConfig(enabled=True, max_rounds=2), target_groups=3)
+    assert s.groups_needed() == 3
+    s.add([traj(1, 0), traj(0, 0), traj(0, 1), traj(0, 1), traj(1, 2), traj(1, 2)])
+    assert s.groups_needed() == 2
+    s.add([traj(1, 3), traj(0, 3), traj(0, 4), traj(0, 4)])
+    assert s.groups_needed() == 1
+    s.add([traj(0, 5), traj(1, 5), traj(1, 6), traj(0, 6)])
+    assert s.groups_needed() == 0
+    trajs, m = s.finish()
+    assert sorted({t.group_id for t in trajs}) == [0, 3, 5]  # at most target groups, in arrival order
+    assert m["stab/zero_var_frac"] == pytest.approx(3 / 7) and m["stab/sampling_rounds"] == 3
+
+
+@pytest.mark.parametrize("on_short,expect", [("pad", [0, 1]), ("partial", [0])])
+def test_dynamic_sampler_gives_up_after_max_rounds(on_short, expect):
+    s = DynamicSampler(DynamicSamplingConfig(enabled=True, max_rounds=1, on_short=on_short), target_groups=2)
+    s.add([traj(1, 0), traj(0, 0), traj(0, 1), traj(0, 1)])
+    assert s.groups_needed() == 1
+    s.add([traj(0, 2), traj(0, 2)])
+    assert s.groups_needed() == 0  # retries spent
+    trajs, m = s.finish()
+    assert sorted({t.group_id for t in trajs}) == expect and m["stab/groups_short"] == 1
+
+
+def test_dynamic_sampler_off_passes_through_but_reports():
+    s = DynamicSampler(DynamicSamplingConfig(), target_groups=2)
+    s.add([traj(0, 0), traj(0, 0), traj(1, 1), traj(0, 1)])
+    assert s.groups_needed() == 0
+    trajs, m = s.finish()
+    assert len(trajs) == 4 and m["stab/zero_var_frac"] == 0.5
+
+
+# ----------------------------------------------------------------------------------------- shaping
+def test_shaping_exact_and_capped():
+    cfg = ShapingConfig(enabled=True, per_checkpoint=0.1, cap=0.5)
+    info = [dict(tool="lookup", tool_error=False, call="a", observation="k1"),
+            dict(tool="lookup", tool_error=False, call="a", observation="k1"),  # repeat: nothing
+            dict(tool="lookup", tool_error=True, call="b"),  # error: nothing
+            dict(tool=None, tool_error=False)]  # the answer
+    spam = [dict(tool="lookup", tool_error=False, call=str(i), new_state=True) for i in range(20)]
+    b = [traj(0, turn_info=info), traj(1, turn_info=info), traj(0, turn_info=spam), traj(1, turn_info=spam),
+         traj(0, tool_calls=5, tool_errors=2), traj(0, status=S.MASKED, turn_info=spam)]
+    r, m = shape_rewards(b, cfg)
+    np.testing.assert_allclose(r, [0.2, 1.2, 0.5, 1.5, 0.3, 0.0])
+    assert m["stab/shaping_capped_frac"] == pytest.approx(2 / 5)
+    assert r[[1, 3]].min() > r[[0, 2, 4]].max()  # the outcome dominates any shaping
+    r_off, m_off = shape_rewards(b, ShapingConfig())
+    np.testing.assert_array_equal(r_off, [0, 1, 0, 1, 0, 0]) and not m_off
+
+
+# ------------------------------------------------------------------- extremes and advantages
+def scripted_batch():
+    # group 0: a success and three failures, one of them long (40 trained tokens); group 1: mixed
+    return [traj(1, 0), traj(0, 0, turn_lens=(20, 20)), traj(0, 0), traj(0, 0),
+            traj(1, 1), traj(0, 1), traj(0, 1, status=S.FILTERED)]
+
+
+def test_extreme_mask_and_negative_reweighting_exact():
+    cfg = StabilizerConfig(extreme=dict(enabled=True, max_failed_tokens=20, negative_weight=0.5))
+    prep = Stabilizers(cfg).prepare(scripted_batch())
+    assert [t.status for t in prep.trajectories] == [S.OK, S.MASKED, S.OK, S.OK, S.OK, S.OK, S.FILTERED]
+    assert prep.trajectories[1].metadata["stab_masked"] == "long_failure"
+    a0, a1 = group_std([1, 0, 0, 0]), group_std([1, 0])  # the masked reward stays in the baseline
+    expect = [a0[0], 0.0, 0.5 * a0[2], 0.5 * a0[3], a1[0], 0.5 * a1[1], 0.0]
+    np.testing.assert_allclose(prep.advantages, expect, rtol=0, atol=1e-12)
+    m = prep.metrics
+    assert (m["stab/failed_len_max"], m["stab/success_len_max"], m["stab/long_failures"]) == (44, 10, 1)
+    assert m["stab/failed_len_mean"] == pytest.approx((44 + 10 + 10 + 10) / 4)
+    assert m["stab/failure_share"] == pytest.approx(4 / 6)
+    assert m["stab/neg_adv_share"] == pytest.approx(3 / 5)
+
+
+def test_extreme_weight_mode_exact():
+    cfg = StabilizerConfig(extreme=dict(enabled=True, max_failed_tokens=20, action="weight", long_weight=0.25))
+    prep = Stabilizers(cfg).prepare(scripted_batch())
+    assert prep.trajectories[1].status is S.OK
+    a0 = group_std([1, 0, 0, 0])
+    np.testing.assert_allclose(prep.advantages[:4], [a0[0], 0.25 * a0[1], a0[2], a0[3]], rtol=0, atol=1e-12)
+
+
+def test_off_reproduces_packer_advantages_and_weights_reach_the_loss():
+    b = scripted_batch()
+    loss_cfg = LossConfig()
+    pcfg = PackerConfig(token_budget=256, keep_groups=False)
+    plain = Stabilizers(loss_cfg=loss_cfg).prepare(b)
+    assert plain.trajectories == b and plain.metrics["stab/failed_len_max"] == 44
+    for mb in pack_step(b, pcfg, loss_cfg).all_micro_batches():
+        np.testing.assert_array_equal(mb.advantages.numpy(), plain.advantages[mb.traj_indices.numpy()])
+
+    cfg = StabilizerConfig(extreme=dict(enabled=True, max_failed_tokens=20, action="weight", long_weight=0.0))
+    prep = Stabilizers(cfg, loss_cfg).prepare(b)
+    packed = pack_step(prep.trajectories, pcfg, loss_cfg)
+    Stabilizers.apply(packed, prep)
+    (mb,) = packed.all_micro_batches()
+    logp = torch.full((mb.num_tokens,), -1.0, requires_grad=True)
+    out = policy_loss(logp, logp.detach() - 0.1, advantages=mb.advantages.float(), config=loss_cfg, **mb.loss_kwargs())
+    out.loss.backward()
+    cu = mb.cu_seqlens.tolist()
+    j = mb.traj_indices.tolist().index(1)  # the long failure, weight 0: no gradient
+    assert logp.grad[cu[j]:cu[j + 1]].abs().max() == 0
+    assert logp.grad[cu[0]:cu[1]].abs().max() > 0
+
+
+# -------------------------------------------------------------------- curriculum and schedules
+def test_curriculum_switches_by_step_and_latches_by_success():
+    st = Stabilizers(StabilizerConfig(curriculum=dict(enabled=True, until_step=3)))
+    assert [st.loss_config(s).positive_only for s in range(5)] == [True, True, True, False, False]
+    st = Stabilizers(StabilizerConfig(curriculum=dict(enabled=True, until_success=0.5)))
+    flags = [st.loss_config(s, r).positive_only for s, r in enumerate([0.1, 0.4, 0.6, 0.1, None])]
+    assert flags == [True, True, False, False, False] and st.curriculum.switched_at == 2
+    base = LossConfig(positive_only=True, clip_high=0.28)
+    assert Stabilizers(loss_cfg=base).loss_config(0) is base  # off: the loss config is untouched
+
+
+def test_kl_controller_direction_and_bounds():
+    cfg = AdaptiveKLConfig(enabled=True, target=0.05, horizon=10, init_beta=0.1, min_beta=0.01, max_beta=1.0)
+    c = AdaptiveKLController(cfg)
+    assert c.update(0.1) == pytest.approx(0.1 * 1.02)  # above target: up, by at most 20% / horizon
+    b = c.beta
+    assert c.update(0.04) < b  # below target: down
+    assert c.update(float("nan")) == c.beta and c.skipped == 1  # ignored, counted
+    for _ in range(2000):
+        c.update(100.0)
+    assert c.beta == 1.0
+    for _ in range(2000):
+        c.update(0.0)
+    assert c.beta == 0.01
+
+
+def test_entropy_schedule_endpoints_and_step_loss_config():
+    e = EntropyScheduleConfig(enabled=True, start=1e-3, end=1e-4, steps=10)
+    assert entropy_coef(e, 0) == 1e-3 and entropy_coef(e, 10) == pytest.approx(1e-4)
+    assert entropy_coef(e, 50) == pytest.approx(1e-4) and entropy_coef(e, 5) == pytest.approx(5.5e-4)
+    with pytest.raises(ValueError, match="step"):
+        entropy_coef(e, -1)
+    st = Stabilizers(StabilizerConfig(entropy=e.model_dump(), kl=dict(enabled=True, init_beta=0.2)),
+                     LossConfig(clip_high=0.28))
+    lc = st.loss_config(10)
+    assert (lc.kl_beta, lc.entropy_coef, lc.clip_high) == (0.2, pytest.approx(1e-4), 0.28)
+    st.after_step(10, {"kl_mean": 1.0})
+    assert st.loss_config(11).kl_beta > 0.2
+
+
+# -------------------------------------------------------------------------------------- monitors
+def call(key):
+    return f'<tool_call>{{"name": "lookup", "arguments": {{"key": "{key}"}}}}</tool_call>'
+
+
+def test_behaviour_metrics_loops_and_destructive_commands():
+    code = '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>'
+    b = [traj(0, turn_texts=["think " + call("k1"), call("k2"), call("k1"), call("k2"), call("k1")],
+              tools={"lookup": 5}),
+         traj(1, turn_texts=[call("k7"), "<answer>v1</answer>"], tools={"lookup": 1}),
+         traj(0, turn_texts=[code % "import shutil; shutil.rmtree('/')", code % "rm -rf /tmp/x",
+                             "I will not rm -rf anything", code % "print('remove duplicates')"],
+              tools={"python": 3})]
+    m = behaviour_metrics(b, MonitorConfig(enabled=True, loop_min_repeats=3))
+    assert m["monitor/tool_freq/lookup"] == 2.0 and m["monitor/tool_freq/python"] == 1.0
+    assert m["monitor/repeat_call_frac"] == pytest.approx(3 / 9)
+    assert m["monitor/looping_frac"] == pytest.approx(1 / 3)
+    assert m["monitor/destructive_calls"] == 2 and m["monitor/destructive_traj_frac"] == pytest.approx(1 / 3)
+    for bad in ("os.remove('/etc/passwd')", "kill -9 1", "os.kill(1, 9)"):
+        assert behaviour_metrics([traj(0, turn_texts=[code % bad])], MonitorConfig())["monitor/destructive_calls"] == 1
+    extra = MonitorConfig(destructive_patterns=[r"\bformat_disk\b"])
+    assert behaviour_metrics([traj(0, turn_texts=[code % "format_disk()"])], extra)["monitor/destructive_calls"] == 1
+    with pytest.raises(ValueError, match=r"destructive_patterns\[0\]"):
+        Stabilizers(StabilizerConfig(monitors=dict(destructive_patterns=["(("])))
+
+
+def test_alarm_fires_on_scripted_jump_not_on_noise():
+    rng = np.random.default_rng(0)
+    alarm = Alarm([AlarmRule(signal="monitor/tool_freq/lookup", z=4.0, min_delta=0.05)])
+    for x in 2.0 + 0.1 * rng.standard_normal(200):
+        assert alarm.observe({"monitor/tool_freq/lookup": float(x)}).ok
+    d = alarm.observe({"monitor/tool_freq/lookup": 3.5})
+    assert d.action == "rollback" and "tool_freq/lookup" in d.reasons[0]
+    assert alarm.observe({"monitor/tool_freq/lookup": 2.0}).ok  # the jump did not enter the statistics
+
+
+def test_alarm_actions_priority_bounds_and_rollback_budget():
+    rules = [AlarmRule(signal="a", min_history=2, direction="down", action="rollback"),
+             AlarmRule(signal="monitor/destructive_calls", above=0, action="stop")]
+    alarm = Alarm(rules, max_rollbacks=1)
+    for _ in range(3):
+        assert alarm.observe({"a": 1.0, "monitor/destructive_calls": 0}).ok
+    assert alarm.observe({"a": 5.0}).ok  # up, but the rule watches down
+    assert alarm.observe({"a": float("nan")}).action == "rollback"
+    d = alarm.observe({"a": -30.0, "monitor/destructive_calls": 1})
+    assert d.action == "stop" and len(d.reasons) == 2  # both fire; stop wins
+    d = alarm.observe({"a": -30.0})
+    assert d.action == "stop" and "max_rollbacks" in d.reasons[-1]  # second rollback > budget of 1
+
+
+def test_facade_state_dict_roundtrip_keeps_rollback_count():
+    cfg = StabilizerConfig(curriculum=dict(enabled=True, until_step=2), kl=dict(enabled=True),
+                           monitors=dict(enabled=True, alarms=[dict(signal="x", min_history=2)]))
+    st = Stabilizers(cfg)
+    st.loss_config(0)
+    for v in (1.0, 1.0, 1.0):
+        st.after_step(0, {"x": v, "kl_mean": 0.5})
+    saved = st.state_dict()
+    assert st.after_step(1, {"x": 9.0}).action == "rollback"
+    st.load_state_dict(saved)
+    assert st.alarm.rollbacks == 1 and st.kl.beta == saved["kl"]["beta"]
+    assert st.stab_metrics()["stab/rollbacks"] == 1
+
+
+# ------------------------------------------------------------------------------------------- IPA
+class CharFormat:  # minimal ChatFormat protocol: one token per character
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def prompt_ids(self, system, task):
+        return self.encode(f"S:{system}|U:{task}|A:")
+
+    def observation_ids(self, observation, turn_ended_with_eos=False):
+        return self.encode(f"|T:{observation}|A:")
+
+
+@pytest.fixture(scope="module")
+def expert():
+    from arl.env.expert import expert_transcript
+    from arl.env.toy import ToyLookupEnv
+
+    env = ToyLookupEnv(min_hops=3, max_hops=3)
+    task, tr = asyncio.run(expert_transcript(env, 5))
+    return expert_trajectory(CharFormat(), "sys", task, tr, task_seed=5)
+
+
+def test_expert_trajectory_layout(expert):
+    K = len(expert.turns)
+    assert K == 4 and expert.reward == 1.0 and expert.num_chunks == 4
+    for k, (a, b) in enumerate(expert.turns):
+        assert (expert.chunk_ids[a:b] == k).all()
+        assert "".join(map(chr, expert.tokens[a:b])) == expert.metadata["expert_turns"][k]
+    assert (expert.rollout_logp == 0).all()
+
+
+def test_start_states_sequential_and_parallel(expert):
+    r = IPAResampler(IPAResampleConfig(enabled=True, steps_per_chunk=2))
+    ks = []
+    for _ in range(10):
+        ks.append(r.start_states([expert])[0].chunk)
+        r.advance()
+    assert ks == [3, 3, 2, 2, 1, 1, 0, 0, 0, 0]  # sequential rollback from the last chunk, floor at 0
+    r = IPAResampler(IPAResampleConfig(enabled=True, steps_per_chunk=100, advance_at_success=0.8))
+    r.advance(0.5)
+    r.advance(0.9)
+    assert r.start_chunks(4) == [2]
+    p = IPAResampler(IPAResampleConfig(enabled=True, mode="parallel", anchors=(0.0, 0.25, 0.5, 0.9)))
+    assert [s.chunk for s in p.start_states([expert])] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="k: start chunk 4"):
+        start_state(expert, 4)
+
+
+def test_start_state_replays_env_to_chunk_k(expert):
+    from arl.env.toy import ToyLookupEnv
+
+    s = start_state(expert, 2)
+    assert s.prefix_len == expert.turns[2][0] and len(s.replay_turns) == 2
+
+    async def play():
+        env = ToyLookupEnv(min_hops=3, max_hops=3)
+        await env.reset(s.task_seed)
+        for t in s.replay_turns:  # the rollout hook: replay the prefix, then sample from turn k
+            assert not (await env.step(t)).done
+        res = None
+        for t in expert.metadata["expert_turns"][2:]:
+            res = await env.step(t)
+        return res.reward
+
+    assert asyncio.run(play()) == 1.0
+
+
+def resampled(expert, k, cont_lens, reward, group, imitate):
+    s = start_state(expert, k)
+    P = s.prefix_len
+    tokens = list(s.prefix_tokens) + [7] * sum(cont_lens)
+    chunks = list(s.prefix_chunk_ids) + [k + i for i, n in enumerate(cont_lens) for _ in range(n)]
+    t = Trajectory(tokens=tokens, chunk_ids=chunks, rollout_logp=np.zeros(len(tokens), np.float32), reward=reward,
+                   group_id=group, turns=list(expert.turns[:k]) + [(P, P + sum(cont_lens))])
+    return tag_resampled(s, t, imitate)
+
+
+def test_chunk_roles_normalizers_and_mixed_loss_exact(expert):
+    b = [resampled(expert, 2, (4, 3), 1.0, 0, True), resampled(expert, 2, (5,), 0.0, 0, False)]
+    with pytest.raises(ValueError, match="expert prefix"):
+        tag_resampled(start_state(expert, 3), b[1])
+    loss_cfg = LossConfig(ratio_level="chunk", loss_agg="token-mean")
+    il_norm, rl_norm = ipa_normalizers(b, loss_cfg)
+    n_prefix = sum(b_ - a for a, b_ in expert.turns[:2])
+    assert (il_norm, rl_norm) == (n_prefix, 12.0)  # prefix imitated once per group; RL on 7 + 5 tokens
+    (mb,) = pack_step(b, PackerConfig(token_budget=1024)).all_micro_batches()
+    il, rl_ids = split_chunk_roles(mb, b)
+    cu = mb.cu_seqlens.tolist()
+    assert int(il.sum()) == n_prefix and not il[cu[1]:].any()
+    assert int((rl_ids >= 0).sum()) == 12 and sorted(set(rl_ids[rl_ids >= 0].tolist())) == [0, 1, 2]
+
+    logp = torch.linspace(-3, -0.1, mb.num_tokens, dtype=torch.float64).requires_grad_()
+    old = logp.detach() + 0.05
+    loss, m = ipa_mixed_loss(logp, old, mb=mb, il_mask=il, rl_chunk_ids=rl_ids, loss_cfg=loss_cfg,
+                             il_normalizer=il_norm, rl_normalizer=rl_norm, lambda_il=0.5, lambda_rl=2.0)
+    loss.backward()
+    kw = mb.loss_kwargs()
+    kw.update(chunk_ids=rl_ids, normalizer=rl_norm, rewards=kw["rewards"].double())
+    rl = policy_loss(logp.detach(), old, config=loss_cfg, **kw).loss
+    nll = -(logp.detach() * il).sum() / il_norm
+    assert float(loss.detach()) == pytest.approx(0.5 * float(nll) + 2.0 * float(rl), rel=1e-12)
+    torch.testing.assert_close(logp.grad[il], torch.full((n_prefix,), -0.5 / il_norm, dtype=torch.float64))
+    assert logp.grad[(rl_ids < 0) & ~il].abs().max() == 0  # prompt, observations, the non-imitating prefix
+    assert m["ipa/il_tokens"] == n_prefix and m["ipa/rl_tokens"] == 12
