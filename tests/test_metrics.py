@@ -1,0 +1,262 @@
+"""arl.metrics: exact trajectory statistics on scripted batches, token-level helpers on real packed
+micro-batches, the JSONL/TensorBoard logger (round trip, resume, NaN) and the curves plot."""
+import json
+import math
+import runpy
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from arl.data.packer import PackerConfig, pack_step
+from arl.data.trajectory import Trajectory, TrajectoryStatus
+from arl.loss.config import LossConfig
+from arl.loss.reference import group_advantages
+from arl.metrics import (advantage_stats, per_turn_mean, per_turn_sums, success_logprob_mean, trajectory_metrics,
+                         turn_means)
+from arl.metrics.logger import MetricsLogger, read_metrics
+from arl.metrics.plot import main as plot_main
+
+OK, MASKED, FILTERED = TrajectoryStatus.OK, TrajectoryStatus.MASKED, TrajectoryStatus.FILTERED
+
+
+def traj(n, turns, reward=0.0, group=0, version=0, status=OK, tokens=None, **meta):
+    cid = np.full(n, -1, np.int32)
+    if status is not MASKED:
+        for k, (a, b) in enumerate(turns):
+            cid[a:b] = k
+    toks = np.arange(n) % 50 if tokens is None else tokens
+    return Trajectory(tokens=toks, chunk_ids=cid, rollout_logp=np.zeros(n), reward=reward, group_id=group,
+                      policy_version=version, turns=[] if status is MASKED else turns, status=status, metadata=meta)
+
+
+def call(tool, args, error=False):
+    return {"tool": tool, "args": args, "error": error}
+
+
+@pytest.fixture
+def batch():
+    return [
+        traj(12, [(2, 5), (7, 12)], 1.0, 0, 5, calls=[call("lookup", {"key": "a"})], tools={"lookup": 1},
+             gen_s=1.0, tool_s=0.5, fault="none"),
+        traj(20, [(2, 6), (8, 12), (14, 20)], 0.0, 0, 4, tools={"lookup": 2}, truncated="max_turns", gen_s=3.0,
+             calls=[call("lookup", {"key": "a"}), call("lookup", {"key": "a"}), call(None, None, True)]),
+        traj(8, [(3, 8)], 0.0, 1, 5, tool_calls=1, tool_errors=0, tools={"search": 1}),  # no "calls": counters
+        traj(6, [], 0.0, 1, 3, MASKED, fault="unrecoverable"),
+        traj(4, [(1, 4)], 0.5, 2, 5, FILTERED, fault="recoverable", tools={"lookup": 9}),
+        traj(10, [(4, 10)], 0.5, 2, 5, calls=[]),
+    ]
+
+
+def test_trajectory_metrics_exact(batch):
+    m = trajectory_metrics(batch, current_version=6, rollout_s=2.0)
+    r = np.array([1.0, 0.0, 0.0, 0.5])  # the OK trajectories
+    g0 = 0.5 / (math.sqrt(0.5) + 1e-6)  # group 0: rewards (1, 0), unbiased std sqrt(0.5)
+    expected = {
+        "status/ok": 4, "status/masked": 1, "status/filtered": 1, "status/truncated": 1, "status/faults": 2,
+        "reward/mean": 0.375, "reward/std": math.sqrt(0.171875), "reward/min": 0.0, "reward/max": 1.0,
+        "reward/q10": 0.0, "reward/q25": 0.0, "reward/q50": 0.25, "reward/q75": 0.625, "reward/q90": 0.85,
+        "reward/pos_frac": 0.5, "success/train": 0.25,
+        # non-FILTERED: g0 (1, 0) -> +-g0; g1 (0, 0 masked) and g2 (0.5 alone) have zero variance
+        "adv/nonzero_frac": 2 / 5, "adv/negative_frac": 1 / 5, "adv/zero_var_group_frac": 2 / 3,
+        "len/tokens_mean": 12.5, "len/tokens_max": 20, "len/gen_tokens_mean": 33 / 4, "len/gen_tokens_max": 14,
+        "len/turns_mean": 1.75, "len/turns_max": 3,
+        "len/failed_count": 3, "len/failed_tokens_mean": 38 / 3, "len/failed_tokens_max": 20,
+        "len/success_count": 1, "len/success_tokens_mean": 12, "len/success_tokens_max": 12,
+        # attempts: 1 + 3 + (counters: 1 named, 0 errors) + 0 = 5; valid 1 + 2 + 1 = 4
+        "tools/calls": 5, "tools/calls_per_traj": 1.25, "tools/valid_rate": 0.8,
+        "tools/repeat_rate": 1 / 5, "tools/repeat_trajs_frac": 1 / 4,
+        "tools/count/lookup": 3, "tools/per_traj/lookup": 0.75, "tools/count/search": 1, "tools/per_traj/search": 0.25,
+        "staleness/mean": 9 / 6, "staleness/max": 3,  # versions 5 4 5 3 5 5 at version 6
+        "rollout/tokens_per_s": 60 / 2, "rollout/gen_tokens_per_s": (33 + 0 + 3) / 2,
+        "time/gen_s_mean": 2.0, "time/tool_s_mean": 0.5,
+    }
+    assert set(m) == set(expected)
+    for k, v in expected.items():
+        assert m[k] == pytest.approx(v, abs=1e-12), k
+    assert float(np.std(r)) == pytest.approx(m["reward/std"])
+    # the advantage figures are the loss's own group_advantages
+    kept = [t for t in batch if t.status is not FILTERED]
+    adv, nz, G = group_advantages(torch.tensor([t.reward for t in kept], dtype=torch.float64),
+                                  torch.tensor([t.group_id for t in kept]), LossConfig())
+    assert adv[0].item() == pytest.approx(g0) and (nz, G) == (2, 3)
+
+
+def test_metrics_optional_keys_and_empty_sets():
+    t = traj(5, [(1, 5)], 0.0, tool_calls=3, tool_errors=1)  # counters only, no tokenizer: no repeat keys
+    m = trajectory_metrics([t])
+    assert m["tools/valid_rate"] == pytest.approx(2 / 3) and m["tools/calls"] == 3
+    assert not any(k.startswith(("tools/repeat", "staleness/", "rollout/", "time/")) for k in m)
+    assert m["len/success_count"] == 0 and m["len/success_tokens_max"] == 0.0
+    empty = trajectory_metrics([], current_version=0)
+    assert all(math.isfinite(v) for v in empty.values()) and empty["reward/mean"] == 0.0
+    only_masked = trajectory_metrics([traj(3, [], status=MASKED)])
+    assert only_masked["status/masked"] == 1 and only_masked["success/train"] == 0.0
+    assert all(math.isfinite(v) for v in only_masked.values())
+
+
+def test_metrics_bad_input():
+    t = traj(3, [(1, 3)])
+    with pytest.raises(ValueError, match=r"trajs\[1\]"):
+        trajectory_metrics([t, "x"])
+    with pytest.raises(ValueError, match="rollout_s"):
+        trajectory_metrics([t], rollout_s=0.0)
+    with pytest.raises(ValueError, match="adv_norm"):
+        trajectory_metrics([t], adv_norm="zscore")
+    with pytest.raises(ValueError, match="group_ids"):
+        advantage_stats([1.0, 0.0], [0])
+
+
+@pytest.mark.parametrize("adv_norm", ["group_std", "group_mean", "none"])
+def test_advantage_stats_match_loss(adv_norm):
+    rng = np.random.default_rng(0)
+    rewards, groups = rng.integers(0, 3, 24).astype(float) - 1, np.repeat(np.arange(6), 4)
+    adv, nz, G = group_advantages(torch.tensor(rewards), torch.tensor(groups), LossConfig(adv_norm=adv_norm))
+    s = advantage_stats(rewards.tolist(), groups.tolist(), adv_norm)
+    assert s["adv/nonzero_frac"] == pytest.approx(float((adv != 0).double().mean()))
+    assert s["adv/negative_frac"] == pytest.approx(float((adv < 0).double().mean()))
+    assert s["adv/zero_var_group_frac"] == pytest.approx(nz / G)
+
+
+def test_repeated_calls_from_decoded_turns():
+    """Without ``calls`` metadata, repeats are read back from the turns with a real tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    pieces = ["user: find a\n", 'hmm <tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>', "obs\n",
+              '<tool_call>{"arguments":{"key":"a"},"name":"lookup"}</tool_call>', "obs\n",
+              "<tool_call>{oops</tool_call>", "obs\n", "<answer>v</answer>"]
+    tok.train_from_iterator(pieces, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    ids, turns = [], []
+    for i, p in enumerate(pieces):
+        enc = tok.encode(p).ids
+        if i % 2:
+            turns.append((len(ids), len(ids) + len(enc)))
+        ids += enc
+    t = traj(len(ids), turns, tokens=np.array(ids), tool_calls=2, tool_errors=1)
+    m = trajectory_metrics([t], tokenizer=tok)
+    assert m["tools/repeat_trajs_frac"] == 1.0
+    assert m["tools/repeat_rate"] == pytest.approx(1 / m["tools/calls"])
+    assert "tools/repeat_rate" not in trajectory_metrics([t])
+
+
+def test_per_turn_entropy_and_success_logp_on_packed_batches():
+    ts = [traj(9, [(1, 3), (5, 9)], 1.0, 0), traj(7, [(2, 4), (5, 6)], 0.0, 0), traj(6, [(3, 6)], 1.0, 1)]
+    step = pack_step(ts, PackerConfig(token_budget=16, keep_groups=False))
+    mbs = [mb for mb in step.all_micro_batches() if not mb.is_empty]
+    assert len(mbs) >= 2  # the helpers sum over several micro-batches
+    # per-token value = 10 * trajectory index + local chunk id: the turn means are known exactly
+    vals = []
+    for mb in mbs:
+        v = torch.zeros(mb.num_tokens)
+        for s, ti in enumerate(mb.traj_indices.tolist()):
+            a, b = int(mb.cu_seqlens[s]), int(mb.cu_seqlens[s + 1])
+            v[a:b] = 10.0 * ti + torch.from_numpy(ts[ti].chunk_ids).float()
+        vals.append(v)
+    cids, cus = [mb.chunk_ids for mb in mbs], [mb.cu_seqlens for mb in mbs]
+    # turn 0: 2 tokens of t0 (0), 2 of t1 (10), 3 of t2 (20); turn 1: 4 of t0 (1), 1 of t1 (11)
+    assert per_turn_mean(vals, cids, cus) == pytest.approx({"entropy/turn_0": (0 + 20 + 60) / 7,
+                                                            "entropy/turn_1": (4 + 11) / 5})
+    sums, counts = per_turn_sums(vals, cids, cus, num_turns=4)
+    assert counts.tolist() == [7, 5, 0, 0] and set(turn_means(sums, counts, "e/")) == {"e/0", "e/1"}
+    succ = [torch.tensor([ts[i].reward >= 1.0 for i in mb.traj_indices.tolist()]) for mb in mbs]
+    # successful: t0 (2 x 0, 4 x 1) and t2 (3 x 20)
+    assert success_logprob_mean(vals, cids, cus, succ) == {"logp/success_mean": pytest.approx(64 / 9)}
+    assert success_logprob_mean(vals, cids, cus, [torch.zeros_like(s) for s in succ]) == {}
+    with pytest.raises(ValueError, match="micro-batch 0"):
+        per_turn_sums([vals[0][:-1]], cids[:1], cus[:1])
+    with pytest.raises(ValueError, match="success flags"):
+        success_logprob_mean(vals[:1], cids[:1], cus[:1], [torch.ones(99, dtype=torch.bool)])
+    with pytest.raises(ValueError, match="one per micro-batch"):
+        per_turn_sums(vals, cids[:1], cus)
+
+
+# ------------------------------------------------------------------ logger
+def test_logger_jsonl_roundtrip_resume_and_nan(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False) as lg:
+        for s in range(5):
+            lg.log(s, {"reward/mean": s / 10, "loss": {"clip_frac": np.float32(0.25)}, "n": np.int64(s),
+                       "ok": True, "kl": torch.tensor(0.5)}, wall_s=float(s))
+        with pytest.raises(ValueError, match="step 4 is not after"):
+            lg.log(4, {}, 0.0)
+        with pytest.raises(ValueError, match=r"metrics\['bad'\]"):
+            lg.log(5, {"bad": "x"}, 0.0)
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(5))
+    assert recs[3] == {"step": 3, "wall_s": 3.0, "reward/mean": 0.3, "loss/clip_frac": 0.25, "n": 3, "ok": 1, "kl": 0.5}
+
+    # crash: a torn last line, then resume from the step-2 checkpoint
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with MetricsLogger(tmp_path, tensorboard=False, progress=False, resume_step=2) as lg:
+            assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+            with pytest.raises(ValueError, match="not after"):
+                lg.log(2, {}, 0.0)
+            for s in (3, 4, 5):
+                rec = lg.log(s, {"loss": float("nan"), "gn": float("inf") if s == 4 else 1.0, "x": 1.0}, wall_s=s)
+    assert rec == {"step": 5, "wall_s": 5.0, "loss": None, "gn": 1.0, "x": 1.0}
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 2 and "'loss'" in msgs[0] and "'gn'" in msgs[1]  # once per key
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4, 5]
+    assert "NaN" not in "".join(lines) and json.loads(lines[4])["gn"] is None
+
+    # a fresh run (no resume_step) starts the file over
+    MetricsLogger(tmp_path, tensorboard=False, progress=False).close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def test_logger_tensorboard_and_progress(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, total_steps=3, progress=True) as lg, pytest.warns(RuntimeWarning, match="'bad'"):
+        for s in range(3):
+            lg.log(s, {"reward/mean": float(s), "train/clip_frac": 0.125, "bad": float("nan")}, wall_s=s)
+    err = capsys.readouterr().err
+    assert "3/3" in err and "reward=2" in err and "clip=0.125" in err
+    ev = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert ev, "no TensorBoard event file"
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert "bad" not in acc.Tags()["scalars"]
+
+
+# ------------------------------------------------------------------ plot
+def _synthetic_run(d, n=12, speed=4.0):
+    with MetricsLogger(d, tensorboard=False, progress=False) as lg:
+        for s in range(n):
+            p = 1 - math.exp(-s / speed)
+            lg.log(s, {"reward/mean": p, "success/train": p, "success/heldout": 0.9 * p, "train/approx_kl": 0.01,
+                       "train/clip_frac": 0.1, "grad_norm": 1.0 + p, "len/tokens_mean": 100 + s,
+                       "tools/valid_rate": p, "staleness/mean": 0.5, "rollout/tokens_per_s": 900.0,
+                       "entropy/turn_0": 2 - p}, wall_s=2.0 * s)
+
+
+def test_plot_png_from_run_dirs(tmp_path, capsys):
+    _synthetic_run(tmp_path / "ipa")
+    _synthetic_run(tmp_path / "grpo", speed=8.0)
+    out = tmp_path / "cmp" / "curves.png"
+    assert plot_main([str(tmp_path / "ipa"), str(tmp_path / "grpo"), "--out", str(out), "--x", "wall"]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert capsys.readouterr().out.strip() == str(out)
+
+
+def test_plot_errors(tmp_path, capsys, monkeypatch):
+    assert plot_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no metrics.jsonl" in err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "wall_s": 0.0, "foo": 1}\n')
+    assert plot_main([str(tmp_path)]) == 2 and "no plottable metric" in capsys.readouterr().err
+    # the `python -m arl.plot` entry point (run in-process: a subprocess costs a 10 s import)
+    monkeypatch.setattr(sys, "argv", ["arl.plot", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("arl.plot", run_name="__main__")
+    assert e.value.code == 2 and "no metrics.jsonl" in capsys.readouterr().err
