@@ -33,8 +33,11 @@ def main(argv=None) -> int:
         print(f"config OK: {args.config or '<built-in default>'}")
         print(layout.render())
         return 0
-    print("arl.train: the RL training loop is not implemented yet (issue 6); use --dry-run", file=sys.stderr)
-    return 3
+    from .trainer.loop import launch
+
+    run_dir = launch(cfg, resume=args.resume)
+    print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,443 @@
+"""The RL loop: processes, the step, weight sync, evaluation and checkpoints.
+
+Processes (one machine; GPU nodes use the same roles on their own devices):
+  * the launcher (``python -m arl.train``) builds the model directory and the SFT data, starts
+    one rollout process and ``trainer.world_size`` trainer ranks, and waits;
+  * the rollout process runs the vLLM engine and the async ``RolloutManager`` (environments in a
+    pool, bounded staleness) in one asyncio loop; it hands finished batches to trainer rank 0 on
+    ``batches`` and takes ``weights`` / ``eval`` / ``stop`` orders on ``orders``;
+  * trainer ranks (DeepSpeed, gloo on CPU) run the SFT warm start, then per step: rank 0 takes a
+    batch, packs it for all ranks (``pack_step``), scatters the micro-batches; every rank
+    recomputes old logprobs and runs ``updates_per_batch`` optimizer steps; rank 0 writes the new
+    weights to shared memory and orders the engine to reload them (policy version + 1).
+
+Determinism: with ``rollout.staleness: 0`` and fixed seeds, step k is generated from version k
+on tasks [k*G, (k+1)*G) with per-sample seeds, so a resumed run reproduces an uninterrupted one.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import queue as queue_mod
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..config import OptimConfig, TrainConfig
+from ..data import Trajectory
+from ..data.packer import PackerConfig, pack_step
+
+EVAL_SEED_BASE = 1_000_000  # held-out task seeds (training tasks count up from 0)
+
+
+# ---------------------------------------------------------------- model and data
+def model_dir_for(cfg: TrainConfig) -> str:
+    if cfg.model.name_or_path != "tiny":
+        return cfg.model.name_or_path
+    from ..models.tiny import TinyModelConfig, build_tiny_model
+
+    t = cfg.model.tiny
+    tiny = TinyModelConfig(vocab_size=t.vocab_size, hidden_size=t.hidden, num_hidden_layers=t.layers,
+                           num_attention_heads=t.heads, num_key_value_heads=t.kv_heads,
+                           intermediate_size=t.intermediate, max_position_embeddings=t.max_position,
+                           seed=cfg.seed, envs=(cfg.env.name,))
+    return str(build_tiny_model(config=tiny))
+
+
+def make_env_factory(cfg: TrainConfig):
+    from ..env import make_env
+
+    name, kwargs = cfg.env.name, dict(cfg.env.kwargs)
+    return lambda: make_env(name, **kwargs)
+
+
+def expert_trajectories(cfg: TrainConfig, model_dir: str, n: int, seed_base: int = 2_000_000) -> list:
+    """Expert demonstrations rendered exactly as the rollout renders a model's turns."""
+    from transformers import AutoTokenizer
+
+    from ..env import make_env
+    from ..rollout.engine import Sample
+    from ..rollout.episode import ChatFormat, Episode, EpisodeConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    fmt = ChatFormat(tok)
+    # no faults, no latency, no unsolvable tasks: the expert's fixed turns must stay valid
+    drop = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "latency_median_s", "latency_p99_s",
+            "tool_timeout_s")
+    env = make_env(cfg.env.name, **{k: v for k, v in cfg.env.kwargs.items() if k not in drop})
+    ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
+
+    async def one(seed):
+        ep = Episode(env, fmt, ep_cfg, seed)
+        await ep.start()
+        turns = env.expert_turns()
+        if turns is None:
+            return None
+        for text in turns:
+            if ep.done:
+                break
+            ids = fmt.encode(text)
+            await ep.apply(Sample(ids, [0.0] * len(ids), text, "stop"))
+        t = ep.trajectory()
+        return t if t.reward > 0 else None
+
+    async def all_():
+        out = []
+        for s in range(seed_base, seed_base + 4 * n):
+            t = await one(s)
+            if t is not None:
+                out.append(t)
+            if len(out) >= n:
+                break
+        return out
+
+    return asyncio.run(all_())
+
+
+# ---------------------------------------------------------------- rollout process
+def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_version: int) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = TrainConfig.model_validate(cfg_dict)
+    try:
+        asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version))
+    except BaseException as e:  # tell the trainer instead of leaving it waiting
+        batches.put(("error", f"{type(e).__name__}: {e}"))
+        raise
+
+
+async def _evaluate(engine, fmt, cfg: TrainConfig, n: int) -> float:
+    from ..rollout.engine import SamplingConfig
+    from ..rollout.episode import EpisodeConfig, run_episode
+
+    factory = make_env_factory(cfg)
+    ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens,
+                           sampling=SamplingConfig(max_tokens=cfg.rollout.max_turn_tokens, temperature=0.0))
+    sem = asyncio.Semaphore(cfg.env.pool_size)
+
+    async def one(i):
+        async with sem:
+            env = factory()
+            try:
+                t = await run_episode(engine, env, fmt, EVAL_SEED_BASE + i, ep_cfg)
+            finally:
+                await env.close()
+            return float(t.reward > 0 and t.metadata.get("fault") == "none")
+
+    res = await asyncio.gather(*(one(i) for i in range(n)))
+    return float(np.mean(res)) if res else float("nan")
+
+
+async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int) -> None:
+    from transformers import AutoTokenizer
+
+    from ..rollout.engine import SamplingConfig, make_engine
+    from ..rollout.episode import ChatFormat, EpisodeConfig
+    from ..rollout.manager import RolloutConfig, RolloutManager
+
+    r = cfg.rollout
+    engine = make_engine(r.engine, model=model_dir, seed=cfg.seed, max_model_len=max(r.max_total_tokens + 64, 256),
+                         dtype=cfg.model.dtype)
+    engine.version = start_version
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+    rcfg = RolloutConfig(
+        group_size=r.group_size, groups_per_step=r.tasks_per_step, max_staleness=r.staleness,
+        env_pool_size=cfg.env.pool_size, max_retries=r.retries, max_filtered_frac=r.filter_cap, seed=cfg.seed,
+        episode=EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=r.max_total_tokens,
+                              sampling=SamplingConfig(max_tokens=r.max_turn_tokens, temperature=r.temperature,
+                                                      top_p=r.top_p)))
+    tasks = itertools.count(start_version * r.tasks_per_step)
+    loop = asyncio.get_running_loop()
+    synced = asyncio.Event()
+    stop = asyncio.Event()
+    manager: Optional[RolloutManager] = None
+    evals: set = set()
+
+    async def take_orders():
+        nonlocal manager
+        while not stop.is_set():
+            msg = await loop.run_in_executor(None, orders.get)
+            kind = msg[0]
+            if kind == "stop":
+                stop.set()
+                return
+            if kind == "weights":
+                _, wdir, version = msg
+                if manager is None:
+                    await engine.update_weights(wdir, version)
+                else:
+                    await manager.update_weights(wdir, version)
+                synced.set()
+            elif kind == "eval":
+                _, version, n = msg
+
+                async def run_eval(version=version, n=n):
+                    acc = await _evaluate(engine, fmt, cfg, n)
+                    await loop.run_in_executor(None, batches.put, ("eval", version, acc))
+
+                t = asyncio.create_task(run_eval())
+                evals.add(t)
+                t.add_done_callback(evals.discard)
+
+    orders_task = asyncio.create_task(take_orders())
+    await synced.wait()  # the first weights (after SFT / from the checkpoint)
+    manager = RolloutManager(engine, make_env_factory(cfg), fmt, tasks=tasks, config=rcfg)
+    async with manager:
+        while not stop.is_set():
+            while manager.step > manager.version + r.staleness and not stop.is_set():
+                await asyncio.sleep(0.02)  # the trainer has not synced the weights this step needs
+            if stop.is_set():
+                break
+            get = asyncio.create_task(manager.get_batch())
+            done, _ = await asyncio.wait({get, orders_task}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                break
+            await loop.run_in_executor(None, batches.put, ("batch", get.result()))
+    for t in list(evals):
+        t.cancel()
+    await engine.close()
+
+
+# ---------------------------------------------------------------- trainer ranks
+def _jsonl_append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record, allow_nan=False, default=float) + "\n")
+
+
+def _clean(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def _all_mean(metrics: dict) -> dict:
+    """Average a rank's metric dict over ranks (keys are identical on every rank)."""
+    import torch.distributed as dist
+
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def _scatter(objs_rank0, rank: int):
+    import torch.distributed as dist
+
+    out = [None]
+    dist.scatter_object_list(out, objs_rank0 if rank == 0 else None, src=0)
+    return out[0]
+
+
+def _bcast(obj, rank: int):
+    import torch.distributed as dist
+
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
+    f = ckpt_dir / "latest_step"
+    return int(f.read_text()) if f.exists() else None
+
+
+def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> dict:
+    from . import PolicyTrainer
+
+    s = cfg.sft
+    optim = OptimConfig(lr=s.lr, grad_clip=cfg.trainer.optim.grad_clip)
+    tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1))
+    rng = random.Random(cfg.seed)
+    per_step = max(world, min(len(demos), 32))
+    last = {}
+    for step in range(s.steps):
+        batch = rng.sample(demos, per_step) if len(demos) >= per_step else demos
+        packed = pack_step(batch, PackerConfig(token_budget=s.micro_batch_tokens, num_ranks=world, seed=step))
+        last = tr.sft_step(packed.ranks[rank], normalizer=packed.normalizer)
+    return last
+
+
+def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, demos: list, batches, orders,
+                 resume: bool) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..rollout.engine import write_sync_weights
+    from . import PolicyTrainer
+    from .dist import init_distributed, set_rank_env
+
+    cfg = TrainConfig.model_validate(cfg_dict)
+    set_rank_env(rank, world, port)
+    init_distributed(cfg.layout.device)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if cfg.trainer.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    run_dir = Path(cfg.output_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    weights_dir = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / f"arl-weights-{port}"
+    metrics_path = run_dir / "metrics.jsonl"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    start_step = 0
+    t0 = time.perf_counter()
+
+    resume_step = _latest_checkpoint(ckpt_dir) if resume else None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is None and metrics_path.exists():
+            metrics_path.unlink()
+    if cfg.sft.enabled and resume_step is None and cfg.sft.steps > 0:
+        sft_metrics = run_sft(cfg, model, demos, rank, world)
+        if rank == 0:
+            _jsonl_append(metrics_path, _clean({"phase": "sft", "step": 0, "wall_s": time.perf_counter() - t0,
+                                                **{f"sft/{k}": v for k, v in sft_metrics.items()}}))
+
+    loss_cfg = cfg.loss
+    tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage, total_steps=cfg.trainer.steps,
+                       dtype=dtype, loss_backend=cfg.trainer.backend, temperature=cfg.rollout.temperature)
+    if resume_step is not None:
+        state = tr.load_checkpoint(str(ckpt_dir), tag=f"step{resume_step}")
+        start_step = int(state["step"])
+        wall_offset = float(state.get("wall_s", 0.0))
+        if rank == 0 and metrics_path.exists():  # drop records of steps after the checkpoint
+            keep = [ln for ln in metrics_path.read_text().splitlines()
+                    if json.loads(ln).get("step", 0) <= start_step]
+            metrics_path.write_text("".join(k + "\n" for k in keep))
+    else:
+        wall_offset = 0.0
+
+    def sync_weights(version: int) -> None:
+        if rank == 0:
+            write_sync_weights(tr.module.state_dict(), weights_dir)
+            orders.put(("weights", str(weights_dir), version))
+
+    def wait_batch():
+        while True:
+            msg = batches.get()
+            if msg[0] == "batch":
+                return msg[1]
+            if msg[0] == "eval":
+                _jsonl_append(metrics_path, _clean({"phase": "eval", "step": msg[1], "eval/success": msg[2],
+                                                    "wall_s": wall_offset + time.perf_counter() - t0}))
+            elif msg[0] == "error":
+                raise RuntimeError(f"rollout process failed: {msg[1]}")
+
+    sync_weights(start_step)
+    if rank == 0 and cfg.env.eval_tasks:
+        orders.put(("eval", start_step, cfg.env.eval_tasks))
+    try:
+        for step in range(start_step, cfg.trainer.steps):
+            ts = time.perf_counter()
+            if rank == 0:
+                batch = wait_batch()
+                packed = pack_step(batch.trainable(), PackerConfig(
+                    token_budget=cfg.trainer.micro_batch_tokens, num_ranks=world, seed=cfg.seed + step), loss_cfg)
+                parts, extra = packed.ranks, {**batch.metrics, **_batch_stats(batch.trajectories)}
+            else:
+                parts, extra = None, None
+            mbs = _scatter(parts, rank)
+            extra = _bcast(extra, rank)
+            wait_s = time.perf_counter() - ts
+            old = tr.old_logprobs(mbs)
+            m = {}
+            for _ in range(cfg.trainer.updates_per_batch):
+                m = tr.rl_step(mbs, old, loss_cfg)
+            m["train_tokens"] = float(sum(mb.num_tokens for mb in mbs))
+            m = _all_mean(m)
+            version = step + 1
+            sync_weights(version)
+            if rank == 0 and cfg.env.eval_tasks and (version % cfg.trainer.eval_every == 0 or version == cfg.trainer.steps):
+                orders.put(("eval", version, cfg.env.eval_tasks))
+            step_s = time.perf_counter() - ts
+            if rank == 0:
+                rec = {"phase": "rl", "step": version, "wall_s": wall_offset + time.perf_counter() - t0,
+                       "time/step_s": step_s, "time/wait_rollout_s": wait_s,
+                       "perf/train_tokens_per_s": m.pop("train_tokens") * world / max(step_s - wait_s, 1e-9),
+                       **{f"train/{k}": v for k, v in m.items()}, **extra}
+                _jsonl_append(metrics_path, _clean(rec))
+            if version % cfg.trainer.checkpoint_every == 0 or version == cfg.trainer.steps:
+                tr.save_checkpoint(str(ckpt_dir), tag=f"step{version}",
+                                   client_state={"step": version, "wall_s": wall_offset + time.perf_counter() - t0})
+                if rank == 0:
+                    (ckpt_dir / "latest_step").write_text(str(version))
+            if cfg.trainer.max_wall_s is not None and time.perf_counter() - t0 > cfg.trainer.max_wall_s:
+                break
+        if rank == 0 and cfg.env.eval_tasks:  # collect the last evaluation before stopping
+            deadline = time.time() + 600
+            while time.time() < deadline:
+                try:
+                    msg = batches.get(timeout=5)
+                except queue_mod.Empty:
+                    continue
+                if msg[0] == "eval":
+                    _jsonl_append(metrics_path, _clean({"phase": "eval", "step": msg[1], "eval/success": msg[2],
+                                                        "wall_s": wall_offset + time.perf_counter() - t0}))
+                    if msg[1] >= min(version, cfg.trainer.steps):
+                        break
+        tr.export_hf(str(run_dir / "hf"), tokenizer=AutoTokenizer.from_pretrained(model_dir) if rank == 0 else None)
+    finally:
+        if rank == 0:
+            orders.put(("stop",))
+            shutil.rmtree(weights_dir, ignore_errors=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _batch_stats(trajs: list) -> dict:
+    ok = [t for t in trajs if t.status.value == "ok"]
+    r = np.array([t.reward for t in ok]) if ok else np.zeros(1)
+    calls = sum(t.metadata.get("tool_calls", 0) for t in ok)
+    errs = sum(t.metadata.get("tool_errors", 0) for t in ok)
+    return {
+        "rollout/success_rate": float((r > 0).mean()),
+        "rollout/reward_std": float(r.std()),
+        "rollout/valid_tool_call_rate": float(1 - errs / calls) if calls else float("nan"),
+        "rollout/len_tokens_mean": float(np.mean([len(t) for t in ok])) if ok else 0.0,
+        "rollout/len_tokens_max": float(max(len(t) for t in ok)) if ok else 0.0,
+    }
+
+
+# ---------------------------------------------------------------- launcher
+def launch(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Run SFT + RL with ``cfg``; returns the run directory (metrics.jsonl, checkpoints, hf/)."""
+    import torch.multiprocessing as mp
+
+    from .dist import free_port
+
+    if cfg.layout.device != "cpu":
+        raise ValueError("layout.device: this launcher runs the CPU layout; launch GPU configs with deepspeed/torchrun")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model_dir = model_dir_for(cfg)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    demos = expert_trajectories(cfg, model_dir, cfg.sft.episodes) if cfg.sft.enabled else []
+    ctx = mp.get_context("spawn")
+    batches, orders = ctx.Queue(), ctx.Queue()
+    start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
+    roll = ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, orders, start_version),
+                       daemon=False, name="arl-rollout")  # vLLM may start helper processes
+    roll.start()
+    try:
+        mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
+                                               batches, orders, resume),
+                           nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
+    finally:
+        roll.join(timeout=60)
+        if roll.is_alive():
+            roll.terminate()
+    return run_dir
