@@ -14,8 +14,8 @@ from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus
 from arl.loss.config import LossConfig
 from arl.loss.reference import group_advantages
-from arl.metrics import (advantage_stats, per_turn_mean, per_turn_sums, success_logprob_mean, trajectory_metrics,
-                         turn_means)
+from arl.metrics import (advantage_stats, per_turn_mean, per_turn_sums, success_logprob_mean, success_rate,
+                         trajectory_metrics, turn_means)
 from arl.metrics.logger import MetricsLogger, read_metrics
 from arl.metrics.plot import main as plot_main
 
@@ -92,6 +92,11 @@ def test_metrics_optional_keys_and_empty_sets():
     assert m["len/success_count"] == 0 and m["len/success_tokens_max"] == 0.0
     empty = trajectory_metrics([], current_version=0)
     assert all(math.isfinite(v) for v in empty.values()) and empty["reward/mean"] == 0.0
+    # per-tool counts from the call records when the episode kept no "tools" counter
+    u = traj(5, [(1, 5)], 1.0, calls=[call("lookup", {"k": 1}), call("run", {}), call(None, None, True)])
+    assert {k: v for k, v in trajectory_metrics([u]).items() if k.startswith("tools/count/")} == {
+        "tools/count/lookup": 1.0, "tools/count/run": 1.0}
+    assert success_rate([u, t, traj(2, [], 1.0, status=MASKED)]) == 0.5 and success_rate([]) == 0.0
     only_masked = trajectory_metrics([traj(3, [], status=MASKED)])
     assert only_masked["status/masked"] == 1 and only_masked["success/train"] == 0.0
     assert all(math.isfinite(v) for v in only_masked.values())
@@ -220,11 +225,14 @@ def test_logger_tensorboard_and_progress(tmp_path, capsys):
             lg.log(s, {"reward/mean": float(s), "train/clip_frac": 0.125, "bad": float("nan")}, wall_s=s)
     err = capsys.readouterr().err
     assert "3/3" in err and "reward=2" in err and "clip=0.125" in err
+    with MetricsLogger(tmp_path, total_steps=5, resume_step=1) as lg:  # 2 steps kept: the bar resumes at 2/5
+        lg.log(2, {"reward/mean": 5.0}, wall_s=3.0)
+    assert "3/5" in capsys.readouterr().err
     ev = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert ev, "no TensorBoard event file"
     acc = EventAccumulator(str(tmp_path / "tb"))
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    acc.Reload()  # the resumed run purged step 2 of the first run and rewrote it
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 5.0)]
     assert "bad" not in acc.Tags()["scalars"]
 
 

@@ -8,6 +8,9 @@ holds) and drops the rest, which the resumed run recomputes; a torn last line fr
 too.  TensorBoard gets ``purge_step=s + 1`` so its curves are cut the same way.  ``resume_step=None``
 is a fresh run: an existing ``metrics.jsonl`` is started over.
 
+Progress bar (tqdm, stderr): counts logged steps against ``total_steps`` and shows the first metric
+found for each label of ``progress_keys`` (reward, success, held-out success, kl, clip fraction).
+
 Values: numbers (Python, numpy or 0-d torch), bools (logged as 0/1) and nested dicts (flattened with
 "/").  Non-finite numbers are written as JSON ``null``, left out of TensorBoard, and reported once per
 key as a ``RuntimeWarning``.  Anything else is a ValueError naming the key.
@@ -104,8 +107,9 @@ class MetricsLogger:
         self.progress_keys = dict(progress_keys or DEFAULT_PROGRESS)
         self._warned: set = set()
         self._file = self._writer = self._bar = None
+        done = self.last_step + 1  # steps already done, for the progress bar
         if jsonl:
-            self._file = self._open_jsonl(self.run_dir / METRICS_FILE, resume_step)
+            self._file, done = self._open_jsonl(self.run_dir / METRICS_FILE, resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -114,7 +118,7 @@ class MetricsLogger:
         if progress:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=self.last_step + 1, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=done, unit="step", dynamic_ncols=True)
 
     @staticmethod
     def _open_jsonl(path: Path, resume_step: Optional[int]):
@@ -127,7 +131,7 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        return open(path, "a")
+        return open(path, "a"), len(keep)
 
     def _finite(self, metrics: dict) -> dict:
         out = {}
@@ -163,7 +167,7 @@ class MetricsLogger:
                     self._writer.add_scalar(k, v, global_step=int(step))
             self._writer.flush()
         if self._bar is not None:
-            self._bar.update(int(step) - self.last_step)
+            self._bar.update(1)  # the bar counts logged steps, whatever the step numbering
             self._bar.set_postfix(self._postfix(flat), refresh=True)
         self.last_step = int(step)
         return rec

@@ -45,7 +45,6 @@ from arl.loss.config import AdvNorm
 
 QUANTILES = (10, 25, 50, 75, 90)
 ADV_NORMS = get_args(AdvNorm)
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _TAG_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
@@ -86,10 +85,13 @@ def advantage_stats(rewards: Sequence[float], group_ids: Sequence[int], adv_norm
 
 def _calls_from_text(t: Trajectory, tokenizer) -> list:
     """Tool-call records read back from the model's own turns (fallback when ``calls`` is absent)."""
+    from arl.env.toolcall import TOOL_CLOSE, TOOL_OPEN  # the turn format the environments parse
+
+    pattern = re.compile(re.escape(TOOL_OPEN) + "(.*?)" + re.escape(TOOL_CLOSE), re.S)
     calls = []
     for a, b in t.turns:
         text = tokenizer.decode([int(x) for x in t.tokens[a:b]], skip_special_tokens=True)
-        for body in _TOOL_CALL.findall(text):
+        for body in pattern.findall(text):
             try:
                 obj = json.loads(body)
                 calls.append({"tool": obj["name"], "args": obj["arguments"], "error": False})
@@ -131,7 +133,10 @@ def _tool_stats(ok: Sequence[Trajectory], tokenizer) -> dict:
             have_args = True
             r = _repeats(calls)
             repeats, repeat_trajs = repeats + r, repeat_trajs + (r > 0)
-        per_tool.update(m.get("tools") or {})
+        if "tools" in m:
+            per_tool.update(m["tools"] or {})
+        elif calls is not None:  # the episode counts every call that names a tool
+            per_tool.update(c["tool"] for c in calls if c.get("tool") is not None)
     n = max(len(ok), 1)
     out = {"tools/calls": float(attempts), "tools/calls_per_traj": attempts / n,
            "tools/valid_rate": valid / attempts if attempts else 0.0}
@@ -142,6 +147,13 @@ def _tool_stats(ok: Sequence[Trajectory], tokenizer) -> dict:
         out[f"tools/count/{_tag(name)}"] = float(c)
         out[f"tools/per_traj/{_tag(name)}"] = c / n
     return out
+
+
+def success_rate(trajs: Sequence[Trajectory], success_threshold: float = 1.0) -> float:
+    """Share of OK trajectories with reward >= threshold (0.0 when none): log held-out evaluation
+    episodes with it as ``success/heldout``."""
+    r = [t.reward for t in trajs if t.status is TrajectoryStatus.OK]
+    return sum(x >= success_threshold for x in r) / len(r) if r else 0.0
 
 
 def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, current_version: Optional[int] = None,
