@@ -4,7 +4,8 @@ at ``cap`` (< the success reward, so the outcome dominates), and the bonus is ad
 Checkpoints come from the trajectory's metadata.  Preferred: ``metadata["turn_info"]``, one dict per
 model turn, recorded by the episode from ``StepResult.info`` (see the rollout hook in the report):
 ``{"tool": name or None, "tool_error": bool, "call": canonical call text (optional),
-"new_state": bool (optional), "observation": str (optional)}``.
+"new_state": bool (optional), "observation": str (optional)}``; without ``call`` the tool call
+parsed from ``metadata["turn_texts"][k]`` identifies the call.
   * valid_tool_call: a turn with a tool and no tool error, counted once per distinct ``call`` (a
     repeated identical call earns nothing: rewarding "called a tool" teaches tool spam);
   * new_state: ``new_state`` if the env reports it, else an observation of a valid call not seen
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from .config import ShapingConfig
+from .monitors import parse_calls
 
 
 def count_checkpoints(t: Trajectory, kinds: Sequence[str]) -> int:
@@ -29,13 +31,17 @@ def count_checkpoints(t: Trajectory, kinds: Sequence[str]) -> int:
         if "valid_tool_call" not in kinds:
             return 0
         return max(0, int(t.metadata.get("tool_calls", 0)) - int(t.metadata.get("tool_errors", 0)))
+    texts = t.metadata.get("turn_texts")
     n, calls, states = 0, set(), set()
     for k, turn in enumerate(info):
         if not isinstance(turn, dict):
             raise ValueError(f"metadata['turn_info'][{k}]: expected a dict, got {type(turn).__name__}")
         if not turn.get("tool") or turn.get("tool_error"):
             continue
-        call = turn.get("call", k)  # without the call text every valid call is distinct
+        call = turn.get("call")
+        if call is None and texts is not None and k < len(texts):  # the turn's canonical tool call
+            call = tuple(c.key for c in parse_calls(texts[k])) or None
+        call = k if call is None else call  # without any call text every valid call is distinct
         if "valid_tool_call" in kinds and call not in calls:
             n += 1
         calls.add(call)
