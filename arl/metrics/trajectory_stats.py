@@ -26,7 +26,9 @@ malformed turn): valid = tool_calls - tool_errors, attempts = valid + tool_error
 malformed call names a tool, an under-estimate of validity otherwise.  Repeated calls (same tool and
 same arguments a second time in one trajectory) need the arguments: from ``calls``, else by decoding
 each model turn with ``tokenizer`` and reading its ``<tool_call>`` JSON; with neither, the repeat
-keys are left out.
+keys are left out.  ``repeat_rate`` = repeated calls / all attempts; ``repeat_trajs_frac`` = share of
+OK trajectories holding at least one repeat.  Success = reward >= ``success_threshold``; "failed" =
+the other OK trajectories.
 """
 from __future__ import annotations
 
