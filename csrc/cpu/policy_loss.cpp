@@ -60,6 +60,201 @@ int64_t advantages_cpu(const T* rewards, const int64_t* gid, int64_t N, const Op
   return zero_var;
 }
 
+
+// ---- CPU fast path: the same math with the chunk's constants hoisted and the per-token loops
+// written for the vectorizer (omp simd reductions; masks instead of branches).  Used for every
+// config without a KL term; the KL configs and float64 (gradcheck) run process_sequence.
+template <typename T>
+struct ChunkSpan {
+  int64_t b, e, n;  // token extent [b, e) and its trained-token count
+  T sd, sm;         // sums of logp - old and old - rollout over trained tokens
+};
+
+template <bool TokRatio, bool TokMismatch, bool Topr, typename in_t, typename idx_t, typename T>
+T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64_t e, T A, const SegRatio<T>& cr,
+               const Weight<T>& cw, T coef, T* grad, Acc<T>& acc) {
+  using L = Load<T>;
+  const idx_t* cid = in.chunk_ids;
+  const bool has_ent = in.entropy != nullptr;
+  const in_t* entp = has_ent ? in.entropy : in.logp;  // stand-in pointer, masked out below
+  const in_t* rollp = TokMismatch ? in.rollout_logp : in.logp;
+  const T nA = -A;
+  const T ent_c = o.entropy_term ? o.ent_coef : T(0);
+  T s_clip = 0, s_dual = 0, s_alt = 0, s_akl = 0, s_r = 0, s_kept = 0, s_pg = 0, s_loss = 0, s_ent = 0, s_n = 0, s_g = 0;
+  T s_max = -INFINITY;
+  for (int64_t u = b; u < e; ++u) {
+    const bool m = cid[u] >= 0;
+    const T lp = L::from(in.logp[u]), old = L::from(in.old_logp[u]);
+    const T d = lp - old;
+    const T dc = o.has_clamp ? clampv(d, -o.clamp, o.clamp) : d;
+    const T ed = xexp(dc);
+    const T akl = ed - T(1) - dc;
+    T r = cr.r, gate = cr.gate;
+    if (TokRatio) {
+      r = ed;
+      gate = o.clamp_gate(d);
+    }
+    T w = cw.w;
+    bool alt = cw.altered;
+    if (TokMismatch) {
+      const Weight<T> wt = mismatch_weight(old - L::from(rollp[u]), o);
+      w = wt.w;
+      alt = wt.altered;
+    }
+    T pg, own, g;
+    bool clipped, dual = false;
+    if (!Topr) {
+      const T pg1 = nA * r, pg2 = nA * clampv(r, o.lo, o.hi);
+      clipped = pg2 > pg1;
+      pg = clipped ? pg2 : pg1;
+      T dpg = clipped ? ((r >= o.lo && r <= o.hi) ? nA : T(0)) : nA;
+      if (o.has_dual) {
+        const T pg3 = nA * o.dual_c;
+        dual = A < T(0) && pg > pg3;
+        pg = dual ? pg3 : pg;
+        dpg = dual ? T(0) : dpg;
+      }
+      g = coef * (w * dpg);
+      own = TokRatio ? g * r * gate : T(0);
+    } else {
+      const T v = A >= T(0) ? T(1) : minv(r, T(1));
+      pg = (nA * v) * lp;
+      clipped = A < T(0) && r > T(1);
+      own = coef * (w * (nA * v));
+      g = T(0);
+    }
+    const T ent = has_ent ? L::from(entp[u]) : T(0);
+    const T wpg = w * pg;
+    const T tok = wpg - ent_c * ent;
+    const T mf = m ? T(1) : T(0);
+    s_clip += (m && clipped) ? T(1) : T(0);
+    s_dual += (m && dual) ? T(1) : T(0);
+    s_alt += (m && alt) ? T(1) : T(0);
+    s_akl += m ? akl : T(0);
+    s_r += m ? r : T(0);
+    s_max = (m && r > s_max) ? r : s_max;
+    s_kept += (m && w > T(0)) ? T(1) : T(0);
+    s_pg += m ? wpg : T(0);
+    s_loss += m ? coef * tok : T(0);
+    s_ent += m ? ent : T(0);
+    s_n += mf;
+    s_g += m ? g : T(0);
+    if (grad) grad[u] = m ? own : T(0);
+  }
+  acc.v[kPClip] += s_clip;
+  acc.v[kPDual] += s_dual;
+  acc.v[kPAltered] += s_alt;
+  acc.v[kPApproxKL] += s_akl;
+  acc.v[kPRatioSum] += s_r;
+  acc.v[kPRatioMax] = maxv(acc.v[kPRatioMax], s_max);
+  acc.v[kPAdvNonzero] += A != T(0) ? s_n : T(0);
+  acc.v[kPKept] += s_kept;
+  acc.v[kPPg] += s_pg;
+  acc.v[kPLoss] += s_loss;
+  acc.v[kPEnt] += s_ent;
+  acc.v[kPNTrained] += s_n;
+  return s_g;
+}
+
+template <typename in_t, typename idx_t, typename T>
+using ChunkFn = T (*)(const Inputs<in_t, idx_t>&, const Opts<T>&, int64_t, int64_t, T, const SegRatio<T>&,
+                      const Weight<T>&, T, T*, Acc<T>&);
+
+template <typename in_t, typename idx_t, typename T>
+ChunkFn<in_t, idx_t, T> pick_chunk_fn(const Opts<T>& o) {
+  const bool tr = o.ratio_level == kToken, tm = o.mismatch_level == kToken, topr = o.surrogate == kTOPR;
+  static const ChunkFn<in_t, idx_t, T> table[8] = {
+      chunk_tokens<false, false, false, in_t, idx_t, T>, chunk_tokens<false, false, true, in_t, idx_t, T>,
+      chunk_tokens<false, true, false, in_t, idx_t, T>,  chunk_tokens<false, true, true, in_t, idx_t, T>,
+      chunk_tokens<true, false, false, in_t, idx_t, T>,  chunk_tokens<true, false, true, in_t, idx_t, T>,
+      chunk_tokens<true, true, false, in_t, idx_t, T>,   chunk_tokens<true, true, true, in_t, idx_t, T>,
+  };
+  return table[(tr ? 4 : 0) + (tm ? 2 : 0) + (topr ? 1 : 0)];
+}
+
+template <typename in_t, typename idx_t, typename T>
+void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, ChunkFn<in_t, idx_t, T> chunk_fn,
+                           int64_t s, T adv_s, T* grad, Acc<T>& acc, T* coef_out, std::vector<ChunkSpan<T>>& spans) {
+  using L = Load<T>;
+  const int64_t b = in.cu_seqlens[s], e = in.cu_seqlens[s + 1];
+  const idx_t* cid = in.chunk_ids;
+  // structure: chunk extents (untrained tokens outside them get grad 0 here)
+  spans.clear();
+  for (int64_t t = b; t < e;) {
+    const idx_t c = cid[t];
+    if (c < 0) {
+      if (grad) grad[t] = T(0);
+      ++t;
+      continue;
+    }
+    int64_t ce = t + 1;
+    while (ce < e && cid[ce] <= c) ++ce;
+    spans.push_back({t, ce, 0, T(0), T(0)});
+    t = ce;
+  }
+  const int64_t K = static_cast<int64_t>(spans.size());
+  // segment sums (vectorized; the order differs from a serial sum only in rounding)
+  const bool want_m = o.mismatch_level == kChunk || o.mismatch_level == kSequence;
+  int64_t n_s = 0;
+  T sd = T(0), smd = T(0);
+  const bool want_sums = want_m || o.ratio_level != kToken || o.loss_agg == kSeqMeanTokenMean;
+  for (auto& sp : spans) {
+    if (!want_sums) break;
+    T a = T(0), m = T(0), n = T(0);
+    if (want_m) {
+#pragma omp simd reduction(+ : a, m, n)
+      for (int64_t u = sp.b; u < sp.e; ++u) {
+        const bool tr = cid[u] >= 0;
+        const T old = L::from(in.old_logp[u]);
+        a += tr ? L::from(in.logp[u]) - old : T(0);
+        m += tr ? old - L::from(in.rollout_logp[u]) : T(0);
+        n += tr ? T(1) : T(0);
+      }
+    } else {
+#pragma omp simd reduction(+ : a, n)
+      for (int64_t u = sp.b; u < sp.e; ++u) {
+        const bool tr = cid[u] >= 0;
+        a += tr ? L::from(in.logp[u]) - L::from(in.old_logp[u]) : T(0);
+        n += tr ? T(1) : T(0);
+      }
+    }
+    sp.sd = a;
+    sp.sm = m;
+    sp.n = static_cast<int64_t>(n);
+    n_s += sp.n;
+    sd += a;
+    smd += m;
+  }
+  const T coef = (o.loss_agg == kSeqMeanTokenMean && n_s > 0) ? T(1) / static_cast<T>(n_s) : T(1);
+  if (coef_out) *coef_out = coef;
+  SegRatio<T> seq_r{T(0), T(1), T(1)};
+  Weight<T> seq_w{T(1), false};
+  if (o.ratio_level == kSequence && n_s > 0) seq_r = seg_ratio(sd / static_cast<T>(n_s), o);
+  if (o.mismatch_level == kSequence && n_s > 0) seq_w = mismatch_weight(smd / static_cast<T>(n_s), o);
+  const bool ppo = o.surrogate == kPPOClip;
+  T G_seq = T(0);
+  for (int64_t k = 0; k < K; ++k) {
+    const ChunkSpan<T>& sp = spans[k];
+    const T A = chunk_advantage(adv_s, K - 1 - k, o);
+    const SegRatio<T> cr = o.ratio_level == kChunk ? seg_ratio(sp.sd / static_cast<T>(sp.n), o) : seq_r;
+    const Weight<T> cw = o.mismatch_level == kChunk ? mismatch_weight(sp.sm / static_cast<T>(sp.n), o) : seq_w;
+    const T G = chunk_fn(in, o, sp.b, sp.e, A, cr, cw, coef, grad, acc);
+    if (ppo && o.ratio_level == kChunk && grad) {
+      const T f = G * cr.r * cr.gate / static_cast<T>(sp.n);
+#pragma omp simd
+      for (int64_t u = sp.b; u < sp.e; ++u) grad[u] += cid[u] >= 0 ? f : T(0);
+    }
+    G_seq += G;
+  }
+  if (ppo && o.ratio_level == kSequence && grad && n_s > 0) {
+    const T f = G_seq * seq_r.r * seq_r.gate / static_cast<T>(n_s);
+    for (const auto& sp : spans) {
+#pragma omp simd
+      for (int64_t u = sp.b; u < sp.e; ++u) grad[u] += cid[u] >= 0 ? f : T(0);
+    }
+  }
+}
+
 template <typename in_t, typename idx_t, typename T>
 void run(const Inputs<in_t, idx_t>& in, const T* rewards, const int64_t* gid, int64_t N, const int64_t* io,
          const double* fo, T* grad, T* loss_out, T* stats, T* seq_coef) {
@@ -69,13 +264,25 @@ void run(const Inputs<in_t, idx_t>& in, const T* rewards, const int64_t* gid, in
   const int64_t n_zero_var = advantages_cpu(rewards, gid, N, o, adv.data(), &n_groups);
 
   std::vector<T> part(static_cast<size_t>(N) * kNumPartials);
-  const int nthreads = at::get_num_threads();
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
-  for (int64_t s = 0; s < N; ++s) {
-    Acc<T> acc;
-    acc.zero();
-    process_sequence(in, o, s, adv[s], grad, acc, seq_coef + s);
-    std::copy(acc.v, acc.v + kNumPartials, part.data() + s * kNumPartials);
+  // fast path unless a KL term is on; float64 (gradcheck) keeps the serial reference-order path
+  const bool fast = o.kl == kKLOff && sizeof(T) == sizeof(float);
+  const ChunkFn<in_t, idx_t, T> chunk_fn = pick_chunk_fn<in_t, idx_t, T>(o);
+  // small packs stay on one thread: a parallel region costs more than it saves
+  const int64_t T_tok = in.cu_seqlens[N];
+  const int nthreads = T_tok < (1 << 14) ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<ChunkSpan<T>> spans;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t s = 0; s < N; ++s) {
+      Acc<T> acc;
+      acc.zero();
+      if (fast)
+        process_sequence_fast(in, o, chunk_fn, s, adv[s], grad, acc, seq_coef + s, spans);
+      else
+        process_sequence(in, o, s, adv[s], grad, acc, seq_coef + s);
+      std::copy(acc.v, acc.v + kNumPartials, part.data() + s * kNumPartials);
+    }
   }
 
   // fixed-order reduction, in double
