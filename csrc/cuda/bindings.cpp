@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <Python.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #include <cuda_runtime.h>
@@ -69,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
                         chunk_ids.numel() == T && chunk_ids.is_contiguous() && chunk_ids.device() == logp.device(),
                     kOp, ": chunk_ids must be int32/int64 [T] on logp's device");
 
+  const c10::cuda::CUDAGuard guard(logp.device());  // allocate and launch on logp's GPU
   const auto fopt = logp.options().dtype(cdt);
   at::Tensor grad = need_grad ? at::empty({T}, fopt) : at::empty({0}, fopt);
   at::Tensor loss = at::empty({}, fopt);
@@ -114,6 +116,7 @@ at::Tensor policy_loss_entropy_grad_cuda(const at::Tensor& chunk_ids, const at::
                     "arl::policy_loss_entropy_grad_cuda: cu_seqlens must be int64 [N+1]");
   TORCH_CHECK_VALUE((chunk_ids.scalar_type() == at::kInt || chunk_ids.scalar_type() == at::kLong) &&
                         chunk_ids.is_contiguous(), "arl::policy_loss_entropy_grad_cuda: chunk_ids must be int32/int64");
+  const c10::cuda::CUDAGuard guard(seq_coef.device());
   at::Tensor out = at::empty({chunk_ids.numel()}, seq_coef.options());
   const cudaError_t err = policy_loss_entropy_grad_launch(
       chunk_ids.data_ptr(), chunk_ids.scalar_type() == at::kLong, cu_seqlens.data_ptr<int64_t>(), seq_coef.data_ptr(),
