@@ -111,7 +111,8 @@ def test_structure(s, p):
                 tr = local >= 0
                 assert np.array_equal(np.diff(local[tr]) > 0, np.diff(glob[tr]) > 0)
                 assert mb.rewards[k].item() == pytest.approx(t.reward, rel=1e-6, abs=1e-6)
-                assert (mb.group_ids[k].item(), mb.policy_versions[k].item()) == (t.group_id, t.policy_version)
+                gid = -(i + 1) if t.status == TrajectoryStatus.MASKED else t.group_id  # placeholders: own group
+                assert (mb.group_ids[k].item(), mb.policy_versions[k].item()) == (gid, t.policy_version)
     # exactly the non-filtered trajectories, each once
     assert sorted(seen) == packed_trajs(trajs)
     assert ps.skipped == [i for i, t in enumerate(trajs) if t.status == TrajectoryStatus.FILTERED]
@@ -119,11 +120,12 @@ def test_structure(s, p):
     # groups: kept whole when asked and they fit; flags agree with where members landed
     places = {}
     for i, rj in seen.items():
-        places.setdefault(trajs[i].group_id, set()).add(rj)
+        if trajs[i].status != TrajectoryStatus.MASKED:  # placeholders are groups of their own
+            places.setdefault(trajs[i].group_id, set()).add(rj)
     assert ps.split_groups == sorted(g for g, pl in places.items() if len(pl) > 1)
     if p["keep_groups"]:
         for g, pl in places.items():
-            if sum(len(trajs[i]) for i in seen if trajs[i].group_id == g) <= B:
+            if sum(len(trajs[i]) for i in seen if trajs[i].group_id == g and trajs[i].status != TrajectoryStatus.MASKED) <= B:
                 assert len(pl) == 1
     for mb in ps.all_micro_batches():
         assert mb.complete_groups == (not set(mb.group_ids.tolist()) & set(ps.split_groups))
@@ -186,7 +188,7 @@ def whole_step(trajs, idx, logp_of):
     return dict(
         logp=torch.cat([logp_of[i] for i in idx]),
         rewards=torch.tensor([trajs[i].reward for i in idx], dtype=torch.float32).double(),
-        group_ids=torch.tensor([trajs[i].group_id for i in idx]),
+        group_ids=torch.tensor([-(i + 1) if trajs[i].status == TrajectoryStatus.MASKED else trajs[i].group_id for i in idx]),
         cu_seqlens=cu, chunk_ids=torch.from_numpy(np.concatenate(cid).astype(np.int32)),
         rollout_logp=torch.cat([torch.from_numpy(trajs[i].rollout_logp).double() for i in idx]),
     )
@@ -248,7 +250,7 @@ def test_advantages_are_step_wide(s, p, norm):
     if not idx:
         return
     adv, _, _ = group_advantages(torch.tensor([float(np.float32(trajs[i].reward)) for i in idx], dtype=torch.float64),
-                                 torch.tensor([trajs[i].group_id for i in idx]), loss)
+                                 torch.tensor([-(i + 1) if trajs[i].status == TrajectoryStatus.MASKED else trajs[i].group_id for i in idx]), loss)
     want = dict(zip(idx, adv.tolist()))
     for mb in ps.all_micro_batches():
         for i, a in zip(mb.traj_indices.tolist(), mb.advantages.tolist()):
@@ -440,3 +442,18 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
         else:
             assert all(x is None or not x.abs().max() > 0 for x in (a, b))
+
+
+def test_masked_placeholder_does_not_move_its_groups_advantages():
+    rng = np.random.default_rng(5)
+    group = [make_traj(i, 20, rng, group_size=3) for i in range(3)]  # one group of 3
+    for t, r in zip(group, (1.0, 0.0, 0.0)):
+        t.reward = r
+    ph = make_traj(2, 20, rng, group_size=3, status=TrajectoryStatus.MASKED)
+    ph.reward = 0.0
+    base = pack_step(group[:2], PackerConfig(token_budget=200), LossConfig())
+    with_ph = pack_step(group[:2] + [ph], PackerConfig(token_budget=200), LossConfig())
+    adv = lambda ps: {int(i): float(a) for mb in ps.all_micro_batches()  # noqa: E731
+                      for i, a in zip(mb.traj_indices.tolist(), mb.advantages.tolist())}
+    a0, a1 = adv(base), adv(with_ph)
+    assert a1[0] == pytest.approx(a0[0]) and a1[1] == pytest.approx(a0[1]) and a1[2] == 0.0

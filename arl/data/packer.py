@@ -209,9 +209,13 @@ def _prepare(trajectories: Sequence[Trajectory], cfg: PackerConfig):
                 )
             tok, cid, lp = tok[:B], cid[:B], lp[:B]
             truncated.append(i)
+        gid = int(t.group_id)
         if t.status == TrajectoryStatus.MASKED:
+            # a placeholder trains nothing and must not move its group's mean/std either:
+            # it becomes a group of its own (negative ids never collide with rollout groups)
             cid = np.full_like(cid, -1)
-        seqs.append(_Seq(i, tok, cid, lp, float(t.reward), int(t.group_id), int(t.policy_version)))
+            gid = -(i + 1)
+        seqs.append(_Seq(i, tok, cid, lp, float(t.reward), gid, int(t.policy_version)))
     return seqs, truncated, skipped
 
 
