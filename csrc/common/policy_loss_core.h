@@ -183,11 +183,13 @@ ARL_HD inline Weight<T> mismatch_weight(T mean, const Opts<T>& o) {
   return out;
 }
 
+// Metric and loss partial sums are kept in double: an fp32 running sum of ~1.0 values over a
+// few thousand tokens drifts by 1e-4 (the reference's torch.sum does not).
 template <typename T>
 struct Acc {
-  T v[kNumPartials];
+  double v[kNumPartials];
   ARL_HD void zero() {
-    for (int i = 0; i < kNumPartials; ++i) v[i] = T(0);
+    for (int i = 0; i < kNumPartials; ++i) v[i] = 0.0;
     v[kPRatioMax] = -INFINITY;
   }
 };
@@ -244,23 +246,23 @@ ARL_HD inline T token_step(const Opts<T>& o, T A, const SegRatio<T>& sr, T appro
     }
     tok = tok + o.kl_beta * kl;
     own += coef * (o.kl_beta * dkl);
-    acc.v[kPKL] += kl;
+    acc.v[kPKL] += static_cast<double>(kl);
   }
   if (has_ent) {
     if (o.entropy_term) tok = tok - o.ent_coef * ent;
-    acc.v[kPEnt] += ent;
+    acc.v[kPEnt] += static_cast<double>(ent);
   }
-  acc.v[kPClip] += clipped ? T(1) : T(0);
-  acc.v[kPDual] += dual ? T(1) : T(0);
-  acc.v[kPAltered] += wt.altered ? T(1) : T(0);
-  acc.v[kPApproxKL] += approx_kl;
-  acc.v[kPRatioSum] += r;
-  acc.v[kPRatioMax] = maxv(acc.v[kPRatioMax], r);
-  acc.v[kPAdvNonzero] += A != T(0) ? T(1) : T(0);
-  acc.v[kPKept] += wt.w > T(0) ? T(1) : T(0);
-  acc.v[kPPg] += wpg;
-  acc.v[kPLoss] += coef * tok;
-  acc.v[kPNTrained] += T(1);
+  acc.v[kPClip] += clipped ? 1.0 : 0.0;
+  acc.v[kPDual] += dual ? 1.0 : 0.0;
+  acc.v[kPAltered] += wt.altered ? 1.0 : 0.0;
+  acc.v[kPApproxKL] += static_cast<double>(approx_kl);
+  acc.v[kPRatioSum] += static_cast<double>(r);
+  acc.v[kPRatioMax] = maxv(acc.v[kPRatioMax], static_cast<double>(r));
+  acc.v[kPAdvNonzero] += A != T(0) ? 1.0 : 0.0;
+  acc.v[kPKept] += wt.w > T(0) ? 1.0 : 0.0;
+  acc.v[kPPg] += static_cast<double>(wpg);
+  acc.v[kPLoss] += static_cast<double>(coef * tok);
+  acc.v[kPNTrained] += 1.0;
   *seg_g = g;
   return own;
 }

@@ -80,8 +80,9 @@ T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64
   const in_t* rollp = TokMismatch ? in.rollout_logp : in.logp;
   const T nA = -A;
   const T ent_c = o.entropy_term ? o.ent_coef : T(0);
-  T s_clip = 0, s_dual = 0, s_alt = 0, s_akl = 0, s_r = 0, s_kept = 0, s_pg = 0, s_loss = 0, s_ent = 0, s_n = 0, s_g = 0;
-  T s_max = -INFINITY;
+  double s_clip = 0, s_dual = 0, s_alt = 0, s_akl = 0, s_r = 0, s_kept = 0, s_pg = 0, s_loss = 0, s_ent = 0, s_n = 0;
+  double s_max = -INFINITY;
+  T s_g = 0;  // fp32 in token order, like the reference's index_add backward
   for (int64_t u = b; u < e; ++u) {
     const bool m = cid[u] >= 0;
     const T lp = L::from(in.logp[u]), old = L::from(in.old_logp[u]);
@@ -126,18 +127,17 @@ T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64
     const T ent = has_ent ? L::from(entp[u]) : T(0);
     const T wpg = w * pg;
     const T tok = wpg - ent_c * ent;
-    const T mf = m ? T(1) : T(0);
-    s_clip += (m && clipped) ? T(1) : T(0);
-    s_dual += (m && dual) ? T(1) : T(0);
-    s_alt += (m && alt) ? T(1) : T(0);
-    s_akl += m ? akl : T(0);
-    s_r += m ? r : T(0);
-    s_max = (m && r > s_max) ? r : s_max;
-    s_kept += (m && w > T(0)) ? T(1) : T(0);
-    s_pg += m ? wpg : T(0);
-    s_loss += m ? coef * tok : T(0);
-    s_ent += m ? ent : T(0);
-    s_n += mf;
+    s_clip += (m && clipped) ? 1.0 : 0.0;
+    s_dual += (m && dual) ? 1.0 : 0.0;
+    s_alt += (m && alt) ? 1.0 : 0.0;
+    s_akl += m ? static_cast<double>(akl) : 0.0;
+    s_r += m ? static_cast<double>(r) : 0.0;
+    s_max = (m && static_cast<double>(r) > s_max) ? static_cast<double>(r) : s_max;
+    s_kept += (m && w > T(0)) ? 1.0 : 0.0;
+    s_pg += m ? static_cast<double>(wpg) : 0.0;
+    s_loss += m ? static_cast<double>(coef * tok) : 0.0;
+    s_ent += m ? static_cast<double>(ent) : 0.0;
+    s_n += m ? 1.0 : 0.0;
     s_g += m ? g : T(0);
     if (grad) grad[u] = m ? own : T(0);
   }
@@ -147,7 +147,7 @@ T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64
   acc.v[kPApproxKL] += s_akl;
   acc.v[kPRatioSum] += s_r;
   acc.v[kPRatioMax] = maxv(acc.v[kPRatioMax], s_max);
-  acc.v[kPAdvNonzero] += A != T(0) ? s_n : T(0);
+  acc.v[kPAdvNonzero] += A != T(0) ? s_n : 0.0;
   acc.v[kPKept] += s_kept;
   acc.v[kPPg] += s_pg;
   acc.v[kPLoss] += s_loss;
@@ -193,7 +193,7 @@ void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, Chun
     t = ce;
   }
   const int64_t K = static_cast<int64_t>(spans.size());
-  // segment sums (vectorized; the order differs from a serial sum only in rounding)
+  // segment sums: sequential fp32 in token order, bitwise what the reference's index_add does
   const bool want_m = o.mismatch_level == kChunk || o.mismatch_level == kSequence;
   int64_t n_s = 0;
   T sd = T(0), smd = T(0);
@@ -202,7 +202,6 @@ void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, Chun
     if (!want_sums) break;
     T a = T(0), m = T(0), n = T(0);
     if (want_m) {
-#pragma omp simd reduction(+ : a, m, n)
       for (int64_t u = sp.b; u < sp.e; ++u) {
         const bool tr = cid[u] >= 0;
         const T old = L::from(in.old_logp[u]);
@@ -211,7 +210,6 @@ void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, Chun
         n += tr ? T(1) : T(0);
       }
     } else {
-#pragma omp simd reduction(+ : a, n)
       for (int64_t u = sp.b; u < sp.e; ++u) {
         const bool tr = cid[u] >= 0;
         a += tr ? L::from(in.logp[u]) - L::from(in.old_logp[u]) : T(0);
@@ -263,7 +261,7 @@ void run(const Inputs<in_t, idx_t>& in, const T* rewards, const int64_t* gid, in
   int64_t n_groups = 0;
   const int64_t n_zero_var = advantages_cpu(rewards, gid, N, o, adv.data(), &n_groups);
 
-  std::vector<T> part(static_cast<size_t>(N) * kNumPartials);
+  std::vector<double> part(static_cast<size_t>(N) * kNumPartials);
   // fast path unless a KL term is on; float64 (gradcheck) keeps the serial reference-order path
   const bool fast = o.kl == kKLOff && sizeof(T) == sizeof(float);
   const ChunkFn<in_t, idx_t, T> chunk_fn = pick_chunk_fn<in_t, idx_t, T>(o);
@@ -289,12 +287,12 @@ void run(const Inputs<in_t, idx_t>& in, const T* rewards, const int64_t* gid, in
   double sum[kNumPartials] = {0};
   double rmax = -INFINITY, S = 0, max_ns = 0;
   for (int64_t s = 0; s < N; ++s) {
-    const T* p = part.data() + s * kNumPartials;
+    const double* p = part.data() + s * kNumPartials;
     for (int i = 0; i < kNumPartials; ++i)
-      if (i != kPRatioMax) sum[i] += static_cast<double>(p[i]);
-    const double ns = static_cast<double>(p[kPNTrained]);
+      if (i != kPRatioMax) sum[i] += p[i];
+    const double ns = p[kPNTrained];
     if (ns > 0) {
-      rmax = std::max(rmax, static_cast<double>(p[kPRatioMax]));
+      rmax = std::max(rmax, p[kPRatioMax]);
       S += 1;
       max_ns = std::max(max_ns, ns);
     }

@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
   at::Tensor stats = at::empty({kNumStats}, fopt);
   at::Tensor coef = at::empty({N}, fopt);
   at::Tensor adv = at::empty({N}, fopt);
-  at::Tensor part = at::empty({N * kNumPartials}, fopt);
+  at::Tensor part = at::empty({N * kNumPartials}, logp.options().dtype(at::kDouble));
   at::Tensor flags = at::empty({N}, logp.options().dtype(at::kInt));
 
   PolicyLossArgs a;

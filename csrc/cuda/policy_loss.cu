@@ -72,7 +72,7 @@ __global__ void advantages_kernel(const T* __restrict__ rewards, const int64_t* 
 template <typename in_t, typename idx_t, typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     sequence_kernel(Inputs<in_t, idx_t> in, Opts<T> o, int64_t N, const T* __restrict__ adv, T* __restrict__ grad,
-                    T* __restrict__ part, T* __restrict__ seq_coef) {
+                    double* __restrict__ part, T* __restrict__ seq_coef) {
   using L = Load<T>;
   const int64_t s = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -210,9 +210,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     for (int64_t t = b + lane; t < e; t += 32)
       if (cid[t] >= 0) grad[t] += f;
   }
-  T* p = part + s * kNumPartials;
+  double* p = part + s * kNumPartials;
   for (int i = 0; i < kNumPartials; ++i) {
-    const T v = i == kPRatioMax ? warp_max(acc.v[i]) : warp_sum(acc.v[i]);
+    const double v = i == kPRatioMax ? warp_max(acc.v[i]) : warp_sum(acc.v[i]);
     if (lane == 0) p[i] = v;
   }
 }
@@ -225,7 +225,7 @@ struct Reduced {
 
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    finalize_kernel(const T* __restrict__ part, const int* __restrict__ flags, int64_t N, int loss_agg,
+    finalize_kernel(const double* __restrict__ part, const int* __restrict__ flags, int64_t N, int loss_agg,
                     int has_agg_constant, double agg_constant, int has_normalizer, double normalizer,
                     T* __restrict__ loss, T* __restrict__ stats) {
   __shared__ Reduced sh[kReduceThreads];
@@ -234,12 +234,12 @@ __global__ void __launch_bounds__(kReduceThreads)
   r.v[kPRatioMax] = -INFINITY;
   r.S = r.max_ns = r.zero_var = r.groups = 0.0;
   for (int64_t s = threadIdx.x; s < N; s += kReduceThreads) {  // fixed stride order per thread
-    const T* p = part + s * kNumPartials;
+    const double* p = part + s * kNumPartials;
     for (int i = 0; i < kNumPartials; ++i)
-      if (i != kPRatioMax) r.v[i] += static_cast<double>(p[i]);
-    const double ns = static_cast<double>(p[kPNTrained]);
+      if (i != kPRatioMax) r.v[i] += p[i];
+    const double ns = p[kPNTrained];
     if (ns > 0) {
-      r.v[kPRatioMax] = maxv(r.v[kPRatioMax], static_cast<double>(p[kPRatioMax]));
+      r.v[kPRatioMax] = maxv(r.v[kPRatioMax], p[kPRatioMax]);
       r.S += 1.0;
       r.max_ns = maxv(r.max_ns, ns);
     }
@@ -305,7 +305,7 @@ cudaError_t launch(const PolicyLossArgs& a, cudaStream_t stream) {
   in.chunk_ids = static_cast<const idx_t*>(a.chunk_ids);
   in.cu_seqlens = a.cu_seqlens;
   T* adv = static_cast<T*>(a.adv_scratch);
-  T* part = static_cast<T*>(a.part_scratch);
+  double* part = static_cast<double*>(a.part_scratch);
   const unsigned adv_blocks = static_cast<unsigned>((N + 255) / 256);
   advantages_kernel<T><<<adv_blocks, 256, 0, stream>>>(static_cast<const T*>(a.rewards), a.group_ids, N, o, adv,
                                                        a.flags_scratch);

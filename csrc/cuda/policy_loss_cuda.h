@@ -9,8 +9,8 @@ namespace arl {
 
 // Device pointers unless noted.  Token arrays [T] of the input dtype (null when absent); rewards,
 // grad, seq_coef [N] / [T] and loss, stats of the compute dtype (float64 for float64 input,
-// float32 otherwise).  Scratch: adv [N] and part [N * ploss::kNumPartials] of the compute dtype,
-// flags [N] int32.  grad may be null (no gradient wanted).
+// float32 otherwise).  Scratch: adv [N] of the compute dtype, part [N * ploss::kNumPartials]
+// float64, flags [N] int32.  grad may be null (no gradient wanted).
 struct PolicyLossArgs {
   int dtype;  // token inputs: 0 float32, 1 float64, 2 bfloat16
   int idx64;  // chunk_ids int64 (else int32)
