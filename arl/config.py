@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .loss.config import LossConfig
+from .stabilizers.config import StabilizerConfig
 
 
 class Section(BaseModel):
@@ -137,11 +138,14 @@ class TrainConfig(Section):
     sft: SFTConfig = SFTConfig()
     layout: LayoutConfig = LayoutConfig()
     logging: LoggingConfig = LoggingConfig()
+    stabilizers: StabilizerConfig = StabilizerConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainConfig":
         if self.loss.kl_beta > 0 and not self.trainer.reference_model:
             raise ValueError("loss.kl_beta > 0 needs trainer.reference_model: true")
+        if self.stabilizers.kl.enabled and not self.trainer.reference_model:
+            raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         lay = self.layout
         if lay.device == "cuda":
             if lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:
@@ -186,13 +190,15 @@ def config_error(err: ValidationError) -> str:
     if e["type"] == "extra_forbidden":
         return f"{key}: unknown key (allowed: {', '.join(_allowed_keys(TrainConfig, loc))})"
     msg = e["msg"].removeprefix("Value error, ")
-    if msg.startswith("LossConfig: "):  # LossConfig raises its own one-line error: "LossConfig: key: ..."
-        msg = msg.removeprefix("LossConfig: ")
-        sub, _, rest = msg.partition(": ")
-        if sub.isidentifier() and rest:
-            if rest == "unknown key":
-                rest += f" (allowed: {', '.join(_allowed_keys(TrainConfig, loc + (sub,)))})"
-            return f"{key}.{sub}: {rest}"
+    for prefix in ("LossConfig: ", "StabilizerConfig: "):  # sections raising their own one-line error
+        if msg.startswith(prefix):
+            msg = msg.removeprefix(prefix)
+            sub, _, rest = msg.partition(": ")
+            parts = tuple(sub.split("."))
+            if rest and all(p.isidentifier() or p.isdigit() for p in parts):
+                if rest == "unknown key":
+                    rest += f" (allowed: {', '.join(_allowed_keys(TrainConfig, loc + parts))})"
+                return f"{key}.{sub}: {rest}"
     return f"{key}: {msg}" if loc else msg
 
 

@@ -2,7 +2,6 @@
 import asyncio
 import os
 import socket
-import sys
 import textwrap
 import time
 

@@ -1,6 +1,5 @@
 """Stabilizers on scripted batches: exact masks, weights, advantages, schedules, monitors, IPA."""
 import asyncio
-import math
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSamp
                              Stabilizers, behaviour_metrics, entropy_coef, expert_trajectory, filter_zero_variance_groups,
                              ipa_mixed_loss, ipa_normalizers, shape_rewards, split_chunk_roles, start_state,
                              tag_resampled)
-from arl.stabilizers.config import (AdaptiveKLConfig, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
+from arl.stabilizers.config import (AdaptiveKLConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                                     IPAResampleConfig, MonitorConfig, ShapingConfig)
 
 EPS = LossConfig().adv_eps

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Sequence, Type
 

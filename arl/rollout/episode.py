@@ -14,7 +14,6 @@ import inspect
 import time
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 
 from arl.data.trajectory import Trajectory, TrajectoryStatus
 from arl.env.base import Environment, Fault, StepResult

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import math
 import os
 import queue as queue_mod
 import random
@@ -33,7 +31,6 @@ import numpy as np
 import torch
 
 from ..config import OptimConfig, TrainConfig
-from ..data import Trajectory
 from ..data.packer import PackerConfig, pack_step
 
 EVAL_SEED_BASE = 1_000_000  # held-out task seeds (training tasks count up from 0)
@@ -210,15 +207,6 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
 
 
 # ---------------------------------------------------------------- trainer ranks
-def _jsonl_append(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record, allow_nan=False, default=float) + "\n")
-
-
-def _clean(d: dict) -> dict:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
 def _all_mean(metrics: dict) -> dict:
     """Average a rank's metric dict over ranks (keys are identical on every rank)."""
     import torch.distributed as dist
@@ -268,11 +256,42 @@ def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> dict
     return last
 
 
+class _OrderedLog:
+    """Step records wait for the held-out evaluation of their policy version (which runs in the
+    rollout process, concurrently with training) and are written in step order."""
+
+    def __init__(self, logger, eval_versions: set):
+        self.logger, self.eval_versions, self.pending, self.evals = logger, eval_versions, [], {}
+
+    def add(self, step: int, record: dict, wall_s: float) -> None:
+        self.pending.append((step, record, wall_s))
+        self.flush()
+
+    def eval_result(self, version: int, success: float) -> None:
+        self.evals[version] = success
+        self.flush()
+
+    def waiting(self) -> bool:
+        return any(s in self.eval_versions and s not in self.evals for s, _, _ in self.pending)
+
+    def flush(self, force: bool = False) -> None:
+        while self.pending:
+            step, rec, wall = self.pending[0]
+            if step in self.eval_versions and step not in self.evals and not force:
+                return
+            if step in self.evals:
+                rec["success/heldout"] = self.evals[step]
+            self.logger.log(step, rec, wall_s=wall)
+            self.pending.pop(0)
+
+
 def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, demos: list, batches, orders,
                  resume: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..metrics import trajectory_metrics
     from ..rollout.engine import write_sync_weights
+    from ..stabilizers import Stabilizers
     from . import PolicyTrainer
     from .dist import init_distributed, set_rank_env
 
@@ -286,107 +305,136 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
         torch.use_deterministic_algorithms(True, warn_only=True)
     run_dir = Path(cfg.output_dir)
     ckpt_dir = run_dir / "checkpoints"
-    weights_dir = Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir() else "/dev/shm") / f"arl-weights-{port}"
-    metrics_path = run_dir / "metrics.jsonl"
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    weights_dir = shm / f"arl-weights-{port}"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    start_step = 0
     t0 = time.perf_counter()
-
+    steps = cfg.trainer.steps
     resume_step = _latest_checkpoint(ckpt_dir) if resume else None
+    evals = set()
+    if cfg.env.eval_tasks:
+        evals = {v for v in range(0, steps + 1) if v % cfg.trainer.eval_every == 0 or v == steps}
+    log = None
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is None and metrics_path.exists():
-            metrics_path.unlink()
-    if cfg.sft.enabled and resume_step is None and cfg.sft.steps > 0:
-        sft_metrics = run_sft(cfg, model, demos, rank, world)
-        if rank == 0:
-            _jsonl_append(metrics_path, _clean({"phase": "sft", "step": 0, "wall_s": time.perf_counter() - t0,
-                                                **{f"sft/{k}": v for k, v in sft_metrics.items()}}))
+        from ..metrics import MetricsLogger
 
-    loss_cfg = cfg.loss
-    tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage, total_steps=cfg.trainer.steps,
+        lg = cfg.logging
+        log = _OrderedLog(MetricsLogger(run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
+                                        total_steps=steps, resume_step=resume_step), evals)
+
+    sft_metrics = {}
+    if cfg.sft.enabled and resume_step is None and cfg.sft.steps > 0:
+        sft_metrics = {f"sft/{k}": v for k, v in run_sft(cfg, model, demos, rank, world).items()}
+        sft_metrics["sft/wall_s"] = time.perf_counter() - t0
+
+    tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage, total_steps=steps,
                        dtype=dtype, loss_backend=cfg.trainer.backend, temperature=cfg.rollout.temperature)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tokenizer.decode) if rank == 0 else None
+    start_step, wall_offset = 0, 0.0
     if resume_step is not None:
         state = tr.load_checkpoint(str(ckpt_dir), tag=f"step{resume_step}")
-        start_step = int(state["step"])
-        wall_offset = float(state.get("wall_s", 0.0))
-        if rank == 0 and metrics_path.exists():  # drop records of steps after the checkpoint
-            keep = [ln for ln in metrics_path.read_text().splitlines()
-                    if json.loads(ln).get("step", 0) <= start_step]
-            metrics_path.write_text("".join(k + "\n" for k in keep))
-    else:
-        wall_offset = 0.0
+        start_step, wall_offset = int(state["step"]), float(state.get("wall_s", 0.0))
+        if stab is not None and state.get("stabilizers"):
+            stab.load_state_dict(state["stabilizers"])
+
+    def wall() -> float:
+        return wall_offset + time.perf_counter() - t0
 
     def sync_weights(version: int) -> None:
         if rank == 0:
             write_sync_weights(tr.module.state_dict(), weights_dir)
             orders.put(("weights", str(weights_dir), version))
+            if version in evals:
+                orders.put(("eval", version, cfg.env.eval_tasks))
+
+    def handle(msg) -> None:
+        if msg[0] == "eval":
+            log.eval_result(msg[1], msg[2])
+        elif msg[0] == "error":
+            raise RuntimeError(f"rollout process failed: {msg[1]}")
 
     def wait_batch():
         while True:
             msg = batches.get()
             if msg[0] == "batch":
                 return msg[1]
-            if msg[0] == "eval":
-                _jsonl_append(metrics_path, _clean({"phase": "eval", "step": msg[1], "eval/success": msg[2],
-                                                    "wall_s": wall_offset + time.perf_counter() - t0}))
-            elif msg[0] == "error":
-                raise RuntimeError(f"rollout process failed: {msg[1]}")
+            handle(msg)
+
+    def checkpoint(version: int) -> None:
+        client = {"step": version, "wall_s": wall(), "stabilizers": stab.state_dict() if stab is not None else None}
+        tr.save_checkpoint(str(ckpt_dir), tag=f"step{version}", client_state=_bcast(client, rank))
+        if rank == 0:
+            (ckpt_dir / "latest_step").write_text(str(version))
 
     sync_weights(start_step)
-    if rank == 0 and cfg.env.eval_tasks:
-        orders.put(("eval", start_step, cfg.env.eval_tasks))
+    if rank == 0 and resume_step is None:
+        log.add(0, dict(sft_metrics), wall())
+    success = None
+    version = start_step
     try:
-        for step in range(start_step, cfg.trainer.steps):
+        for step in range(start_step, steps):
             ts = time.perf_counter()
             if rank == 0:
                 batch = wait_batch()
-                packed = pack_step(batch.trainable(), PackerConfig(
+                prep = stab.prepare(batch.trainable())
+                loss_cfg = stab.loss_config(step, success)
+                packed = pack_step(prep.trajectories, PackerConfig(
                     token_budget=cfg.trainer.micro_batch_tokens, num_ranks=world, seed=cfg.seed + step), loss_cfg)
-                parts, extra = packed.ranks, {**batch.metrics, **_batch_stats(batch.trajectories)}
+                stab.apply(packed, prep)  # every micro-batch carries the step's (stabilized) advantages
+                parts = packed.ranks
+                extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(
+                    batch.trajectories, current_version=step, adv_norm=loss_cfg.adv_norm, adv_eps=loss_cfg.adv_eps)}
+                success = extra.get("success/train")
             else:
-                parts, extra = None, None
+                parts, loss_cfg, extra = None, None, None
             mbs = _scatter(parts, rank)
-            extra = _bcast(extra, rank)
+            loss_cfg = _bcast(loss_cfg, rank)
             wait_s = time.perf_counter() - ts
             old = tr.old_logprobs(mbs)
             m = {}
             for _ in range(cfg.trainer.updates_per_batch):
                 m = tr.rl_step(mbs, old, loss_cfg)
-            m["train_tokens"] = float(sum(mb.num_tokens for mb in mbs))
+            tokens = float(sum(mb.num_tokens for mb in mbs))
             m = _all_mean(m)
             version = step + 1
             sync_weights(version)
-            if rank == 0 and cfg.env.eval_tasks and (version % cfg.trainer.eval_every == 0 or version == cfg.trainer.steps):
-                orders.put(("eval", version, cfg.env.eval_tasks))
             step_s = time.perf_counter() - ts
+            decision = None
             if rank == 0:
-                rec = {"phase": "rl", "step": version, "wall_s": wall_offset + time.perf_counter() - t0,
-                       "time/step_s": step_s, "time/wait_rollout_s": wait_s,
-                       "perf/train_tokens_per_s": m.pop("train_tokens") * world / max(step_s - wait_s, 1e-9),
+                rec = {"time/step_s": step_s, "time/wait_rollout_s": wait_s,
+                       "perf/train_tokens_per_s": tokens * world / max(step_s - wait_s, 1e-9),
                        **{f"train/{k}": v for k, v in m.items()}, **extra}
-                _jsonl_append(metrics_path, _clean(rec))
-            if version % cfg.trainer.checkpoint_every == 0 or version == cfg.trainer.steps:
-                tr.save_checkpoint(str(ckpt_dir), tag=f"step{version}",
-                                   client_state={"step": version, "wall_s": wall_offset + time.perf_counter() - t0})
+                decision = stab.after_step(version, rec, success)
+                rec.update(stab.stab_metrics())
+                log.add(version, rec, wall())
+            action = _bcast(decision.action if decision is not None else "continue", rank)
+            if version % cfg.trainer.checkpoint_every == 0 or version == steps:
+                checkpoint(version)
+            if action == "stop":
                 if rank == 0:
-                    (ckpt_dir / "latest_step").write_text(str(version))
-            if cfg.trainer.max_wall_s is not None and time.perf_counter() - t0 > cfg.trainer.max_wall_s:
+                    print(f"arl.train: stopped by the behaviour alarm at step {version}: {decision.reason}")
                 break
-        if rank == 0 and cfg.env.eval_tasks:  # collect the last evaluation before stopping
-            deadline = time.time() + 600
-            while time.time() < deadline:
+            if action == "rollback":
+                last = _latest_checkpoint(ckpt_dir)
+                if last is not None:  # model + optimizer back to the last checkpoint; versions keep counting
+                    state = tr.load_checkpoint(str(ckpt_dir), tag=f"step{last}")
+                    if stab is not None and state.get("stabilizers"):
+                        stab.load_state_dict(state["stabilizers"])
+                    sync_weights(version)
+            if cfg.trainer.max_wall_s is not None and wall() > cfg.trainer.max_wall_s:
+                break
+        if rank == 0:  # wait for the outstanding evaluations, then write every record
+            deadline = time.time() + 900
+            while log.waiting() and time.time() < deadline:
                 try:
-                    msg = batches.get(timeout=5)
+                    handle(batches.get(timeout=5))
                 except queue_mod.Empty:
                     continue
-                if msg[0] == "eval":
-                    _jsonl_append(metrics_path, _clean({"phase": "eval", "step": msg[1], "eval/success": msg[2],
-                                                        "wall_s": wall_offset + time.perf_counter() - t0}))
-                    if msg[1] >= min(version, cfg.trainer.steps):
-                        break
-        tr.export_hf(str(run_dir / "hf"), tokenizer=AutoTokenizer.from_pretrained(model_dir) if rank == 0 else None)
+            log.flush(force=True)
+            log.logger.close()
+        tr.export_hf(str(run_dir / "hf"), tokenizer=tokenizer if rank == 0 else None)
     finally:
         if rank == 0:
             orders.put(("stop",))
@@ -395,20 +443,6 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _batch_stats(trajs: list) -> dict:
-    ok = [t for t in trajs if t.status.value == "ok"]
-    r = np.array([t.reward for t in ok]) if ok else np.zeros(1)
-    calls = sum(t.metadata.get("tool_calls", 0) for t in ok)
-    errs = sum(t.metadata.get("tool_errors", 0) for t in ok)
-    return {
-        "rollout/success_rate": float((r > 0).mean()),
-        "rollout/reward_std": float(r.std()),
-        "rollout/valid_tool_call_rate": float(1 - errs / calls) if calls else float("nan"),
-        "rollout/len_tokens_mean": float(np.mean([len(t) for t in ok])) if ok else 0.0,
-        "rollout/len_tokens_max": float(max(len(t) for t in ok)) if ok else 0.0,
-    }
 
 
 # ---------------------------------------------------------------- launcher
