@@ -27,6 +27,7 @@ from arl.loss import METRIC_KEYS
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "200"))
 TRITON_EXAMPLES = int(os.environ.get("ARL_FUZZ_TRITON_EXAMPLES", "25"))
 FUZZ_BACKENDS = [b for b in available_backends() if b != "reference"]
+PROGRESS = os.environ.get("ARL_FUZZ_PROGRESS")  # optional file: one character per passed example
 MAX_TOKENS = 12_000  # per example, to keep 200 examples within seconds
 
 
@@ -162,6 +163,9 @@ def check(case, backend):
         torch.testing.assert_close(got.metrics[k], ref.metrics[k], **tol, msg=lambda m: f"metric {k}: {m}")
 
 
+# a raised example count (local runs) gets a time limit that grows with it (about 0.5 s an example
+# here, shrinking included)
+@pytest.mark.timeout(max(900, 2 * max(EXAMPLES, TRITON_EXAMPLES)))
 @pytest.mark.parametrize("backend", FUZZ_BACKENDS)
 def test_fuzz_backend_matches_reference(backend):
     n = TRITON_EXAMPLES if backend == "triton" else EXAMPLES
@@ -171,5 +175,8 @@ def test_fuzz_backend_matches_reference(backend):
     @given(case=cases())
     def run(case):
         check(case, backend)
+        if PROGRESS:
+            with open(PROGRESS, "a") as f:
+                f.write("1")
 
     run()
