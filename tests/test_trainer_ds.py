@@ -52,6 +52,7 @@ def _worker(rank, world, port, stage, result_dir):
     from arl.trainer.dist import init_distributed, set_rank_env
 
     set_rank_env(rank, world, port)
+    os.environ["ARL_ALLOW_ZERO3"] = "1"
     init_distributed("cpu")
     torch.manual_seed(0)
     model = tiny_model()
@@ -97,7 +98,9 @@ def single_process_reference():
     return total, gn, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage", [2, 0])
+@pytest.mark.parametrize("stage", [2, 0, pytest.param(3, marks=pytest.mark.xfail(
+    strict=True, reason="known bug: under ZeRO-3 the step's update differs from the whole-batch step "
+                        "(sign flips across all parameters); PolicyTrainer refuses stage 3 until fixed"))])
 def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     from arl.trainer.dist import free_port
 

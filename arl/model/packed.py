@@ -183,6 +183,21 @@ def _lm_head_weight(model) -> torch.Tensor:
     return head.weight
 
 
+def _head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, **kw):
+    """The fused op on the lm_head weight.  Under DeepSpeed ZeRO-3 the weight is partitioned and
+    only gathered around the head module's own forward (and again for its backward), so the op is
+    run *as* that forward: the module's hooks gather the weight and route its gradient."""
+    weight = _lm_head_weight(model)
+    if not hasattr(weight, "ds_id"):  # a plain (or ZeRO-0/1/2) parameter
+        return fused_logprobs(hidden, weight, targets, **kw)
+    head = model.get_output_embeddings()
+    head.forward = lambda h: fused_logprobs(h, head.weight, targets, **kw)
+    try:
+        return head(hidden)
+    finally:
+        del head.forward  # back to the class's forward
+
+
 _ALIGN = {"target": 1, "next": 0}  # offset from the predicting position to the output slot
 
 
@@ -198,7 +213,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
     has_next = torch.ones(T, dtype=torch.bool, device=device)
     has_next[cu_seqlens[1:].to(device).long() - 1] = False
     src = has_next.nonzero().squeeze(1)
-    lp, ent = fused_logprobs(hidden.index_select(0, src), _lm_head_weight(model), input_ids.to(device)[src + 1],
+    lp, ent = _head_logprobs(model, hidden.index_select(0, src), input_ids.to(device)[src + 1],
                              temperature=temperature, with_entropy=with_entropy, backend=backend, **tiles)
     dst = src + _ALIGN[align]
     zeros = torch.zeros(T, dtype=torch.float32, device=device)
