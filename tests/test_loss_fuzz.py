@@ -145,22 +145,39 @@ def evaluate(b, cfg, backend, normalizer):
     return out, lp.grad, ent.grad if ent.grad is not None else torch.zeros_like(ent)
 
 
+def flat(res, dtype=torch.float32):
+    out, g, ge = res
+    return out.loss.to(dtype), g.to(dtype), ge.to(dtype), {k: v.to(dtype) for k, v in out.metrics.items()}
+
+
+def compare(got, ref):
+    loss, g, ge, metrics = got
+    r_loss, r_g, r_ge, r_metrics = ref
+    # every term scales with the largest ratio; with log_ratio_clamp=None a log-ratio > 88 overflows
+    # exp, and the reference itself then gives inf/NaN: the backend must give the same inf/NaN
+    rmax = float(r_metrics["ratio_max"])
+    scale = max(1.0, rmax) if np.isfinite(rmax) else float(torch.finfo(torch.float32).max)
+    tol = dict(atol=1e-5 * scale, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(loss, r_loss, **tol, msg=lambda m: f"loss: {m}")
+    torch.testing.assert_close(g, r_g, **tol, msg=lambda m: f"dL/dlogp: {m}")
+    torch.testing.assert_close(ge, r_ge, **tol, msg=lambda m: f"dL/dentropy: {m}")
+    assert set(metrics) == set(METRIC_KEYS)
+    for k in METRIC_KEYS:
+        torch.testing.assert_close(metrics[k], r_metrics[k], **tol, msg=lambda m: f"metric {k}: {m}")
+
+
 def check(case, backend):
     b = build(case)
     cfg = case["cfg"]
-    ref, ref_g, ref_ge = evaluate(b, cfg, "reference", case["normalizer"])
-    got, got_g, got_ge = evaluate(b, cfg, backend, case["normalizer"])
-    # every term scales with the largest ratio; with log_ratio_clamp=None a log-ratio > 88 overflows
-    # exp, and the reference itself then gives inf/NaN: the backend must give the same inf/NaN
-    rmax = float(ref.metrics["ratio_max"])
-    scale = max(1.0, rmax) if np.isfinite(rmax) else float(torch.finfo(torch.float32).max)
-    tol = dict(atol=1e-5 * scale, rtol=1e-5, equal_nan=True)
-    torch.testing.assert_close(got.loss, ref.loss, **tol, msg=lambda m: f"loss: {m}")
-    torch.testing.assert_close(got_g, ref_g, **tol, msg=lambda m: f"dL/dlogp: {m}")
-    torch.testing.assert_close(got_ge, ref_ge, **tol, msg=lambda m: f"dL/dentropy: {m}")
-    assert set(got.metrics) == set(METRIC_KEYS)
-    for k in METRIC_KEYS:
-        torch.testing.assert_close(got.metrics[k], ref.metrics[k], **tol, msg=lambda m: f"metric {k}: {m}")
+    got = flat(evaluate(b, cfg, backend, case["normalizer"]))
+    try:
+        compare(got, flat(evaluate(b, cfg, "reference", case["normalizer"])))
+    except AssertionError:
+        # The fp32 reference's own sums drift on long sequences (its autograd sums ~4k like gradient
+        # terms in fp32, 2e-5 off the exact value): the backend must then match the exact math, the
+        # reference evaluated in float64, at the same tolerance.
+        b64 = {k: (v.double() if v.is_floating_point() else v) for k, v in b.items()}
+        compare(got, flat(evaluate(b64, cfg, "reference", case["normalizer"])))
 
 
 # a raised example count (local runs) gets a time limit that grows with it (about 0.5 s an example

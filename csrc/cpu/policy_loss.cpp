@@ -71,7 +71,7 @@ struct ChunkSpan {
 };
 
 template <bool TokRatio, bool TokMismatch, bool Topr, typename in_t, typename idx_t, typename T>
-T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64_t e, T A, const SegRatio<T>& cr,
+double chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64_t e, T A, const SegRatio<T>& cr,
                const Weight<T>& cw, T coef, T* grad, Acc<T>& acc) {
   using L = Load<T>;
   const idx_t* cid = in.chunk_ids;
@@ -82,7 +82,7 @@ T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64
   const T ent_c = o.entropy_term ? o.ent_coef : T(0);
   double s_clip = 0, s_dual = 0, s_alt = 0, s_akl = 0, s_r = 0, s_kept = 0, s_pg = 0, s_loss = 0, s_ent = 0, s_n = 0;
   double s_max = -INFINITY;
-  T s_g = 0;  // fp32 in token order, like the reference's index_add backward
+  double s_g = 0;  // G sums thousands of like terms at sequence level: double, or it drifts
   for (int64_t u = b; u < e; ++u) {
     const bool m = cid[u] >= 0;
     const T lp = L::from(in.logp[u]), old = L::from(in.old_logp[u]);
@@ -138,7 +138,7 @@ T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64
     s_loss += m ? static_cast<double>(coef * tok) : 0.0;
     s_ent += m ? static_cast<double>(ent) : 0.0;
     s_n += m ? 1.0 : 0.0;
-    s_g += m ? g : T(0);
+    s_g += m ? static_cast<double>(g) : 0.0;
     if (grad) grad[u] = m ? own : T(0);
   }
   acc.v[kPClip] += s_clip;
@@ -157,7 +157,7 @@ T chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, int64
 }
 
 template <typename in_t, typename idx_t, typename T>
-using ChunkFn = T (*)(const Inputs<in_t, idx_t>&, const Opts<T>&, int64_t, int64_t, T, const SegRatio<T>&,
+using ChunkFn = double (*)(const Inputs<in_t, idx_t>&, const Opts<T>&, int64_t, int64_t, T, const SegRatio<T>&,
                       const Weight<T>&, T, T*, Acc<T>&);
 
 template <typename in_t, typename idx_t, typename T>
@@ -230,22 +230,22 @@ void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, Chun
   if (o.ratio_level == kSequence && n_s > 0) seq_r = seg_ratio(sd / static_cast<T>(n_s), o);
   if (o.mismatch_level == kSequence && n_s > 0) seq_w = mismatch_weight(smd / static_cast<T>(n_s), o);
   const bool ppo = o.surrogate == kPPOClip;
-  T G_seq = T(0);
+  double G_seq = 0.0;
   for (int64_t k = 0; k < K; ++k) {
     const ChunkSpan<T>& sp = spans[k];
     const T A = chunk_advantage(adv_s, K - 1 - k, o);
     const SegRatio<T> cr = o.ratio_level == kChunk ? seg_ratio(sp.sd / static_cast<T>(sp.n), o) : seq_r;
     const Weight<T> cw = o.mismatch_level == kChunk ? mismatch_weight(sp.sm / static_cast<T>(sp.n), o) : seq_w;
-    const T G = chunk_fn(in, o, sp.b, sp.e, A, cr, cw, coef, grad, acc);
+    const double G = chunk_fn(in, o, sp.b, sp.e, A, cr, cw, coef, grad, acc);
     if (ppo && o.ratio_level == kChunk && grad) {
-      const T f = G * cr.r * cr.gate / static_cast<T>(sp.n);
+      const T f = static_cast<T>(G / static_cast<double>(sp.n)) * cr.r * cr.gate;
 #pragma omp simd
       for (int64_t u = sp.b; u < sp.e; ++u) grad[u] += cid[u] >= 0 ? f : T(0);
     }
     G_seq += G;
   }
   if (ppo && o.ratio_level == kSequence && grad && n_s > 0) {
-    const T f = G_seq * seq_r.r * seq_r.gate / static_cast<T>(n_s);
+    const T f = static_cast<T>(G_seq / static_cast<double>(n_s)) * seq_r.r * seq_r.gate;
     for (const auto& sp : spans) {
 #pragma omp simd
       for (int64_t u = sp.b; u < sp.e; ++u) grad[u] += cid[u] >= 0 ? f : T(0);
