@@ -436,3 +436,12 @@ def test_step_advantages_override_lets_groups_split_across_micro_batches(level):
     torch.testing.assert_close(grad, g_full)
     with pytest.raises(ValueError, match="^advantages:"):
         policy_loss(logp, b.old_logp, config=cfg, advantages=adv[:-1], **b.kwargs())
+
+
+def test_unclamped_log_ratio_that_would_overflow_is_rejected():
+    g = _good()
+    lp = g["old_logp"].clone()
+    lp[4] += 95.0
+    with pytest.raises(ValueError, match=r"^logp: \|logp - old_logp\| = 95 at index 4 would overflow"):
+        _call(dict(g, logp=lp), LossConfig(log_ratio_clamp=None))
+    assert torch.isfinite(_call(dict(g, logp=lp), LossConfig()).loss)  # the default clamp handles it

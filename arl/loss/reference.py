@@ -14,8 +14,8 @@ Advantages (per trajectory i in group g, computed in the compute dtype):
   clamps A_t at 0.
 
 Ratios: d_t = logp_t - old_logp_t; the level's log-ratio is the mean of d over the token's
-  segment (token: itself; chunk: its chunk; sequence: the trained tokens of its sequence),
-  clamped to +-log_ratio_clamp, and r_t = exp(.) — gradient flows to every token of the segment.
+  segment (token: itself; chunk: its chunk; sequence: the trained tokens of its sequence; the
+  segment sums are accumulated in float64), clamped to +-log_ratio_clamp, and r_t = exp(.) — gradient flows to every token of the segment.
 
 Mismatch weight w_t (no gradient): m = exp(clamp(mean over the level's segment of
   old_logp - rollout_logp)); mask: w = 1[low <= m <= high]; truncate: w = min(m, high);
@@ -100,9 +100,10 @@ class PackLayout:
         seg, n = self.segment_of_trained(level)
         if level == "token":
             return x
-        sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seg, x)
-        cnt = torch.bincount(seg, minlength=n).to(x.dtype).clamp_min(1)
-        return (sums / cnt)[seg]
+        # segment sums in float64: an fp32 running sum over thousands of tokens drifts past 1e-5
+        sums = torch.zeros(n, dtype=torch.float64, device=x.device).index_add(0, seg, x.double())
+        cnt = torch.bincount(seg, minlength=n).to(torch.float64).clamp_min(1)
+        return (sums / cnt).to(x.dtype)[seg]
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: LossConfig):

@@ -13,6 +13,7 @@ from .config import LossConfig
 from .types import LossInputs
 
 _TOKEN_FLOATS = ("old_logp", "rollout_logp", "ref_logp", "entropy")
+MAX_UNCLAMPED_LOG_RATIO = 80.0  # exp(80) ~ 5.5e34 < fp32 max; times an advantage it stays finite
 
 
 def _first(mask: torch.Tensor) -> int:
@@ -122,6 +123,20 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
                 f"chunk_ids: chunk {int(c[j])} crosses from sequence {int(seq[j - 1])} into sequence "
                 f"{int(seq[j])} at token index {int(tidx[j])}"
             )
+
+    if cfg.log_ratio_clamp is None:  # exp() of an unclamped log-ratio must stay finite in fp32
+        pairs = [("logp", inp.logp, inp.old_logp, "old_logp")]
+        if cfg.mismatch_level != "none":
+            pairs.append(("rollout_logp", inp.rollout_logp, inp.old_logp, "old_logp"))
+        if cfg.kl_beta > 0 and cfg.kl_estimator == "k3":
+            pairs.append(("ref_logp", inp.ref_logp, inp.logp, "logp"))
+        for name, a, b, other in pairs:
+            d = (a.double() - b.double()).abs()
+            bad = (d > MAX_UNCLAMPED_LOG_RATIO) & trained
+            if bool(bad.any()):
+                i = _first(bad)
+                raise ValueError(f"{name}: |{name} - {other}| = {d[i].item():.4g} at index {i} would overflow exp() "
+                                 f"with log_ratio_clamp=None (limit {MAX_UNCLAMPED_LOG_RATIO}); set a clamp")
 
     if normalizer is not None:
         v = float(normalizer)
