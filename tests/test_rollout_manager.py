@@ -75,7 +75,7 @@ def test_scripted_episode_masks_and_chunk_ids_exact(vllm_engine, tiny_tokenizer,
     enc = lambda s: tiny_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     prompt = enc("<|im_start|>system\nYou look keys up.<|im_end|>\n<|im_start|>user\nFind the value for k05."
                  "<|im_end|>\n<|im_start|>assistant\n")
-    exp_tokens, exp_chunks, turns = list(prompt), [-1] * len(prompt), []
+    exp_tokens, exp_chunks = list(prompt), [-1] * len(prompt)
     for k, (s, e) in enumerate(t.turns):
         assert s == len(exp_tokens)
         sampled = t.tokens[s:e].tolist()
