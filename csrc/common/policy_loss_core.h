@@ -286,6 +286,32 @@ struct Inputs {
   const int64_t* cu_seqlens;  // [N+1]
 };
 
+// One trained token u inside a chunk whose ratio / mismatch weight are ch_r / ch_w (token levels
+// recompute them here).  Returns the token's own gradient; *g gets its PPO segment term (see
+// token_step).  Shared by the serial CPU loop and the CUDA warp loop.
+template <typename in_t, typename idx_t, typename T>
+ARL_HD inline T trained_token(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t u, T A, const SegRatio<T>& ch_r,
+                              const Weight<T>& ch_w, bool has_ent, bool ppo, T coef, Acc<T>& acc, T* g) {
+  using L = Load<T>;
+  const T lp = L::from(in.logp[u]), old = L::from(in.old_logp[u]);
+  const T d = lp - old;
+  SegRatio<T> sr = ch_r;
+  T akl;
+  if (o.ratio_level == kToken) {
+    sr = seg_ratio(d, o);
+    akl = sr.r - T(1) - sr.lr;  // same clamped d: reuse exp
+  } else {
+    akl = approx_kl_of(d, o);
+  }
+  Weight<T> wt = ch_w;
+  if (o.mismatch_level == kToken) wt = mismatch_weight(old - L::from(in.rollout_logp[u]), o);
+  const T ref = o.kl != kKLOff ? L::from(in.ref_logp[u]) : T(0);
+  const T ent = has_ent ? L::from(in.entropy[u]) : T(0);
+  T own = token_step(o, A, sr, akl, wt, lp, ref, ent, has_ent, coef, acc, g);
+  if (ppo && o.ratio_level == kToken) own += *g * sr.r * sr.gate;
+  return own;
+}
+
 // The whole algorithm for sequence s, serially.  grad (may be null: no gradient wanted) gets the
 // unnormalized dL/dlogp of every token of the sequence (0 on untrained tokens); acc gets the
 // sequence's partial sums; *coef_out the aggregation coefficient of its tokens (1 or 1/n_s).
@@ -357,23 +383,8 @@ ARL_HD inline void process_sequence(const Inputs<in_t, idx_t>& in, const Opts<T>
         if (grad) grad[u] = T(0);
         continue;
       }
-      const T lp = L::from(in.logp[u]), old = L::from(in.old_logp[u]);
-      const T d = lp - old;
-      SegRatio<T> sr = ch_r;
-      T akl;
-      if (o.ratio_level == kToken) {
-        sr = seg_ratio(d, o);
-        akl = sr.r - T(1) - sr.lr;  // same clamped d: reuse exp
-      } else {
-        akl = approx_kl_of(d, o);
-      }
-      Weight<T> wt = ch_w;
-      if (o.mismatch_level == kToken) wt = mismatch_weight(old - L::from(in.rollout_logp[u]), o);
-      const T ref = o.kl != kKLOff ? L::from(in.ref_logp[u]) : T(0);
-      const T ent = has_ent ? L::from(in.entropy[u]) : T(0);
       T g;
-      T own = token_step(o, A, sr, akl, wt, lp, ref, ent, has_ent, coef, acc, &g);
-      if (ppo && o.ratio_level == kToken) own += g * sr.r * sr.gate;
+      const T own = trained_token(in, o, u, A, ch_r, ch_w, has_ent, ppo, coef, acc, &g);
       G += g;
       if (grad) grad[u] = own;
     }

@@ -174,23 +174,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         if (grad) grad[t] = T(0);
         continue;
       }
-      const T lp = L::from(in.logp[t]), old = L::from(in.old_logp[t]);
-      const T d = lp - old;
-      SegRatio<T> sr = ch_r;
-      T akl;
-      if (o.ratio_level == kToken) {
-        sr = seg_ratio(d, o);
-        akl = sr.r - T(1) - sr.lr;
-      } else {
-        akl = approx_kl_of(d, o);
-      }
-      Weight<T> wt = ch_w;
-      if (o.mismatch_level == kToken) wt = mismatch_weight(old - L::from(in.rollout_logp[t]), o);
-      const T ref = o.kl != kKLOff ? L::from(in.ref_logp[t]) : T(0);
-      const T ent = has_ent ? L::from(in.entropy[t]) : T(0);
       T g;
-      T own = token_step(o, A, sr, akl, wt, lp, ref, ent, has_ent, coef, acc, &g);
-      if (ppo && o.ratio_level == kToken) own += g * sr.r * sr.gate;
+      const T own = trained_token(in, o, t, A, ch_r, ch_w, has_ent, ppo, coef, acc, &g);
       G += g;
       if (grad) grad[t] = own;
     }
