@@ -36,8 +36,8 @@ if want_cuda != "0" and torch.version.cuda and shutil.which("nvcc"):
             rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp"),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={
-                "cxx": ["-O3", "-std=c++17"],
-                "nvcc": ["-O3", "-std=c++17", "-lineinfo",
+                "cxx": ["-O3"],
+                "nvcc": ["-O3", "-lineinfo",
                          "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"],
             },
         )

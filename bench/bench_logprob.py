@@ -63,6 +63,8 @@ def _variants(temp):
         "compiled": compiled,
         "arl": lambda h, w, y: fused_logprobs(h, w, y, temp)[0],
     }
+    if _DEVICE.type == "cuda":  # the Triton kernel, side by side with auto's pick
+        out["arl_triton"] = lambda h, w, y: fused_logprobs(h, w, y, temp, backend="triton")[0]
     liger, why = _liger_fn()
     if liger is not None:
         out["liger"] = lambda h, w, y: liger(h, w, y, temp)
@@ -120,10 +122,10 @@ def _time(call, reps) -> float:
 _DEVICE = torch.device("cpu")
 
 
-def run_case(T, H, V, reps, temp, seed=0, only=None):
+def run_case(T, H, V, reps, temp, seed=0, only=None, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(T, H, generator=gen).to(_DEVICE).requires_grad_(True)
-    w = (torch.randn(V, H, generator=gen) * H ** -0.5).to(_DEVICE).requires_grad_(True)
+    h = torch.randn(T, H, generator=gen).to(_DEVICE, dtype).requires_grad_(True)
+    w = (torch.randn(V, H, generator=gen) * H ** -0.5).to(_DEVICE, dtype).requires_grad_(True)
     y = torch.randint(0, V, (T,), generator=gen).to(_DEVICE)
     g = torch.randn(T, generator=gen).to(_DEVICE)
     ge = torch.randn(T, generator=gen).to(_DEVICE)
@@ -134,7 +136,7 @@ def run_case(T, H, V, reps, temp, seed=0, only=None):
         calls = {k: v for k, v in calls.items() if k in only or k in ("naive", "arl")}
     res = {"T": T, "H": H, "V": V}
     ref = None
-    grads_mb = (T * H + V * H) * 4 / 2**20  # the returned fp32 grad_hidden + grad_weight
+    grads_mb = (T * H + V * H) * h.element_size() / 2**20  # the returned grad_hidden + grad_weight
     for name, call in calls.items():
         warm = 0.0
         if name == "compiled":  # compile outside the measured calls
@@ -186,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset (naive and arl always run): compiled,liger,arl_entropy")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="hidden/weight dtype (bfloat16 is what a GPU trains in; logits accumulate in fp32)")
     ap.add_argument("--case", type=int, default=None, help="run only this index of the size list")
     args = ap.parse_args(argv)
     _DEVICE = torch.device(args.device)
@@ -194,11 +198,12 @@ def main(argv=None):
         cases = [cases[args.case]]
     reps = args.reps or 2
     only = set(args.variants.split(",")) if args.variants else None
-    results = [run_case(T, H, V, reps, args.temperature, only=only) for T, H, V in cases]
+    results = [run_case(T, H, V, reps, args.temperature, only=only, dtype=getattr(torch, args.dtype)) for T, H, V in cases]
     summary = {
         "bench": "logprob",
         "quick": bool(args.quick),
         "device": str(_DEVICE),
+        "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
         "peak_mem_ratio_vs_naive": max(r["arl"]["peak_mem_ratio_vs_naive"] for r in results),
         "time_ratio_vs_naive": max(r["arl"]["time_ratio_vs_naive"] for r in results),
@@ -207,7 +212,7 @@ def main(argv=None):
         "targets": {"peak_mem_ratio_vs_naive": 0.15, "time_ratio_vs_naive": 1.0},
         "cases": results,
     }
-    for other in ("compiled", "liger", "arl_entropy"):
+    for other in ("compiled", "liger", "arl_entropy", "arl_triton"):
         if other in results[0]:
             for key in ("time_ratio_vs_naive", "peak_mem_ratio_vs_naive"):
                 summary[f"{other}_{key}"] = max(r[other][key] for r in results)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 @triton.jit
 def _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+                BLOCK_H: tl.constexpr, LOWP: tl.constexpr):
     """[BLOCK_T, BLOCK_V] fp32 tile of hidden @ weight.T * inv_temp; -inf outside the vocabulary."""
     acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
     offs_h = tl.arange(0, BLOCK_H)
@@ -35,14 +35,17 @@ def _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T: tl.con
                     other=0.0)
         b = tl.load(w_ptr + offs_v[:, None] * H + hh[None, :], mask=(offs_v[:, None] < V) & (hh[None, :] < H),
                     other=0.0)
-        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
+        if LOWP:  # bf16/fp16 on a GPU: tensor-core dot, fp32 accumulation
+            acc += tl.dot(a, tl.trans(b))
+        else:  # fp32 exact (tests at 1e-5); also bf16 under the interpreter, whose bf16 dot is wrong
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
     acc = acc * inv_temp
     return tl.where(offs_v[None, :] < V, acc, float("-inf"))
 
 
 @triton.jit
 def _fwd(h_ptr, w_ptr, y_ptr, logp_ptr, lse_ptr, s_ptr, T, V, H, inv_temp, WITH_ENT: tl.constexpr,
-         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, LOWP: tl.constexpr):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = offs_t < T
@@ -53,7 +56,7 @@ def _fwd(h_ptr, w_ptr, y_ptr, logp_ptr, lse_ptr, s_ptr, T, V, H, inv_temp, WITH_
     zy = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
-        z = _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T, BLOCK_V, BLOCK_H)
+        z = _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T, BLOCK_V, BLOCK_H, LOWP)
         vmask = offs_v[None, :] < V
         zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -90,42 +93,52 @@ def _dz_tile(z, offs_t, offs_v, y_ptr, g_ptr, ge_ptr, lse_ptr, s_ptr, T, V, inv_
 
 @triton.jit
 def _bwd_hidden(h_ptr, w_ptr, y_ptr, g_ptr, ge_ptr, lse_ptr, s_ptr, gh_ptr, T, V, H, inv_temp,
-                WITH_ENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+                WITH_ENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                LOWP: tl.constexpr):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, BLOCK_H)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
-        z = _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T, BLOCK_V, BLOCK_H)
+        z = _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T, BLOCK_V, BLOCK_H, LOWP)
         dz = _dz_tile(z, offs_t, offs_v, y_ptr, g_ptr, ge_ptr, lse_ptr, s_ptr, T, V, inv_temp, WITH_ENT)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + offs_h
             wmask = (offs_v[:, None] < V) & (hh[None, :] < H)
-            w = tl.load(w_ptr + offs_v[:, None] * H + hh[None, :], mask=wmask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_v[:, None] * H + hh[None, :], mask=wmask, other=0.0)
             gmask = (offs_t[:, None] < T) & (hh[None, :] < H)
             gptrs = gh_ptr + offs_t[:, None] * H + hh[None, :]
             acc = tl.load(gptrs, mask=gmask, other=0.0)
-            tl.store(gptrs, acc + tl.dot(dz, w, input_precision="ieee"), mask=gmask)
+            if LOWP:
+                acc += tl.dot(dz.to(w.dtype), w)
+            else:  # float64 running sum over vocab tiles: fp32 alone drifts past 1e-5 at V=5k
+                acc += tl.dot(dz, w.to(tl.float32), input_precision="ieee").to(tl.float64)
+            tl.store(gptrs, acc, mask=gmask)
 
 
 @triton.jit
 def _bwd_weight(h_ptr, w_ptr, y_ptr, g_ptr, ge_ptr, lse_ptr, s_ptr, gw_ptr, T, V, H, inv_temp,
-                WITH_ENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+                WITH_ENT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                LOWP: tl.constexpr):
     pid = tl.program_id(0)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_h = tl.arange(0, BLOCK_H)
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        z = _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T, BLOCK_V, BLOCK_H)
+        z = _logit_tile(h_ptr, w_ptr, offs_t, offs_v, T, V, H, inv_temp, BLOCK_T, BLOCK_V, BLOCK_H, LOWP)
         dz = _dz_tile(z, offs_t, offs_v, y_ptr, g_ptr, ge_ptr, lse_ptr, s_ptr, T, V, inv_temp, WITH_ENT)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + offs_h
             hmask = (offs_t[:, None] < T) & (hh[None, :] < H)
-            hv = tl.load(h_ptr + offs_t[:, None] * H + hh[None, :], mask=hmask, other=0.0).to(tl.float32)
+            hv = tl.load(h_ptr + offs_t[:, None] * H + hh[None, :], mask=hmask, other=0.0)
             gmask = (offs_v[:, None] < V) & (hh[None, :] < H)
             gptrs = gw_ptr + offs_v[:, None] * H + hh[None, :]
             acc = tl.load(gptrs, mask=gmask, other=0.0)
-            tl.store(gptrs, acc + tl.dot(tl.trans(dz), hv, input_precision="ieee"), mask=gmask)
+            if LOWP:
+                acc += tl.dot(tl.trans(dz.to(hv.dtype)), hv)
+            else:  # float64 running sum over token tiles (see _bwd_hidden)
+                acc += tl.dot(tl.trans(dz), hv.to(tl.float32), input_precision="ieee").to(tl.float64)
+            tl.store(gptrs, acc, mask=gmask)
 
 
 def _blocks(T: int, V: int, H: int, interpret: bool):
@@ -138,6 +151,10 @@ def _blocks(T: int, V: int, H: int, interpret: bool):
     return 64, 128, 64
 
 
+def _lowp(hidden) -> bool:
+    return hidden.dtype in (torch.bfloat16, torch.float16) and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 class _TritonLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_temp, with_entropy, blocks):
@@ -148,7 +165,7 @@ class _TritonLogprob(torch.autograd.Function):
         lse = torch.empty_like(logp)
         S = torch.empty_like(logp) if with_entropy else lse  # dummy pointer when unused
         _fwd[(triton.cdiv(T, bt),)](hidden, weight, targets, logp, lse, S, T, V, H, inv_temp, WITH_ENT=with_entropy,
-                                     BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
+                                     BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, LOWP=_lowp(hidden))
         ctx.save_for_backward(hidden, weight, targets, lse, S)
         ctx.cfg = (inv_temp, with_entropy, blocks)
         return logp, ((lse - S) if with_entropy else None)
@@ -163,16 +180,17 @@ class _TritonLogprob(torch.autograd.Function):
         g = torch.zeros(T, dtype=torch.float32, device=hidden.device) if g_logp is None else g_logp.float().contiguous()
         ge = g_ent.float().contiguous() if use_ent else g
         args = (hidden, weight, targets, g, ge, lse, S)
+        acc_dt = torch.float32 if _lowp(hidden) else torch.float64  # the grads' running sums
         gh = gw = None
         if ctx.needs_input_grad[0]:
-            gh = torch.zeros((T, H), dtype=torch.float32, device=hidden.device)
+            gh = torch.zeros((T, H), dtype=acc_dt, device=hidden.device)
             _bwd_hidden[(triton.cdiv(T, bt),)](*args, gh, T, V, H, inv_temp, WITH_ENT=use_ent,
-                                               BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
+                                               BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, LOWP=_lowp(hidden))
             gh = gh.to(hidden.dtype)
         if ctx.needs_input_grad[1]:
-            gw = torch.zeros((V, H), dtype=torch.float32, device=hidden.device)
+            gw = torch.zeros((V, H), dtype=acc_dt, device=hidden.device)
             _bwd_weight[(triton.cdiv(V, bv),)](*args, gw, T, V, H, inv_temp, WITH_ENT=use_ent,
-                                               BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
+                                               BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, LOWP=_lowp(hidden))
             gw = gw.to(weight.dtype)
         return gh, gw, None, None, None, None
 

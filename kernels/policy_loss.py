@@ -115,34 +115,34 @@ def _policy_loss_kernel(
 
     # group advantage of sequence s (zero-variance groups -> exactly 0), whether its group has zero
     # variance, and whether s is its group's first member (to count groups for the metric)
-    g = tl.load(gid_ptr + s)
-    r = tl.load(rew_ptr + s).to(CDT)
+    gid_s = tl.load(gid_ptr + s)
+    rew_s = tl.load(rew_ptr + s).to(CDT)
     cnt = tl.full([], 0.0, CDT)
     tot = tl.full([], 0.0, CDT)
-    mx = tl.full([], float("-inf"), CDT)
-    mn = tl.full([], float("inf"), CDT)
+    rmax_g = tl.full([], float("-inf"), CDT)
+    rmin_g = tl.full([], float("inf"), CDT)
     earlier = tl.full([], 0, tl.int32)
     for j0 in range(0, N, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         ok = j < N
-        eq = ok & (tl.load(gid_ptr + j, mask=ok, other=0) == g)
+        eq = ok & (tl.load(gid_ptr + j, mask=ok, other=0) == gid_s)
         rj = tl.load(rew_ptr + j, mask=ok, other=0).to(CDT)
         cnt += tl.reduce(eq.to(CDT), 0, _ADD)
         tot += tl.reduce(tl.where(eq, rj, 0.0), 0, _ADD)
-        mx = tl.maximum(mx, tl.reduce(tl.where(eq, rj, float("-inf")), 0, _MAXF))
-        mn = tl.minimum(mn, tl.reduce(tl.where(eq, rj, float("inf")), 0, _MINF))
+        rmax_g = tl.maximum(rmax_g, tl.reduce(tl.where(eq, rj, float("-inf")), 0, _MAXF))
+        rmin_g = tl.minimum(rmin_g, tl.reduce(tl.where(eq, rj, float("inf")), 0, _MINF))
         earlier += tl.reduce((eq & (j < s)).to(tl.int32), 0, _ADD)
-    zero_var = mx == mn
-    adv_s = r
+    zero_var = rmax_g == rmin_g
+    adv_s = rew_s
     if ADV != 2:
         mean = tot / cnt
-        adv_s = r - mean
+        adv_s = rew_s - mean
         if ADV == 0:
             ss = tl.full([], 0.0, CDT)
             for j0 in range(0, N, BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
                 ok = j < N
-                eq = ok & (tl.load(gid_ptr + j, mask=ok, other=0) == g)
+                eq = ok & (tl.load(gid_ptr + j, mask=ok, other=0) == gid_s)
                 dj = tl.load(rew_ptr + j, mask=ok, other=0).to(CDT) - mean
                 ss += tl.reduce(tl.where(eq, dj * dj, 0.0), 0, _ADD)
             std = tl.sqrt(ss / tl.maximum(cnt - 1, 1.0))
@@ -237,12 +237,12 @@ def _policy_loss_kernel(
                     A_c = adv_s * tl.exp2((nch - ci - 1).to(CDT) * log2_gamma)
                     if POS_ONLY:
                         A_c = tl.maximum(A_c, 0.0)
-                    pg1 = -A_c * r_seq
-                    pg2 = -A_c * r_seq_clip
-                    clp = pg2 > pg1
+                    sp1 = -A_c * r_seq
+                    sp2 = -A_c * r_seq_clip
+                    clp = sp2 > sp1
                     keep = cv & (clp == 0)
                     if DUAL:
-                        keep = keep & ~((A_c < 0) & (tl.where(clp, pg2, pg1) > -A_c * dual_c))
+                        keep = keep & ~((A_c < 0) & (tl.where(clp, sp2, sp1) > -A_c * dual_c))
                     acc += tl.reduce(tl.where(keep, (-A_c).to(tl.float64) * W, 0.0), 0, _ADD)
                 seq_gfac = acc.to(CDT)
             else:  # gamma == 1: one advantage for the whole sequence
@@ -250,12 +250,12 @@ def _policy_loss_kernel(
                     W1 = tot_q.to(CDT)
                 else:
                     W1 = w_seq * n_s.to(CDT)
-                pg1 = -adv_pos * r_seq
-                pg2 = -adv_pos * r_seq_clip
-                clp = pg2 > pg1
+                sp1 = -adv_pos * r_seq
+                sp2 = -adv_pos * r_seq_clip
+                clp = sp2 > sp1
                 keep = clp == 0
                 if DUAL:
-                    keep = keep & ~((adv_pos < 0) & (tl.where(clp, pg2, pg1) > -adv_pos * dual_c))
+                    keep = keep & ~((adv_pos < 0) & (tl.where(clp, sp2, sp1) > -adv_pos * dual_c))
                 seq_gfac = tl.where(keep, -adv_pos * W1, 0.0)
             # d r_seq / d logp_j = r * 1[inside the clamp] / n_s for every trained token j
             seq_gfac = seq_gfac * r_seq * ((mean_d_seq >= -lrc) & (mean_d_seq <= lrc)).to(CDT) / n_s_c

@@ -28,7 +28,9 @@ class Batch:
         return kw
 
     def to(self, **kw) -> "Batch":
-        return Batch(**{k: v.to(**kw) if v.is_floating_point() else v for k, v in self.__dict__.items()})
+        """dtype applies to the float tensors only; device to all of them."""
+        ints = {k: v for k, v in kw.items() if k == "device"}
+        return Batch(**{k: v.to(**kw) if v.is_floating_point() else v.to(**ints) for k, v in self.__dict__.items()})
 
 
 def agentic_layout(lengths, gen: torch.Generator, max_chunks: int = 8, untrained_frac: float = 0.3):

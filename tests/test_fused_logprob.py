@@ -43,12 +43,18 @@ def _backend(name):
     return base, BACKENDS[name]
 
 
+def _on(base, *xs):
+    """Compiled Triton needs CUDA tensors; under the interpreter (no GPU) it runs on the CPU ones."""
+    dev = "cuda" if base == "triton" and torch.cuda.is_available() else "cpu"
+    return tuple(x.to(dev) for x in xs)
+
+
 @pytest.mark.parametrize("name", list(BACKENDS))
 @pytest.mark.parametrize("ent", [False, True])
 @pytest.mark.parametrize("temp", [1.0, 0.7])
 def test_matches_naive_values_and_grads(name, ent, temp):
     base, tiles = _backend(name)
-    h, w, y, gl, ge = _inputs()
+    h, w, y, gl, ge = _on(base, *_inputs())
     got = _run(lambda *a: fused_logprobs(*a, backend=base, **tiles), h, w, y, gl, ge, temp, ent)
     ref = _run(naive_logprobs, h.double(), w.double(), y, gl.double(), ge.double(), temp, ent)
     names = ("logp", "entropy", "grad_hidden", "grad_weight")
@@ -63,7 +69,7 @@ def test_matches_naive_values_and_grads(name, ent, temp):
 @pytest.mark.parametrize("name", ["torch_chunked", "triton"])
 def test_entropy_gradient_alone_and_weight_only(name):
     base, tiles = _backend(name)
-    h, w, y, gl, ge = _inputs(T=19, V=67, seed=1)
+    h, w, y, gl, ge = _on(base, *_inputs(T=19, V=67, seed=1))
     hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     _, e = fused_logprobs(hh, ww, y, 1.3, True, backend=base, **tiles)
     gh, gw = torch.autograd.grad((e * ge).sum(), (hh, ww))
@@ -114,9 +120,12 @@ def test_chunked_never_materializes_t_by_v():
     assert mode.max < T * V
 
 
-def test_bf16_inputs_close_to_naive():
-    h, w, y, _, _ = _inputs(T=33, H=32, V=90, seed=4)
-    lp, e = fused_logprobs(h.bfloat16(), w.bfloat16(), y, 1.0, True, backend="torch_chunked", tile_v=32)
+@pytest.mark.parametrize("name", ["torch_chunked", "triton"])
+def test_bf16_inputs_close_to_naive(name):
+    base, _ = _backend(name)
+    tiles = dict(tile_v=32) if base == "torch_chunked" else dict(blocks=(16, 32, 16))
+    h, w, y, _, _ = _on(base, *_inputs(T=33, H=32, V=90, seed=4))
+    lp, e = fused_logprobs(h.bfloat16(), w.bfloat16(), y, 1.0, True, backend=base, **tiles)
     lr, er = naive_logprobs(h.bfloat16().double(), w.bfloat16().double(), y, 1.0, True)
     torch.testing.assert_close(lp, lr.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(e, er.float(), atol=2e-2, rtol=2e-2)
@@ -159,3 +168,32 @@ def test_unknown_backend_raises():
     h, w, y, _, _ = _inputs(T=5, V=13)
     with pytest.raises(ValueError, match="backend: unknown"):
         fused_logprobs(h, w, y, backend="nope")
+
+
+def _gpu_inputs(T, H, V, seed):
+    h, w, y, gl, ge = _inputs(T=T, H=H, V=V, seed=seed)
+    w = w * (24 / H) ** 0.5  # logits of the same spread as the CPU tests' (std ~2), whatever H
+    return tuple(x.cuda() for x in (h, w, y, gl, ge))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["triton", "torch_chunked"])
+@pytest.mark.parametrize("shape", [(37, 24, 101), (1000, 256, 5000)])
+@pytest.mark.parametrize("ent", [False, True])
+def test_gpu_backends_match_naive(backend, shape, ent):
+    """Default (GPU) blocks / whole-vocab tiles: fp32 at 1e-5 against float64; bf16 close, grads too."""
+    if backend not in available_logprob_backends():
+        pytest.skip(f"{backend} not available")
+    T, H, V = shape
+    h, w, y, gl, ge = _gpu_inputs(T, H, V, seed=5)
+    got = _run(lambda *a: fused_logprobs(*a, backend=backend), h, w, y, gl, ge, 0.8, ent)
+    ref = _run(naive_logprobs, h.double(), w.double(), y, gl.double(), ge.double(), 0.8, ent)
+    for n, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref):
+        if b is not None:
+            torch.testing.assert_close(a, b.float(), **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    hb, wb = h.bfloat16(), w.bfloat16()
+    got = _run(lambda *a: fused_logprobs(*a, backend=backend), hb, wb, y, gl, ge, 0.8, True)
+    ref = _run(naive_logprobs, hb.double(), wb.double(), y, gl.double(), ge.double(), 0.8, True)
+    for n, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref):
+        scale = float(b.abs().max())  # bf16 grads: about 3 significant digits of the largest entry
+        torch.testing.assert_close(a.double(), b, atol=2e-2 * max(scale, 1.0), rtol=2e-2, msg=lambda m, n=n: f"{n}: {m}")

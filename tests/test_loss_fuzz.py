@@ -9,7 +9,7 @@ extreme, since then every term is that large; NaN/inf where the reference gives 
 does when log_ratio_clamp=None lets exp overflow).
 
   ARL_FUZZ_EXAMPLES          examples per backend (default 200; e.g. 10000 locally)
-  ARL_FUZZ_TRITON_EXAMPLES   examples for the Triton backend, slow under the interpreter (default 25)
+  ARL_FUZZ_TRITON_EXAMPLES   examples for the Triton backend (default 25 under the interpreter, else as above)
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from arl import LossConfig, available_backends, policy_loss
 from arl.loss import METRIC_KEYS
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "200"))
-TRITON_EXAMPLES = int(os.environ.get("ARL_FUZZ_TRITON_EXAMPLES", "25"))
+# the interpreter costs about a second an example; compiled on a GPU the Triton kernel takes the full count
+TRITON_EXAMPLES = int(os.environ.get("ARL_FUZZ_TRITON_EXAMPLES", "25" if os.environ.get("TRITON_INTERPRET") == "1" else str(EXAMPLES)))
 FUZZ_BACKENDS = [b for b in available_backends() if b != "reference"]
 PROGRESS = os.environ.get("ARL_FUZZ_PROGRESS")  # optional file: one character per passed example
 MAX_TOKENS = 12_000  # per example, to keep 200 examples within seconds
@@ -146,8 +147,16 @@ def evaluate(b, cfg, backend, normalizer):
 
 
 def flat(res, dtype=torch.float32):
-    out, g, ge = res
-    return out.loss.to(dtype), g.to(dtype), ge.to(dtype), {k: v.to(dtype) for k, v in out.metrics.items()}
+    out, g, ge = res  # compared on the CPU, whatever device the backend ran on
+    c = lambda x: x.to(device="cpu", dtype=dtype)  # noqa: E731
+    return c(out.loss), c(g), c(ge), {k: c(v) for k, v in out.metrics.items()}
+
+
+def on_device(b, backend):
+    """GPU backends run on CUDA copies of the batch; the reference stays on the CPU."""
+    if backend in ("cuda", "triton") and torch.cuda.is_available():
+        return {k: v.cuda() for k, v in b.items()}
+    return b
 
 
 def compare(got, ref):
@@ -173,10 +182,10 @@ def check(case, backend):
         ref = evaluate(b, cfg, "reference", case["normalizer"])
     except ValueError as e:  # inputs the API rejects (e.g. an unclamped log-ratio past exp's range)
         with pytest.raises(ValueError) as got_err:
-            evaluate(b, cfg, backend, case["normalizer"])
+            evaluate(on_device(b, backend), cfg, backend, case["normalizer"])
         assert str(got_err.value) == str(e)
         return
-    got = flat(evaluate(b, cfg, backend, case["normalizer"]))
+    got = flat(evaluate(on_device(b, backend), cfg, backend, case["normalizer"]))
     try:
         compare(got, flat(ref))
     except AssertionError:

@@ -148,6 +148,8 @@ def test_single_token_chunks_and_long_sequence():
     cu = torch.tensor([0, 1, 4097, 4100, 4101], dtype=torch.int32)
     kw = dict(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), group_ids=torch.tensor([0, 0, 1, 1]), cu_seqlens=cu,
               chunk_ids=cid, rollout_logp=old + 0.01 * torch.randn(T, generator=gen))
+    kw = {k: v.to(DEV) for k, v in kw.items()}
+    old, logp = old.to(DEV), logp.to(DEV)
     for cfg in (LossConfig(ratio_level="chunk", gamma=0.999, mismatch_level="chunk", mismatch_high=1.02),
                 LossConfig(ratio_level="sequence", loss_agg="seq-mean-token-sum-norm")):
         res = {}

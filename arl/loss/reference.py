@@ -226,13 +226,13 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
             "mismatch_masked_frac": altered.sum().to(cdt) / nf,
             "approx_kl": (torch.exp(d_tok) - 1 - d_tok).sum() / nf,
             "ratio_mean": r.sum() / nf,
-            "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt),
+            "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt, device=inp.logp.device),
             "adv_nonzero_frac": (A != 0).sum().to(cdt) / nf,
-            "zero_var_group_frac": torch.tensor(n_zero_var / n_groups, dtype=cdt),
+            "zero_var_group_frac": torch.tensor(n_zero_var / n_groups, dtype=cdt, device=inp.logp.device),
             "tokens_kept": (w > 0).sum().to(cdt),
             "pg_loss": (w * pg).sum() / nf,
-            "kl_mean": kl.sum() / nf if kl is not None else torch.zeros((), dtype=cdt),
-            "entropy_mean": ent.sum() / nf if ent is not None else torch.zeros((), dtype=cdt),
+            "kl_mean": kl.sum() / nf if kl is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
+            "entropy_mean": ent.sum() / nf if ent is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
         }
         metrics = {k: v.detach().to(cdt).reshape(()) for k, v in metrics.items()}
     return LossOutput(loss=loss, metrics=metrics)

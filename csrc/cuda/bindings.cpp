@@ -2,7 +2,7 @@
 // The policy-loss ops have their own names and schemas (arl::policy_loss_cuda,
 // arl::policy_loss_entropy_grad_cuda) so that this library does not depend on arl._C.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <Python.h>
@@ -22,7 +22,7 @@ at::Tensor scale_cuda(const at::Tensor& x, double s) {
   auto xc = x.contiguous();
   auto y = at::empty_like(xc);
   auto err = scale_launch(xc.data_ptr<float>(), y.data_ptr<float>(), static_cast<float>(s), xc.numel(),
-                          at::cuda::getCurrentCUDAStream());
+                          c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "arl::scale_cuda: ", cudaGetErrorString(err));
   return y;
 }
@@ -102,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
   a.adv_scratch = adv.data_ptr();
   a.part_scratch = part.data_ptr();
   a.flags_scratch = flags.data_ptr<int>();
-  const cudaError_t err = policy_loss_cuda_launch(a, at::cuda::getCurrentCUDAStream(logp.device().index()));
+  const cudaError_t err = policy_loss_cuda_launch(a, c10::cuda::getCurrentCUDAStream(logp.device().index()));
   TORCH_CHECK(err == cudaSuccess, kOp, ": ", cudaGetErrorString(err));
   return {loss, grad, stats, coef};
 }
@@ -121,7 +121,7 @@ at::Tensor policy_loss_entropy_grad_cuda(const at::Tensor& chunk_ids, const at::
   const cudaError_t err = policy_loss_entropy_grad_launch(
       chunk_ids.data_ptr(), chunk_ids.scalar_type() == at::kLong, cu_seqlens.data_ptr<int64_t>(), seq_coef.data_ptr(),
       seq_coef.scalar_type() == at::kDouble, scale, N, out.data_ptr(),
-      at::cuda::getCurrentCUDAStream(seq_coef.device().index()));
+      c10::cuda::getCurrentCUDAStream(seq_coef.device().index()));
   TORCH_CHECK(err == cudaSuccess, "arl::policy_loss_entropy_grad_cuda: ", cudaGetErrorString(err));
   return out;
 }
