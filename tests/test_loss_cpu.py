@@ -166,3 +166,25 @@ def test_deterministic_across_thread_counts():
     for r in res[1:]:
         for x, y in zip(res[0], r):
             assert torch.equal(x, y)
+
+
+def test_backward_twice_and_grad_out_scaling():
+    """The saved gradient is returned as is for grad_out == 1: a second backward (retain_graph)
+    and a scaled grad_out must still give the reference's gradients."""
+    b = make_batch(n_seq=8, max_len=50, seed=11)
+    cfg = CONFIGS[-2]
+    ref_lp = b.logp.clone().requires_grad_(True)
+    ref = policy_loss(ref_lp, b.old_logp, **b.kwargs(with_optional=False), rollout_logp=b.rollout_logp,
+                      config=cfg, backend="reference")
+    (g_ref,) = torch.autograd.grad(ref.loss, ref_lp)
+    lp = b.logp.clone().requires_grad_(True)
+    out = policy_loss(lp, b.old_logp, **b.kwargs(with_optional=False), rollout_logp=b.rollout_logp,
+                      config=cfg, backend="cpu")
+    (g1,) = torch.autograd.grad(out.loss, lp, retain_graph=True)
+    g1_copy = g1.clone()
+    g1.mul_(100.0)  # a caller scaling its gradient in place must not change the saved one
+    (g2,) = torch.autograd.grad(out.loss, lp, grad_outputs=torch.tensor(-2.5), retain_graph=True)
+    (g3,) = torch.autograd.grad(out.loss * 3.0, lp)
+    torch.testing.assert_close(g1_copy, g_ref, **TOL)
+    torch.testing.assert_close(g2, -2.5 * g_ref, **TOL)
+    torch.testing.assert_close(g3, 3.0 * g_ref, **TOL)
