@@ -83,10 +83,16 @@ def single_process_reference():
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, weight_decay=OPTIM.weight_decay)
     from arl.model.packed import packed_logprobs
 
+    from arl.metrics import per_turn_mean, success_logprob_mean
+
     total = 0.0
+    turn_parts = {"ent": [], "logp": [], "cid": [], "cu": [], "ok": []}
     for mb in step.ranks[0]:
         with torch.no_grad():
             old = perturbed_old(packed_logprobs(model, mb.token_ids, mb.cu_seqlens)[0], mb)
+            lp_e, ent = packed_logprobs(model, mb.token_ids, mb.cu_seqlens, with_entropy=True)
+        for k, v in (("ent", ent), ("logp", lp_e), ("cid", mb.chunk_ids), ("cu", mb.cu_seqlens), ("ok", mb.rewards >= 1.0)):
+            turn_parts[k].append(v)
         logp, _ = packed_logprobs(model, mb.token_ids, mb.cu_seqlens)
         adv = None if mb.complete_groups else mb.advantages.float()  # groups that did not fit a micro-batch
         out = policy_loss(logp, old, config=LOSS, advantages=adv, **mb.loss_kwargs())
@@ -95,7 +101,9 @@ def single_process_reference():
     gn = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())).item()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt.step()
-    return total, gn, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    turn = per_turn_mean(turn_parts["ent"], turn_parts["cid"], turn_parts["cu"])
+    turn.update(success_logprob_mean(turn_parts["logp"], turn_parts["cid"], turn_parts["cu"], turn_parts["ok"]))
+    return total, gn, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, turn
 
 
 @pytest.mark.parametrize("stage", [2, 0, pytest.param(3, marks=pytest.mark.xfail(
@@ -106,7 +114,12 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
 
     mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path)), nprocs=2, join=True)
     ds = torch.load(tmp_path / "ds.pt")
-    loss, gn, grads, ref_state = single_process_reference()
+    loss, gn, grads, ref_state, turn = single_process_reference()
+    # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,
+    # equal to the whole batch's
+    assert turn and "logp/success_mean" in turn
+    for k, v in turn.items():
+        assert ds["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     # DeepSpeed averaged the per-rank losses (each scaled by its micro-batch count in rl_step's
     # bookkeeping); the grad norm is global and exact
     assert ds["metrics"]["grad_norm"] == pytest.approx(gn, rel=1e-4)

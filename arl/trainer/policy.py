@@ -128,10 +128,14 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ steps
     def rl_step(self, mbs: Sequence[MicroBatch], old_logps: Sequence[Optional[torch.Tensor]], loss_cfg: LossConfig,
-                ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None) -> dict:
-        """One optimizer step of the policy loss over this rank's micro-batches."""
+                ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None, success_threshold: float = 1.0) -> dict:
+        """One optimizer step of the policy loss over this rank's micro-batches.  Besides the loss
+        metrics: ``entropy/turn_k`` (mean entropy of the k-th model turn's tokens) and
+        ``logp/success_mean`` (mean logprob of successful trajectories' trained tokens, reward >=
+        ``success_threshold``), both over every rank; a collective, so every rank calls it."""
         self.engine.train()
         metrics = defaultdict(list)
+        parts = defaultdict(list)  # per micro-batch: entropy, logp, chunk_ids, cu_seqlens, success
         for i, (mb, old) in enumerate(zip(mbs, old_logps)):
             if mb.is_empty:
                 self._dummy_backward()
@@ -148,7 +152,41 @@ class PolicyTrainer:
             metrics["loss"].append(float(out.loss.detach()) * len(mbs))
             for k, v in out.metrics.items():
                 metrics[k].append(float(v))
-        return self._finish_step(metrics)
+            if ent is not None:
+                for k, v in (("ent", ent), ("logp", logp), ("cid", mb.chunk_ids), ("cu", mb.cu_seqlens),
+                             ("ok", mb.rewards >= success_threshold)):
+                    parts[k].append(v.detach())
+        turn = self._turn_metrics(parts)
+        out = self._finish_step(metrics)
+        out.update(turn)
+        return out
+
+    def _turn_metrics(self, parts: dict) -> dict:
+        """Per-turn entropy and the successful trajectories' mean logprob over all ranks: sums and
+        counts are all-reduced (turn counts padded to the largest), then divided."""
+        import torch.distributed as dist
+
+        from ..metrics import per_turn_sums, success_logprob_sums, turn_means
+
+        if parts["ent"]:
+            sums, counts = per_turn_sums(parts["ent"], parts["cid"], parts["cu"])
+            ls, lc = success_logprob_sums(parts["logp"], parts["cid"], parts["cu"], parts["ok"])
+        else:  # no micro-batch on this rank
+            sums, counts, ls, lc = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0, 0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dev = self.device if torch.device(self.device).type == "cuda" else "cpu"  # NCCL needs CUDA tensors
+            k = torch.tensor([sums.numel()], dtype=torch.int64, device=dev)
+            dist.all_reduce(k, op=dist.ReduceOp.MAX)
+            K = int(k)
+            pad = lambda x: torch.cat([x, x.new_zeros(K - x.numel())])  # noqa: E731
+            buf = torch.cat([pad(sums), pad(counts), torch.tensor([ls, float(lc)], dtype=torch.float64)]).to(dev)
+            dist.all_reduce(buf)
+            buf = buf.cpu()
+            sums, counts, ls, lc = buf[:K], buf[K:2 * K], float(buf[2 * K]), float(buf[2 * K + 1])
+        out = turn_means(sums, counts)
+        if lc > 0:
+            out["logp/success_mean"] = ls / lc
+        return out
 
     def sft_step(self, mbs: Sequence[MicroBatch], normalizer: float) -> dict:
         """One optimizer step of NLL on the trained (chunk) tokens; ``normalizer`` = the step's
