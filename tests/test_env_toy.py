@@ -92,6 +92,7 @@ def test_tool_errors_and_unknown_keys_and_truncation():
     off_chain = next(f"k{i:02d}" for i in range(100) if f"k{i:02d}" not in env.table)
     r = run(env.step(format_tool_call("lookup", {"key": off_chain})))
     assert r.observation == "none" and not r.info["tool_error"]
+    assert r.info["args"] == {"key": off_chain}  # the parsed arguments, for per-call records
     for _ in range(3):
         r = run(env.step("x"))
     assert not r.done

@@ -94,6 +94,10 @@ def test_scripted_episode_masks_and_chunk_ids_exact(vllm_engine, tiny_tokenizer,
     assert t.chunk_ids.tolist() == exp_chunks  # prompt, observations and the tool error all -1
     assert np.all(t.rollout_logp[t.chunk_ids < 0] == 0) and np.all(t.rollout_logp[t.chunk_ids >= 0] < 0)
     assert t.metadata["tool_errors"] == 1 and t.num_chunks == 4
+    # one record per tool-call attempt (the final answer is none); this env reports no arguments
+    assert t.metadata["calls"] == [{"tool": "lookup", "args": None, "error": False},
+                                   {"tool": "lookup", "args": None, "error": True},
+                                   {"tool": "lookup", "args": None, "error": False}]
 
 
 def test_observation_after_eos_turn_has_no_double_turn_end(tiny_tokenizer):

@@ -142,7 +142,7 @@ class CodeExecEnv(Environment):
             raise ValueError("step: no episode in progress; call reset(seed) first")
         self.turns += 1
         turn = parse_turn(action_text, self.tools)
-        info = {"fault": Fault.NONE, "tool": turn.tool, "tool_error": turn.is_error,
+        info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
                 "turn": self.turns, "sandbox": None}
         if turn.kind == "error":
             return self._cap(StepResult(turn.error, 0.0, False, info))

@@ -95,7 +95,7 @@ class ToyLookupEnv(Environment):
             raise ValueError("step: no episode in progress; call reset(seed) first")
         self.turns += 1
         turn = parse_turn(action_text, self.tools)
-        info = {"fault": Fault.NONE, "tool": turn.tool, "tool_error": turn.is_error,
+        info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
                 "turn": self.turns}
         if turn.kind == "answer":
             correct = self.solvable and turn.answer == self.value

@@ -93,7 +93,7 @@ class Episode:
         self.fault = Fault.NONE
         self.meta: dict = {"task_seed": seed, "sample": sample, "tool_calls": 0, "tool_errors": 0,
                            "recoverable_faults": 0, "gen_s": 0.0, "tool_s": 0.0, "truncated": None,
-                           "tools": {}}
+                           "tools": {}, "calls": []}
 
     @property
     def max_turns(self) -> int:
@@ -142,6 +142,10 @@ class Episode:
             return self._fail(Fault.UNRECOVERABLE, f"step: {type(e).__name__}: {e}")
         self.meta["tool_s"] += time.perf_counter() - t0
         info = res.info
+        if info.get("tool") or info.get("tool_error"):  # a tool-call attempt (an answer is not one)
+            err = bool(info.get("tool_error"))
+            args = None if err or info.get("args") is None else dict(info["args"])  # malformed: no args
+            self.meta["calls"].append({"tool": info.get("tool"), "args": args, "error": err})
         if info.get("tool"):
             self.meta["tool_calls"] += 1
             self.meta["tools"][info["tool"]] = self.meta["tools"].get(info["tool"], 0) + 1
