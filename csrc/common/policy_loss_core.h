@@ -163,15 +163,10 @@ struct Weight {
   T w;
   bool altered;
 };
+// The weight of a mismatch ratio m = exp(clamped mean of old - rollout): mask or truncate.
 template <typename T>
-ARL_HD inline Weight<T> mismatch_weight(T mean, const Opts<T>& o) {
+ARL_HD inline Weight<T> mismatch_from_ratio(T m, const Opts<T>& o) {
   Weight<T> out;
-  if (o.mismatch_level == kNoLevel) {
-    out.w = T(1);
-    out.altered = false;
-    return out;
-  }
-  const T m = xexp(o.clamp_lr(mean));
   if (o.mismatch_mode == kMask) {
     const bool keep = m >= o.mm_low && m <= o.mm_high;
     out.w = keep ? T(1) : T(0);
@@ -181,6 +176,16 @@ ARL_HD inline Weight<T> mismatch_weight(T mean, const Opts<T>& o) {
     out.altered = m > o.mm_high;
   }
   return out;
+}
+template <typename T>
+ARL_HD inline Weight<T> mismatch_weight(T mean, const Opts<T>& o) {
+  Weight<T> out;
+  if (o.mismatch_level == kNoLevel) {
+    out.w = T(1);
+    out.altered = false;
+    return out;
+  }
+  return mismatch_from_ratio(xexp(o.clamp_lr(mean)), o);
 }
 
 // Metric and loss partial sums are kept in double: an fp32 running sum of ~1.0 values over a
@@ -194,6 +199,28 @@ struct Acc {
   }
 };
 
+// The clipped PPO surrogate at ratio r with advantage A: pg = max(-A r, -A clip(r)) (ties take
+// -A r, as torch.where), then the dual clip; dpg_dr its derivative.
+template <typename T>
+struct PPOTerm {
+  T pg, dpg_dr;
+  bool clipped, dual;
+};
+template <typename T>
+ARL_HD inline PPOTerm<T> ppo_clip(T A, T r, const Opts<T>& o) {
+  const T nA = -A;
+  const T pg1 = nA * r, pg2 = nA * clampv(r, o.lo, o.hi);
+  PPOTerm<T> t;
+  t.clipped = pg2 > pg1;
+  const T pg = t.clipped ? pg2 : pg1;
+  const T dpg = t.clipped ? ((r >= o.lo && r <= o.hi) ? nA : T(0)) : nA;
+  const T pg3 = nA * o.dual_c;
+  t.dual = o.has_dual && A < T(0) && pg > pg3;
+  t.pg = t.dual ? pg3 : pg;
+  t.dpg_dr = t.dual ? T(0) : dpg;
+  return t;
+}
+
 // One trained token: surrogate, KL, entropy, metrics.  Returns the token's own gradient
 // coef*(w*dpg/dlogp|TOPR + kl_beta*dkl/dlogp); *seg_g gets coef*w*dpg/dr (PPO), which the caller
 // sums over the ratio segment and spreads as seg_g_sum * r * gate / n_seg to its tokens.
@@ -205,21 +232,11 @@ ARL_HD inline T token_step(const Opts<T>& o, T A, const SegRatio<T>& sr, T appro
   T pg, own = T(0), g = T(0);
   bool clipped, dual = false;
   if (o.surrogate == kPPOClip) {
-    const T pg1 = nA * r;
-    const T rc = clampv(r, o.lo, o.hi);
-    const T pg2 = nA * rc;
-    clipped = pg2 > pg1;  // torch.where(pg2 > pg1, pg2, pg1): ties take pg1
-    pg = clipped ? pg2 : pg1;
-    T dpg_dr = clipped ? ((r >= o.lo && r <= o.hi) ? nA : T(0)) : nA;
-    if (o.has_dual) {
-      const T pg3 = nA * o.dual_c;
-      dual = A < T(0) && pg > pg3;
-      if (dual) {
-        pg = pg3;
-        dpg_dr = T(0);
-      }
-    }
-    g = coef * (wt.w * dpg_dr);
+    const PPOTerm<T> t = ppo_clip(A, r, o);
+    pg = t.pg;
+    clipped = t.clipped;
+    dual = t.dual;
+    g = coef * (wt.w * t.dpg_dr);
   } else {  // TOPR: v = 1 for A >= 0, else sg(min(r, 1)); pg = -A v logp
     const T v = A >= T(0) ? T(1) : minv(r, T(1));
     pg = (nA * v) * lp;

@@ -100,20 +100,6 @@ inline float vexp(float x) {
 }
 inline double vexp(double x) { return std::exp(x); }
 
-// Token mismatch weight inline (mismatch_weight with the vectorizable exp), for the SIMD loop.
-template <typename T>
-inline void token_weight(T mq, const Opts<T>& o, T& w, bool& alt) {
-  const T m = vexp(o.clamp_lr(mq));
-  if (o.mismatch_mode == kMask) {
-    const bool keep = m >= o.mm_low && m <= o.mm_high;
-    w = keep ? T(1) : T(0);
-    alt = !keep;
-  } else {
-    w = minv(m, o.mm_high);
-    alt = m > o.mm_high;
-  }
-}
-
 // Per-token loops run over blocks of kBlk tokens with float/int per-lane sums, added into double
 // accumulators block by block, so long sequences do not drift.
 constexpr int64_t kBlk = 256;
@@ -137,17 +123,11 @@ double chunk_tokens_const(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64
   T pg = T(0), own = T(0), g = T(0), v = T(1);  // pg: PPO's per-token surrogate (TOPR: pg = nA v lp)
   bool clipped, dual = false;
   if (!Topr) {
-    const T pg1 = nA * r, pg2 = nA * clampv(r, o.lo, o.hi);
-    clipped = pg2 > pg1;
-    pg = clipped ? pg2 : pg1;
-    T dpg = clipped ? ((r >= o.lo && r <= o.hi) ? nA : T(0)) : nA;
-    if (o.has_dual) {
-      const T pg3 = nA * o.dual_c;
-      dual = A < T(0) && pg > pg3;
-      pg = dual ? pg3 : pg;
-      dpg = dual ? T(0) : dpg;
-    }
-    g = coef * (w * dpg);
+    const PPOTerm<T> t = ppo_clip(A, r, o);
+    pg = t.pg;
+    clipped = t.clipped;
+    dual = t.dual;
+    g = coef * (w * t.dpg_dr);
   } else {
     v = A >= T(0) ? T(1) : minv(r, T(1));
     clipped = A < T(0) && r > T(1);
@@ -214,6 +194,7 @@ double chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, 
   const T ent_c = o.entropy_term ? o.ent_coef : T(0);
   const T lo = o.lo, hi = o.hi, clamp = o.clamp, dual_pg = nA * o.dual_c;
   const bool has_clamp = o.has_clamp, has_dual = o.has_dual;
+  const Opts<T> oc = o;  // a local copy: the loop's stores cannot alias it
   const T cr_r = cr.r, cr_gate = cr.gate, cw_w = cw.w;
   const int cw_alt = cw.altered ? 1 : 0;
   std::vector<T> scratch(grad ? 0 : static_cast<size_t>(e - b));  // no-grad calls: a throwaway target
@@ -252,10 +233,15 @@ double chunk_tokens(const Inputs<in_t, idx_t>& in, const Opts<T>& o, int64_t b, 
       }
       T w = cw_w;
       bool alt = cw_alt != 0;
-      if (TokMismatch) token_weight(old - L::from(rollp[u]), o, w, alt);
+      if (TokMismatch) {  // mismatch_weight with the vectorizable exp
+        const Weight<T> wt = mismatch_from_ratio(vexp(oc.clamp_lr(old - L::from(rollp[u]))), oc);
+        w = wt.w;
+        alt = wt.altered;
+      }
       T pg, own, g;
       bool clipped, dual = false;
       if (!Topr) {
+        // ppo_clip written out: through the helper's struct GCC 12 no longer vectorizes this loop
         const T pg1 = nA * r, pg2 = nA * clampv(r, lo, hi);
         clipped = pg2 > pg1;
         pg = clipped ? pg2 : pg1;
