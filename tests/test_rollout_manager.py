@@ -202,3 +202,34 @@ def test_env_reset_determinism_through_rollout(vllm_engine, tiny_tokenizer, arun
         assert ta[key].chunk_ids.tolist() == tb[key].chunk_ids.tolist()
     prompt = lambda t: t.tokens[: t.turns[0][0]].tolist()  # noqa: E731
     assert prompt(ta[(3, 0)]) == prompt(ta[(3, 1)]) != prompt(ta[(4, 0)])  # a group shares its task
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_get_groups_refills_the_step_within_the_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
+    """Dynamic sampling's refill: extra groups for the step just taken, new task seeds, the step
+    not advanced, staleness still bounded, and the next get_batch still full."""
+    G, n = 2, 2
+
+    async def go():
+        m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), range(100), group_size=n,
+                     groups_per_step=G, max_staleness=staleness)
+        async with m:
+            with pytest.raises(ValueError, match="get_batch first"):
+                await m.get_groups(1)
+            b = await m.get_batch()
+            extra = await m.get_groups(3)
+            with pytest.raises(ValueError, match="n must be"):
+                await m.get_groups(0)
+            step_after = m.step
+            await m.update_weights(vllm_engine.model_path)
+            nxt = await m.get_batch()
+        return b, extra, step_after, nxt
+
+    b, extra, step_after, nxt = arun(go())
+    assert step_after == b.step + 1 and extra.step == b.step  # the refill belongs to b's step
+    assert len(extra.trajectories) == 3 * n
+    seeds = lambda batch: {t.metadata["task_seed"] for t in batch.trajectories}  # noqa: E731
+    assert len(seeds(extra)) == 3 and not (seeds(extra) & seeds(b)) and not (seeds(nxt) & (seeds(b) | seeds(extra)))
+    assert all(0 <= extra.step - t.policy_version <= staleness for t in extra.trajectories)
+    assert len(nxt.trajectories) == G * n
+    assert all(0 <= nxt.step - t.policy_version <= staleness for t in nxt.trajectories)

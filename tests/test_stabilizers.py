@@ -85,6 +85,35 @@ def test_dynamic_sampler_gives_up_after_max_rounds(on_short, expect):
     assert sorted({t.group_id for t in trajs}) == expect and m["stab/groups_short"] == 1
 
 
+class _RefillManager:
+    """Test double of RolloutManager.get_groups: hands out scripted groups, records the asks."""
+
+    def __init__(self, groups):
+        self.groups, self.asked = list(groups), []
+
+    async def get_groups(self, n):
+        from arl.rollout.manager import RolloutBatch
+
+        self.asked.append(n)
+        out, self.groups = self.groups[:n], self.groups[n:]
+        return RolloutBatch(7, [t for g in out for t in g], {})
+
+
+def test_fill_batch_asks_the_manager_for_replacements():
+    from arl.rollout.manager import RolloutBatch
+    from arl.stabilizers.dynamic_sampling import fill_batch
+
+    first = RolloutBatch(7, [traj(1, 0), traj(0, 0), traj(0, 1), traj(0, 1), traj(1, 2), traj(1, 2)], {"rollout/x": 1})
+    mgr = _RefillManager([[traj(0, 3), traj(0, 3)], [traj(1, 4), traj(0, 4)], [traj(0, 5), traj(1, 5)]])
+    out = asyncio.run(fill_batch(mgr, first, DynamicSamplingConfig(enabled=True, max_rounds=3)))
+    assert mgr.asked == [2, 1]  # two zero-variance groups dropped, then the one still missing
+    assert out.step == 7 and sorted({t.group_id for t in out.trajectories}) == [0, 4, 5]
+    assert out.metrics["rollout/x"] == 1 and out.metrics["stab/extra_trajectories"] == 6
+    assert out.metrics["stab/zero_var_frac"] == pytest.approx(3 / 6)
+    off = asyncio.run(fill_batch(mgr, first, DynamicSamplingConfig()))
+    assert off is first and mgr.asked == [2, 1]  # off: no extra sampling at all
+
+
 def test_dynamic_sampler_off_passes_through_but_reports():
     s = DynamicSampler(DynamicSamplingConfig(), target_groups=2)
     s.add([traj(0, 0), traj(0, 0), traj(1, 1), traj(0, 1)])

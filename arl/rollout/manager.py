@@ -143,6 +143,7 @@ class RolloutManager:
         self.step = engine.version  # index of the next batch, in policy versions
         self._groups: list = []  # started, not yet consumed (oldest first)
         self._started = 0
+        self._extra = 0  # groups taken by get_groups (dynamic sampling): each lets one more start
         self._cond = asyncio.Condition()
         self._producer: asyncio.Task | None = None
         self._tasks_running: set = set()
@@ -206,13 +207,42 @@ class RolloutManager:
         trajs = [t for g in sorted(picked, key=lambda g: g.gid) for t in g.trajectories]
         return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), self._metrics(trajs))
 
+    async def get_groups(self, n: int) -> RolloutBatch:
+        """``n`` more groups for the batch ``get_batch`` just returned (dynamic sampling's refill):
+        the step does not advance, and the generation gate opens by ``n`` groups so the pipeline
+        keeps its depth.  Every group taken was started within ``max_staleness`` of that step (the
+        groups still in flight after ``get_batch`` all were), so the staleness bound holds."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"get_groups: n must be an int >= 1, got {n!r}")
+        if self.step == self._base:
+            raise ValueError("get_groups: no batch taken yet; call get_batch first")
+        await self.start()
+        async with self._cond:
+            self._extra += n
+            self._cond.notify_all()  # the producer may start n more groups
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("rollout producer failed") from self._error
+                finished = [g for g in self._groups if g.done]
+                if len(finished) >= n:
+                    break
+                if self._exhausted and not self._tasks_running:
+                    raise ValueError(f"tasks: exhausted with {len(finished)} of {n} extra groups formed")
+                await self._cond.wait()
+            picked = sorted(finished, key=lambda g: (g.start_version, g.gid))[:n]
+            for g in picked:
+                self._groups.remove(g)
+            self._cond.notify_all()
+        trajs = [t for g in sorted(picked, key=lambda g: g.gid) for t in g.trajectories]
+        return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), self._metrics(trajs))
+
     # --- generation side ---
     async def _produce(self) -> None:
         G, k = self.cfg.groups_per_step, self.cfg.max_staleness
         try:
             while True:
                 async with self._cond:
-                    while self._started >= (self.version - self._base + k + 1) * G:
+                    while self._started >= (self.version - self._base + k + 1) * G + self._extra:
                         self.counters["gate_waits"] += 1
                         await self._cond.wait()  # trainer lags: generation pauses
                     try:

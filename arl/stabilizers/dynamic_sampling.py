@@ -94,3 +94,27 @@ class DynamicSampler:
             "stab/sampling_rounds": self.rounds,
             "stab/groups_short": max(0, self.target - len(self._kept)),
         }
+
+
+async def fill_batch(manager, batch, cfg: DynamicSamplingConfig):
+    """The rollout side of dynamic sampling: judge ``batch`` (a ``RolloutBatch`` just taken from
+    ``manager``), then ask ``manager.get_groups(n)`` for replacements of its zero-variance groups
+    until the batch is full or ``max_rounds`` are spent.  Returns a ``RolloutBatch`` of the same
+    step with the sampler's metrics added (a pass-through when dynamic sampling is off)."""
+    from ..rollout.manager import RolloutBatch
+
+    target = len(group_by_id(batch.trajectories))
+    if not cfg.enabled or target == 0:
+        return batch
+    sampler = DynamicSampler(cfg, target_groups=target)
+    sampler.add(batch.trajectories)
+    metrics = dict(batch.metrics)
+    extra_trajs = 0
+    while (n := sampler.groups_needed()) > 0:
+        extra = await manager.get_groups(n)
+        extra_trajs += len(extra.trajectories)
+        sampler.add(extra.trajectories)
+    trajs, m = sampler.finish()
+    metrics.update(m)
+    metrics["stab/extra_trajectories"] = extra_trajs
+    return RolloutBatch(batch.step, trajs, metrics)

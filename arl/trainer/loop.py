@@ -141,6 +141,7 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
     from ..rollout.engine import SamplingConfig, make_engine
     from ..rollout.episode import ChatFormat, EpisodeConfig
     from ..rollout.manager import RolloutConfig, RolloutManager
+    from ..stabilizers.dynamic_sampling import fill_batch
 
     r = cfg.rollout
     engine = make_engine(r.engine, model=model_dir, seed=cfg.seed, max_model_len=max(r.max_total_tokens + 64, 256),
@@ -200,7 +201,8 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
             if get not in done:
                 get.cancel()
                 break
-            await loop.run_in_executor(None, batches.put, ("batch", get.result()))
+            batch = await fill_batch(manager, get.result(), cfg.stabilizers.dynamic_sampling)
+            await loop.run_in_executor(None, batches.put, ("batch", batch))
     for t in list(evals):
         t.cancel()
     await engine.close()
