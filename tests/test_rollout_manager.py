@@ -233,3 +233,35 @@ def test_get_groups_refills_the_step_within_the_staleness_bound(vllm_engine, tin
     assert all(0 <= extra.step - t.policy_version <= staleness for t in extra.trajectories)
     assert len(nxt.trajectories) == G * n
     assert all(0 <= nxt.step - t.policy_version <= staleness for t in nxt.trajectories)
+
+
+def test_episode_start_from_expert_chunk_k(vllm_engine, tiny_tokenizer, arun):
+    """IPA resampling's rollout hook: the env is replayed through the expert's first k turns, the
+    trajectory starts with the expert's exact prefix tokens and chunk ids (logprob 0, not sampled)
+    and the model samples from chunk k on; a prefix that cannot be replayed is a ValueError."""
+    from arl.env.expert import expert_transcript
+    from arl.env.toy import ToyLookupEnv
+    from arl.stabilizers import expert_trajectory, start_state, tag_resampled
+
+    fmt = ChatFormat(tiny_tokenizer)
+    env = ToyLookupEnv(min_hops=3, max_hops=3)
+    seed = 11
+    task, tr = arun(expert_transcript(env, seed))
+    expert = expert_trajectory(fmt, env.system_prompt, task, tr, task_seed=seed)
+    cfg = EpisodeConfig(sampling=SamplingConfig(max_tokens=24, temperature=1.0))
+    for k in (0, 2, len(expert.turns) - 1):
+        state = start_state(expert, k)
+        t = arun(run_episode(vllm_engine, ToyLookupEnv(min_hops=3, max_hops=3), fmt, seed, cfg, start=state))
+        P = state.prefix_len
+        assert np.array_equal(t.tokens[:P], expert.tokens[:P]) and np.array_equal(t.chunk_ids[:P], expert.chunk_ids[:P])
+        assert (t.rollout_logp[:P] == 0).all() and t.metadata["ipa_prefix_chunks"] == k
+        assert len(t.turns) >= k + 1 and (t.chunk_ids[t.turns[k][0]:t.turns[k][1]] == k).all()
+        assert (t.rollout_logp[t.turns[k][0]:t.turns[k][1]] < 0).any()  # chunk k was sampled
+        assert tag_resampled(state, t).metadata["ipa_prefix_chunks"] == k
+    with pytest.raises(ValueError, match="task seed"):
+        arun(run_episode(vllm_engine, ToyLookupEnv(min_hops=3, max_hops=3), fmt, seed + 1, cfg,
+                         start=start_state(expert, 1)))
+    # same seed, but an env whose chain differs (other key space): the replay diverges
+    with pytest.raises(ValueError, match="diverges"):
+        arun(run_episode(vllm_engine, ToyLookupEnv(min_hops=3, max_hops=3, num_keys=50), fmt, seed, cfg,
+                         start=start_state(expert, 2)))

@@ -14,6 +14,7 @@ import inspect
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 
 from arl.data.trajectory import Trajectory, TrajectoryStatus
 from arl.env.base import Environment, Fault, StepResult
@@ -112,6 +113,33 @@ class Episode:
         if len(self.tokens) >= self.cfg.max_total_tokens:
             self._end(0.0, truncated="prompt_too_long")
 
+    async def start_from(self, state) -> None:
+        """IPA chunk initialization: ``start``, then replay ``state.replay_turns`` (the expert's
+        turns 0..k-1, a ``arl.stabilizers.ipa.StartState``) through the environment as chunks
+        0..k-1 with rollout logprob 0, so sampling continues at chunk k.  The replayed prefix must
+        reproduce the expert's tokens exactly (same task seed, deterministic env); any divergence,
+        or an episode the replay already ends, is a ValueError naming where."""
+        if state.task_seed is not None and int(state.task_seed) != int(self.seed):
+            raise ValueError(f"start_from: expert task seed {state.task_seed} != episode seed {self.seed}")
+        await self.start()
+        if self.done:
+            return  # the env failed to start: a fault, handled like any other
+        for j, text in enumerate(state.replay_turns):
+            ids = self.fmt.encode(text)
+            await self.apply(Sample(ids, [0.0] * len(ids), text, "stop", version=-1))
+            if self.done and self.fault is Fault.NONE:
+                raise ValueError(f"start_from: replaying expert turn {j} of {state.chunk} ended the episode")
+            if self.done:
+                return  # a fault during the replay (e.g. injected): reported as usual
+        prefix = np.asarray(state.prefix_tokens)
+        if len(self.tokens) != len(prefix) or not np.array_equal(np.asarray(self.tokens), prefix):
+            n = min(len(self.tokens), len(prefix))
+            where = next((i for i in range(n) if self.tokens[i] != prefix[i]), n)
+            raise ValueError(f"start_from: replayed prefix diverges from the expert's at token {where} "
+                             f"(replayed {len(self.tokens)} tokens, expert prefix {len(prefix)})")
+        self.versions = [v for v in self.versions if v != -1]  # the expert's turns were not sampled
+        self.meta["ipa_prefix_chunks"] = int(state.chunk)
+
     def sampling(self) -> SamplingConfig:
         """Sampling for the next model turn (per-turn token budget, per-turn seed)."""
         room = self.cfg.max_total_tokens - len(self.tokens)
@@ -192,11 +220,15 @@ class Episode:
 
 async def run_episode(engine: RolloutEngine, env: Environment, fmt: ChatFormat, seed: int,
                       config: EpisodeConfig | None = None, *, sample: int = 0, group_id: int = 0,
-                      sample_seed: int | None = None) -> Trajectory:
+                      sample_seed: int | None = None, start=None) -> Trajectory:
     """Play one episode to the end.  Faults are reported in ``metadata["fault"]``; turning them
-    into MASKED / FILTERED statuses is the manager's job."""
+    into MASKED / FILTERED statuses is the manager's job.  ``start``: an IPA ``StartState`` to
+    resume the expert's trajectory from (see ``Episode.start_from``)."""
     ep = Episode(env, fmt, config or EpisodeConfig(), seed, sample, group_id, sample_seed)
-    await ep.start()
+    if start is None:
+        await ep.start()
+    else:
+        await ep.start_from(start)
     while not ep.done:
         t0 = time.perf_counter()
         s = await engine.generate_one(ep.tokens, ep.sampling())
