@@ -1,17 +1,23 @@
 """Rollout throughput: arl's async rollout vs sequential and batched lock-step rollouts.
 
 Same vLLM engine (the tiny local model), same tasks, same seeded tool latencies and same seeded
-sampling for all three:
-  * async     -- ``RolloutManager``: every trajectory runs on its own; the engine batches whatever
-                 turns are pending while other trajectories wait on their tools;
-  * lockstep  -- generate the whole batch's turn, run all its tool calls concurrently, wait for all,
-                 repeat;
-  * sequential-- one trajectory, one call at a time.
+sampling for all modes.  A run is ``--batches`` training batches of ``--trajectories`` each, with a
+real weight reload into the engine after every batch (what the trainer's step costs the rollout
+side on CPU; the trainer's own compute is left out of every mode alike):
+  * async     -- ``RolloutManager`` as the trainer runs it (max staleness 1): every trajectory runs
+                 on its own, the engine batches whatever turns are pending while other trajectories
+                 wait on their tools, and the next batch's groups start while this one's slowest
+                 trajectories finish -- the overlap that bounded policy lag buys;
+  * async_staleness0 -- the same manager with staleness 0, one batch at a time (no overlap
+                 between batches; reported for reference);
+  * lockstep  -- per batch: generate the whole batch's turn, run all its tool calls concurrently,
+                 wait for all, repeat;
+  * sequential-- one trajectory, one call at a time (a rate, measured on fewer trajectories).
 Tools: lognormal latency, median 200 ms, p99 2 s; 2-6 calls per trajectory (drawn per task).
 Prints trajectories/s and engine idle fraction of each; the last stdout line is one JSON object.
 Timings on a shared CPU are noisy.
 
-    python bench/bench_rollout.py [--quick] [--trajectories 64] [--max-tokens 16]
+    python bench/bench_rollout.py [--quick] [--trajectories 64] [--batches 4] [--max-tokens 16]
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -70,33 +78,50 @@ def _sample_seed(seed, sample):
     return derive_sample_seed(SEED, seed, sample)
 
 
-async def run_async(engine, fmt, ep_cfg, n, group):
+async def _manager_run(engine, fmt, ep_cfg, n, group, batches, weights_dir, staleness):
     from arl.rollout import RolloutConfig, RolloutManager
 
-    cfg = RolloutConfig(group_size=group, groups_per_step=n // group, max_staleness=0, env_pool_size=n,
-                        max_retries=0, seed=SEED, episode=ep_cfg)  # same sampling seeds as the baselines
-    mgr = RolloutManager(engine, ToolLatencyEnv, fmt, tasks=range(n // group), config=cfg)
+    cfg = RolloutConfig(group_size=group, groups_per_step=n // group, max_staleness=staleness,
+                        env_pool_size=n * (staleness + 1), max_retries=0, seed=SEED,
+                        episode=ep_cfg)  # same sampling seeds as the baselines
+    mgr = RolloutManager(engine, ToolLatencyEnv, fmt, tasks=range(batches * n // group), config=cfg)
+    out = []
     async with mgr:
-        batch = await mgr.get_batch()
-    return batch.trajectories
+        for b in range(batches):
+            out += (await mgr.get_batch()).trajectories
+            await mgr.update_weights(weights_dir, engine.version + 1)  # the trainer's step
+    return out
 
 
-async def run_lockstep(engine, fmt, ep_cfg, n, group):
+async def run_async(engine, fmt, ep_cfg, n, group, batches, weights_dir):
+    return await _manager_run(engine, fmt, ep_cfg, n, group, batches, weights_dir, staleness=1)
+
+
+async def run_async_staleness0(engine, fmt, ep_cfg, n, group, batches, weights_dir):
+    return await _manager_run(engine, fmt, ep_cfg, n, group, batches, weights_dir, staleness=0)
+
+
+async def run_lockstep(engine, fmt, ep_cfg, n, group, batches, weights_dir):
     from arl.rollout import Episode
 
-    eps = [Episode(ToolLatencyEnv(), fmt, ep_cfg, s, sample=j, sample_seed=_sample_seed(s, j))
-           for s, j in _tasks(n, group)]
-    await asyncio.gather(*(e.start() for e in eps))
-    while True:
-        live = [e for e in eps if not e.done]
-        if not live:
-            break
-        outs = await asyncio.gather(*(engine.generate_one(e.tokens, e.sampling()) for e in live))
-        await asyncio.gather(*(e.apply(s) for e, s in zip(live, outs)))  # wait for every tool call
-    return [e.trajectory() for e in eps]
+    tasks = _tasks(batches * n, group)
+    out = []
+    for b in range(batches):
+        eps = [Episode(ToolLatencyEnv(), fmt, ep_cfg, s, sample=j, sample_seed=_sample_seed(s, j))
+               for s, j in tasks[b * n:(b + 1) * n]]
+        await asyncio.gather(*(e.start() for e in eps))
+        while True:
+            live = [e for e in eps if not e.done]
+            if not live:
+                break
+            outs = await asyncio.gather(*(engine.generate_one(e.tokens, e.sampling()) for e in live))
+            await asyncio.gather(*(e.apply(s) for e, s in zip(live, outs)))  # wait for every tool call
+        out += [e.trajectory() for e in eps]
+        await engine.update_weights(weights_dir, engine.version + 1)  # the trainer's step
+    return out
 
 
-async def run_sequential(engine, fmt, ep_cfg, n, group):
+async def run_sequential(engine, fmt, ep_cfg, n, group, batches=1, weights_dir=None):
     from arl.rollout import run_episode
 
     out = []
@@ -106,7 +131,8 @@ async def run_sequential(engine, fmt, ep_cfg, n, group):
     return out
 
 
-MODES = {"async": run_async, "lockstep": run_lockstep, "sequential": run_sequential}
+MODES = {"async": run_async, "async_staleness0": run_async_staleness0, "lockstep": run_lockstep,
+         "sequential": run_sequential}
 
 
 async def main_async(args):
@@ -117,29 +143,39 @@ async def main_async(args):
 
     model_dir = build_tiny_model(config=TinyModelConfig(envs=("toy_lookup",)))
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
-    engine = VLLMEngine(model_dir, seed=0, max_model_len=1024, max_num_seqs=max(64, args.trajectories))
+    # the model's own weights, reloaded after every batch as the trainer's sync would
+    weights_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
+                               f"arl-bench-rollout-{os.getpid()}")
+    shutil.copytree(model_dir, weights_dir, dirs_exist_ok=True)
+    engine = VLLMEngine(model_dir, seed=0, max_model_len=1024, max_num_seqs=max(64, 2 * args.trajectories))
     ep_cfg = EpisodeConfig(sampling=SamplingConfig(max_tokens=args.max_tokens, stop=()))
     await engine.generate([[1, 2, 3]] * 4, SamplingConfig(max_tokens=args.max_tokens, stop=()))  # warm-up
-    sizes = {"async": args.trajectories, "lockstep": args.trajectories,
-             "sequential": args.sequential_trajectories or args.trajectories}
+    B = args.batches
+    sizes = {m: args.trajectories * B for m in MODES}
+    sizes["sequential"] = args.sequential_trajectories or args.trajectories
     res = {}
     try:
         for mode, fn in MODES.items():
             n = sizes[mode]
             engine.idle_stats(reset=True)
             t0 = time.perf_counter()
-            trajs = await fn(engine, fmt, ep_cfg, n, args.group)
+            per_batch = n if mode == "sequential" else args.trajectories  # sequential: a rate on n
+            trajs = await fn(engine, fmt, ep_cfg, per_batch, args.group, B, weights_dir)
             wall = time.perf_counter() - t0
+            if len(trajs) != n:
+                raise RuntimeError(f"{mode}: produced {len(trajs)} trajectories, expected {n}")
             idle = engine.idle_stats()["idle_frac"]
             calls = sum(t.metadata["tool_calls"] for t in trajs)
             res[mode] = {"trajectories": n, "wall_s": wall, "traj_per_s": n / wall, "engine_idle_frac": idle,
                          "tool_calls": calls, "tokens": int(sum(len(t) for t in trajs))}
-            print(f"{mode:>10}: {n:3d} trajectories, {calls:3d} tool calls in {wall:7.2f} s -> "
+            print(f"{mode:>18}: {n:3d} trajectories, {calls:3d} tool calls in {wall:7.2f} s -> "
                   f"{n / wall:6.2f} traj/s, engine idle {idle:5.1%}", flush=True)
     finally:
         await engine.close()
+        shutil.rmtree(weights_dir, ignore_errors=True)
     return {
-        "bench": "rollout", "quick": args.quick, "trajectories": args.trajectories,
+        "bench": "rollout", "quick": args.quick, "trajectories": args.trajectories, "batches": B,
+        "async_max_staleness": 1,
         "max_tokens_per_turn": args.max_tokens, "tool_latency_median_s": 0.2, "tool_latency_p99_s": 2.0,
         "traj_per_s": {m: round(r["traj_per_s"], 4) for m, r in res.items()},
         "engine_idle_frac": {m: round(r["engine_idle_frac"], 4) for m, r in res.items()},
@@ -147,13 +183,16 @@ async def main_async(args):
         "speedup_vs_lockstep": round(res["async"]["traj_per_s"] / res["lockstep"]["traj_per_s"], 3),
         "speedup_vs_sequential": round(res["async"]["traj_per_s"] / res["sequential"]["traj_per_s"], 3),
         "engine_idle_frac_async": round(res["async"]["engine_idle_frac"], 4),
+        "speedup_vs_lockstep_staleness0": round(
+            res["async_staleness0"]["traj_per_s"] / res["lockstep"]["traj_per_s"], 3),
     }
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer trajectories (about a minute or two)")
-    p.add_argument("--trajectories", type=int, default=None, help="async / lock-step batch (default 64)")
+    p.add_argument("--trajectories", type=int, default=None, help="trajectories per batch (default 64)")
+    p.add_argument("--batches", type=int, default=None, help="training batches per mode (default 4; 2 with --quick)")
     p.add_argument("--sequential-trajectories", type=int, default=None,
                    help="trajectories for the sequential baseline (a rate; default: same, 8 with --quick)")
     p.add_argument("--group", type=int, default=4, help="samples per task")
@@ -161,6 +200,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.trajectories is None:
         args.trajectories = 32 if args.quick else 64
+    if args.batches is None:
+        args.batches = 2 if args.quick else 4
+    if args.batches < 1:
+        raise ValueError(f"--batches: must be >= 1, got {args.batches}")
     if args.sequential_trajectories is None and args.quick:
         args.sequential_trajectories = 8
     if args.trajectories % args.group:
