@@ -65,12 +65,27 @@ def _worker(rank, world, port, stage, result_dir):
     import deepspeed
 
     params = list(tr.module.named_parameters())
-    ctx = deepspeed.zero.GatheredParameters([p for _, p in params]) if stage == 3 else torch.no_grad()
-    with ctx:
+    def gathered():
+        return deepspeed.zero.GatheredParameters([p for _, p in params]) if stage == 3 else torch.no_grad()
+
+    with gathered():
         for n, p in params:
             state[n] = p.detach().clone()
+    # a batch without signal (every group's rewards equal): the weights must not move, although
+    # Adam's momentum from the step above is nonzero; the step after it moves them again
+    flat = [Trajectory(tokens=t.tokens, chunk_ids=t.chunk_ids, rollout_logp=t.rollout_logp, reward=1.0,
+                       group_id=t.group_id) for t in trajectories(seed=1)]
+    mbs0 = pack_step(flat, PackerConfig(token_budget=160, num_ranks=world), LOSS).ranks[rank]
+    m0 = tr.rl_step(mbs0, tr.old_logprobs(mbs0), LOSS)
+    with gathered():
+        still = all(torch.equal(p.detach(), state[n]) for n, p in params)
+    m1 = tr.rl_step(mbs, tr.old_logprobs(mbs), LOSS)
+    with gathered():
+        moved = any(not torch.equal(p.detach(), state[n]) for n, p in params)
+    skip = {"m0": m0, "m1": m1, "still": still, "moved": moved}
     if rank == 0:
-        torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs)}, os.path.join(result_dir, "ds.pt"))
+        torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs), "skip": skip},
+                   os.path.join(result_dir, "ds.pt"))
     import torch.distributed as dist
 
     dist.barrier()
@@ -114,6 +129,10 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
 
     mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path)), nprocs=2, join=True)
     ds = torch.load(tmp_path / "ds.pt")
+    skip = ds["skip"]
+    assert ds["metrics"]["skipped_no_signal"] == 0.0
+    assert skip["m0"]["skipped_no_signal"] == 1.0 and skip["still"], "a signal-free batch moved the weights"
+    assert skip["m1"]["skipped_no_signal"] == 0.0 and skip["moved"] and skip["m1"]["lr"] == OPTIM.lr
     loss, gn, grads, ref_state, turn = single_process_reference()
     # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,
     # equal to the whole batch's

@@ -71,6 +71,7 @@ class PolicyTrainer:
         self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None else None
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype))
@@ -118,8 +119,23 @@ class PolicyTrainer:
         lp, _ = packed_logprobs(self.engine.module, ids, cu, temperature=self.temperature)
         self.engine.backward(lp.sum() * 0.0, scale_wrt_gas=False)
 
-    def _finish_step(self, metrics: dict) -> dict:
-        self.engine.step()
+    def _finish_step(self, metrics: dict, apply_update: bool = True) -> dict:
+        if apply_update:
+            self.engine.step()
+        else:
+            # The gradient is exactly zero, but Adam would still move every weight on its momentum
+            # (measured: a collapsing toy run kept degrading for 15 signal-free steps).  lr 0 for
+            # this step: the weights stay, the moments decay, the schedule advances and resets lr.
+            groups = self._torch_opt.param_groups
+            saved = [g["lr"] for g in groups]
+            for g in groups:
+                g["lr"] = 0.0
+            try:
+                self.engine.step()
+            finally:
+                if self.scheduler is None:
+                    for g, lr in zip(groups, saved):
+                        g["lr"] = lr
         gn = self.engine.get_global_grad_norm()
         out = {k: float(sum(v) / len(v)) for k, v in metrics.items() if v}
         out["grad_norm"] = float(gn) if gn is not None else float("nan")
@@ -157,9 +173,24 @@ class PolicyTrainer:
                              ("ok", mb.rewards >= success_threshold)):
                     parts[k].append(v.detach())
         turn = self._turn_metrics(parts)
-        out = self._finish_step(metrics)
+        # no advantage on any rank and no KL / entropy term: nothing to learn from this batch
+        signal = (any(v > 0 for v in metrics.get("adv_nonzero_frac", ()))
+                  or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
+        signal = self._any_rank(signal)
+        out = self._finish_step(metrics, apply_update=signal)
+        out["skipped_no_signal"] = float(not signal)
         out.update(turn)
         return out
+
+    def _any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return bool(flag)
+        dev = self.device if torch.device(self.device).type == "cuda" else "cpu"  # NCCL needs CUDA tensors
+        t = torch.tensor([1.0 if flag else 0.0], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
     def _turn_metrics(self, parts: dict) -> dict:
         """Per-turn entropy and the successful trajectories' mean logprob over all ranks: sums and
