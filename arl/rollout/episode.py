@@ -116,7 +116,7 @@ class Episode:
     async def start_from(self, state) -> None:
         """IPA chunk initialization: ``start``, then replay ``state.replay_turns`` (the expert's
         turns 0..k-1, a ``arl.stabilizers.ipa.StartState``) through the environment as chunks
-        0..k-1 with rollout logprob 0, so sampling continues at chunk k.  The replayed prefix must
+        0..k-1 with rollout logprob 0 (turn version -1), so sampling continues at chunk k.  The prefix must
         reproduce the expert's tokens exactly (same task seed, deterministic env); any divergence,
         or an episode the replay already ends, is a ValueError naming where."""
         if state.task_seed is not None and int(state.task_seed) != int(self.seed):
@@ -126,7 +126,7 @@ class Episode:
             return  # the env failed to start: a fault, handled like any other
         for j, text in enumerate(state.replay_turns):
             ids = self.fmt.encode(text)
-            await self.apply(Sample(ids, [0.0] * len(ids), text, "stop", version=-1))
+            await self.apply(Sample(ids, [0.0] * len(ids), text, "stop", version=-1))  # -1: not sampled
             if self.done and self.fault is Fault.NONE:
                 raise ValueError(f"start_from: replaying expert turn {j} of {state.chunk} ended the episode")
             if self.done:
@@ -137,7 +137,6 @@ class Episode:
             where = next((i for i in range(n) if self.tokens[i] != prefix[i]), n)
             raise ValueError(f"start_from: replayed prefix diverges from the expert's at token {where} "
                              f"(replayed {len(self.tokens)} tokens, expert prefix {len(prefix)})")
-        self.versions = [v for v in self.versions if v != -1]  # the expert's turns were not sampled
         self.meta["ipa_prefix_chunks"] = int(state.chunk)
 
     def sampling(self) -> SamplingConfig:
@@ -214,7 +213,7 @@ class Episode:
         return Trajectory(
             tokens=tokens, chunk_ids=self.chunk_ids if self.tokens else [-1],
             rollout_logp=self.logp if self.tokens else [0.0], reward=self.reward, group_id=self.group_id,
-            policy_version=self.versions[0] if self.versions else 0, turns=list(self.turns),
+            policy_version=next((v for v in self.versions if v >= 0), 0), turns=list(self.turns),
             status=TrajectoryStatus.OK, metadata=meta)
 
 

@@ -199,13 +199,8 @@ class RolloutManager:
                     raise ValueError("tasks: exhausted before a full batch could be formed")
                 await self._cond.wait()
             picked = due + [g for g in sorted(finished, key=lambda g: (g.start_version, g.gid)) if g not in due]
-            picked = picked[:G]
-            for g in picked:
-                self._groups.remove(g)
             self.step += 1
-            self._cond.notify_all()
-        trajs = [t for g in sorted(picked, key=lambda g: g.gid) for t in g.trajectories]
-        return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), self._metrics(trajs))
+            return self._hand_over(picked[:G])
 
     async def get_groups(self, n: int) -> RolloutBatch:
         """``n`` more groups for the batch ``get_batch`` just returned (dynamic sampling's refill):
@@ -229,10 +224,14 @@ class RolloutManager:
                 if self._exhausted and not self._tasks_running:
                     raise ValueError(f"tasks: exhausted with {len(finished)} of {n} extra groups formed")
                 await self._cond.wait()
-            picked = sorted(finished, key=lambda g: (g.start_version, g.gid))[:n]
-            for g in picked:
-                self._groups.remove(g)
-            self._cond.notify_all()
+            return self._hand_over(sorted(finished, key=lambda g: (g.start_version, g.gid))[:n])
+
+    def _hand_over(self, picked: list) -> RolloutBatch:
+        """Remove ``picked`` from the pool and return them as a batch of step ``self.step - 1``
+        (caller holds ``_cond``; the producer is woken: the gate may have opened)."""
+        for g in picked:
+            self._groups.remove(g)
+        self._cond.notify_all()
         trajs = [t for g in sorted(picked, key=lambda g: g.gid) for t in g.trajectories]
         return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), self._metrics(trajs))
 

@@ -125,17 +125,11 @@ class PolicyTrainer:
         else:
             # The gradient is exactly zero, but Adam would still move every weight on its momentum
             # (measured: a collapsing toy run kept degrading for 15 signal-free steps).  lr 0 for
-            # this step: the weights stay, the moments decay, the schedule advances and resets lr.
-            groups = self._torch_opt.param_groups
-            saved = [g["lr"] for g in groups]
-            for g in groups:
+            # this step: the weights stay, the moments decay, and the LR scheduler DeepSpeed steps
+            # right after the optimizer sets the next step's lr again (tests/test_trainer_ds.py).
+            for g in self._torch_opt.param_groups:
                 g["lr"] = 0.0
-            try:
-                self.engine.step()
-            finally:
-                if self.scheduler is None:
-                    for g, lr in zip(groups, saved):
-                        g["lr"] = lr
+            self.engine.step()
         gn = self.engine.get_global_grad_norm()
         out = {k: float(sum(v) / len(v)) for k, v in metrics.items() if v}
         out["grad_norm"] = float(gn) if gn is not None else float("nan")
