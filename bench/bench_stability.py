@@ -42,7 +42,7 @@ VARIANTS = {
 }
 QUICK_VARIANTS = ("baseline", "extreme_mask")  # each launch is ~80 s here (engine start, SFT, RL)
 # early-warning signals: they move before reward does
-WARNINGS = ("stab/zero_var_frac", "train/zero_var_group_frac", "stab/failed_len_max", "stab/neg_adv_share", "train/clip_frac",
+WARNINGS = ("stab/zero_var_frac", "adv/zero_var_group_frac", "stab/failed_len_max", "stab/neg_adv_share", "train/clip_frac",
             "train/approx_kl", "monitor/looping_frac", "len/turns_mean")
 
 

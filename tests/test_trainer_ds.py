@@ -82,7 +82,14 @@ def _worker(rank, world, port, stage, result_dir):
     m1 = tr.rl_step(mbs, tr.old_logprobs(mbs), LOSS)
     with gathered():
         moved = any(not torch.equal(p.detach(), state[n]) for n, p in params)
-    skip = {"m0": m0, "m1": m1, "still": still, "moved": moved}
+    # the step-wide advantages the stabilizers write into the micro-batches are what the loss uses,
+    # also for micro-batches whose groups are complete: zeroed, the step has no signal
+    mbz = pack_step(trajectories(), PackerConfig(token_budget=160, num_ranks=world), LOSS).ranks[rank]
+    for mb in mbz:
+        mb.advantages = torch.zeros_like(mb.advantages)
+    mz = tr.rl_step(mbz, tr.old_logprobs(mbz), LOSS)
+    skip = {"m0": m0, "m1": m1, "still": still, "moved": moved, "mz": mz,
+            "complete": sum(mb.complete_groups and not mb.is_empty for mb in mbz)}
     if rank == 0:
         torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs), "skip": skip},
                    os.path.join(result_dir, "ds.pt"))
@@ -133,6 +140,7 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     assert ds["metrics"]["skipped_no_signal"] == 0.0
     assert skip["m0"]["skipped_no_signal"] == 1.0 and skip["still"], "a signal-free batch moved the weights"
     assert skip["m1"]["skipped_no_signal"] == 0.0 and skip["moved"] and skip["m1"]["lr"] == OPTIM.lr
+    assert skip["complete"] > 0 and skip["mz"]["skipped_no_signal"] == 1.0, "rl_step ignored mb.advantages"
     loss, gn, grads, ref_state, turn = single_process_reference()
     # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,
     # equal to the whole batch's

@@ -151,12 +151,14 @@ class PolicyTrainer:
                 self._dummy_backward()
                 continue
             logp, ent = self.logprobs(mb, with_entropy=True)
+            # always the micro-batch's step-wide advantages: exact for split groups, and the only
+            # place the stabilizers' shaped / reweighted / masked advantages reach the loss
             kw = mb.loss_kwargs()
             kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
             out = policy_loss(
                 logp, old.to(self.device), config=loss_cfg, entropy=ent,
                 ref_logp=ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None,
-                advantages=None if mb.complete_groups else mb.advantages.to(self.device, torch.float32),
+                advantages=mb.advantages.to(self.device, torch.float32),
                 backend=self.loss_backend, **kw)
             self.engine.backward(out.loss * self.world, scale_wrt_gas=False)
             metrics["loss"].append(float(out.loss.detach()) * len(mbs))
