@@ -210,3 +210,15 @@ def test_unsolvable_fraction():
     assert r.done and r.reward == 0 and r.info["solvable"] is False
     # the same seeds are solvable tasks with the same chain start when the fraction is 0
     assert run(ToyLookupEnv().reset(seed)) == task
+
+
+def test_new_state_marks_first_reveal_of_a_chain_key_only():
+    env = make_env("toy_lookup")
+    run(env.reset(5))
+    first = env.chain[0]
+    steps = [format_tool_call("lookup", {"key": first}),  # reveals chain[1] (or the value)
+             format_tool_call("lookup", {"key": first}),  # the same again: no progress
+             format_tool_call("lookup", {"key": "k99" if "k99" not in env.chain else "k98"})]  # off the chain
+    _, res = run(_episode(env, 5, steps))
+    assert [r.info["new_state"] for r in res] == [True, False, False]
+    assert res[2].observation == "none"

@@ -98,6 +98,11 @@ def test_scripted_episode_masks_and_chunk_ids_exact(vllm_engine, tiny_tokenizer,
     assert t.metadata["calls"] == [{"tool": "lookup", "args": None, "error": False},
                                    {"tool": "lookup", "args": None, "error": True},
                                    {"tool": "lookup", "args": None, "error": False}]
+    # one turn_info per model turn (shaping and monitors read it): tool, error, observation digest
+    info = t.metadata["turn_info"]
+    assert [(d["tool"], d["tool_error"]) for d in info] == [("lookup", False), ("lookup", True), ("lookup", False),
+                                                            (None, False)]
+    assert len({d["obs_digest"] for d in info[:3]}) == len(set(env.script[:3]))
 
 
 def test_observation_after_eos_turn_has_no_double_turn_end(tiny_tokenizer):

@@ -140,6 +140,13 @@ def test_shaping_exact_and_capped():
     r, _ = shape_rewards([traj(0, turn_info=[dict(tool="lookup")] * 3, turn_texts=texts)],
                          ShapingConfig(enabled=True, checkpoints=("valid_tool_call",)))
     assert r[0] == pytest.approx(0.2)
+    # the episode's record: observation digests, and the env's new_state verdict when it gives one
+    dig = [dict(tool="lookup", tool_error=False, call=str(i), obs_digest=d) for i, d in enumerate("aab")]
+    r, _ = shape_rewards([traj(0, turn_info=dig)], ShapingConfig(enabled=True, checkpoints=("new_state",)))
+    assert r[0] == pytest.approx(0.2)
+    r, _ = shape_rewards([traj(0, turn_info=[dict(d, new_state=False) for d in dig])],
+                         ShapingConfig(enabled=True, checkpoints=("new_state",)))
+    assert r[0] == 0.0
     r_off, m_off = shape_rewards(b, ShapingConfig())
     np.testing.assert_array_equal(r_off, [0, 1, 0, 1, 0, 0]) and not m_off
 

@@ -81,7 +81,7 @@ class ToyLookupEnv(Environment):
         self.chain, self.seed = chain, seed
         self._fault_rng = random.Random(f"toy_lookup/fault/{self.fault_seed}/{seed}/{sample}")
         self._latency_rng = random.Random(f"toy_lookup/latency/{self.fault_seed}/{seed}/{sample}")
-        self.turns, self._active = 0, True
+        self.turns, self._active, self._revealed = 0, True, set()
         return f"Find the value for {chain[0]}."
 
     def expert_turns(self) -> Optional[List[str]]:
@@ -113,6 +113,9 @@ class ToyLookupEnv(Environment):
                 return self._end(obs, 0.0, info, correct=False)
             return self._maybe_truncate(StepResult(obs, 0.0, False, info))
         obs = self.table.get(turn.arguments["key"], NOT_FOUND)
+        # progress for process-reward shaping: a chain key (or the value) revealed for the first time
+        info["new_state"] = obs != NOT_FOUND and obs not in self._revealed
+        self._revealed.add(obs)
         return self._maybe_truncate(StepResult(obs, 0.0, False, info))
 
     def _maybe_truncate(self, res: StepResult) -> StepResult:

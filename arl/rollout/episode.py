@@ -10,6 +10,7 @@ baselines) reuse the exact same token handling; ``run_episode`` is the plain loo
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import time
 from dataclasses import dataclass, field, replace
@@ -62,6 +63,17 @@ class ChatFormat:
         return self.encode(between + observation + self._after)
 
 
+def _turn_info(info: dict, observation: str) -> dict:
+    """Per model turn, what process-reward shaping and the monitors read (arl/stabilizers/shaping.py):
+    the tool, whether the call was an error, the env's own ``new_state`` verdict when it gives one,
+    and a digest of the observation (equal observations, equal digests; no long text in queues)."""
+    out = {"tool": info.get("tool"), "tool_error": bool(info.get("tool_error"))}
+    if "new_state" in info:
+        out["new_state"] = bool(info["new_state"])
+    out["obs_digest"] = hashlib.blake2b(str(observation).encode(), digest_size=8).hexdigest()
+    return out
+
+
 @dataclass(frozen=True)
 class EpisodeConfig:
     max_turns: int | None = None  # None: the environment's max_turns
@@ -94,7 +106,7 @@ class Episode:
         self.fault = Fault.NONE
         self.meta: dict = {"task_seed": seed, "sample": sample, "tool_calls": 0, "tool_errors": 0,
                            "recoverable_faults": 0, "gen_s": 0.0, "tool_s": 0.0, "truncated": None,
-                           "tools": {}, "calls": []}
+                           "tools": {}, "calls": [], "turn_info": []}
 
     @property
     def max_turns(self) -> int:
@@ -177,6 +189,7 @@ class Episode:
             self.meta["tool_calls"] += 1
             self.meta["tools"][info["tool"]] = self.meta["tools"].get(info["tool"], 0) + 1
         self.meta["tool_errors"] += int(bool(info.get("tool_error")))
+        self.meta["turn_info"].append(_turn_info(info, res.observation))
         fault = res.fault
         if fault is Fault.UNRECOVERABLE:
             return self._fail(fault, res.observation)

@@ -2,9 +2,9 @@
 at ``cap`` (< the success reward, so the outcome dominates), and the bonus is added to the outcome.
 
 Checkpoints come from the trajectory's metadata.  Preferred: ``metadata["turn_info"]``, one dict per
-model turn, recorded by the episode from ``StepResult.info`` (see the rollout hook in the report):
+model turn, recorded by the episode from ``StepResult.info`` (``arl.rollout.episode`` records it for every turn):
 ``{"tool": name or None, "tool_error": bool, "call": canonical call text (optional),
-"new_state": bool (optional), "observation": str (optional)}``; without ``call`` the tool call
+"new_state": bool (optional), "observation": str or "obs_digest": str (optional)}``; without ``call`` the tool call
 parsed from ``metadata["turn_texts"][k]`` identifies the call.
   * valid_tool_call: a turn with a tool and no tool error, counted once per distinct ``call`` (a
     repeated identical call earns nothing: rewarding "called a tool" teaches tool spam);
@@ -48,9 +48,11 @@ def count_checkpoints(t: Trajectory, kinds: Sequence[str]) -> int:
         if "new_state" in kinds:
             if "new_state" in turn:
                 n += bool(turn["new_state"])
-            elif "observation" in turn and turn["observation"] not in states:
-                states.add(turn["observation"])
-                n += 1
+            else:  # an observation not seen before in the episode (text or the episode's digest of it)
+                obs = turn.get("observation", turn.get("obs_digest"))
+                if obs is not None and obs not in states:
+                    states.add(obs)
+                    n += 1
     return n
 
 
