@@ -272,3 +272,36 @@ def test_episode_start_from_expert_chunk_k(vllm_engine, tiny_tokenizer, arun):
     with pytest.raises(ValueError, match="diverges"):
         arun(run_episode(vllm_engine, ToyLookupEnv(min_hops=3, max_hops=3, num_keys=50), fmt, seed, cfg,
                          start=start_state(expert, 2)))
+
+
+def test_manager_start_for_hook_resamples_from_expert_prefixes(vllm_engine, tiny_tokenizer, arun):
+    """The IPA hook in the manager: every sample of a group starts from the state ``start_for``
+    gave its task, trajectories are tagged, and only sample 0 imitates the prefix."""
+    from arl.env.expert import expert_transcript
+    from arl.env.toy import ToyLookupEnv
+    from arl.stabilizers import expert_trajectory, start_state
+
+    fmt = ChatFormat(tiny_tokenizer)
+    seen = {}
+
+    async def start_for(seed):
+        env = ToyLookupEnv(min_hops=3, max_hops=3)
+        task, tr = await expert_transcript(env, seed)
+        seen[seed] = start_state(expert_trajectory(fmt, env.system_prompt, task, tr, task_seed=seed), 2)
+        return seen[seed]
+
+    cfg = RolloutConfig(group_size=3, groups_per_step=2, max_staleness=0, seed=0,
+                        episode=EpisodeConfig(sampling=SamplingConfig(max_tokens=24, temperature=1.0)))
+
+    async def go():
+        async with RolloutManager(vllm_engine, lambda: ToyLookupEnv(min_hops=3, max_hops=3), fmt,
+                                  tasks=iter([21, 22]), config=cfg, start_for=start_for) as m:
+            return await m.get_batch()
+
+    batch = arun(go())
+    assert len(batch.trajectories) == 6 and set(seen) == {21, 22}
+    for t in batch.trajectories:
+        state = seen[t.metadata["task_seed"]]
+        assert np.array_equal(t.tokens[:state.prefix_len], state.prefix_tokens)
+        assert t.metadata["ipa_prefix_chunks"] == 2
+        assert t.metadata["ipa_imitate"] == (t.metadata["sample"] == 0)

@@ -71,6 +71,7 @@ class _Group:
     start_version: int
     trajectories: list = field(default_factory=list)
     done: bool = False
+    start: object = None  # IPA StartState every sample of the group starts from (None: the task's start)
 
 
 @dataclass
@@ -131,8 +132,14 @@ class EnvPool:
 
 class RolloutManager:
     def __init__(self, engine: RolloutEngine, env_factory: Callable[[], Environment], tokenizer_or_format,
-                 tasks: Iterable[int] | None = None, config: RolloutConfig | None = None):
+                 tasks: Iterable[int] | None = None, config: RolloutConfig | None = None,
+                 start_for: Callable | None = None, imitate_once_per_group: bool = True):
+        """``start_for``: the IPA chunk-initialization hook, ``async (task_seed) -> StartState | None``
+        (arl/stabilizers/ipa.py); a group whose task gets a state starts every sample from that expert
+        prefix and its trajectories are tagged (``ipa_prefix_chunks``; ``ipa_imitate`` on sample 0
+        only when ``imitate_once_per_group``, else on all)."""
         self.engine = engine
+        self.start_for, self.imitate_once = start_for, imitate_once_per_group
         self.cfg = config or RolloutConfig()
         self.fmt = tokenizer_or_format if isinstance(tokenizer_or_format, ChatFormat) else ChatFormat(tokenizer_or_format)
         self.pool = EnvPool(env_factory, self.cfg.env_pool_size)
@@ -265,6 +272,8 @@ class RolloutManager:
 
     async def _run_group(self, g: _Group) -> None:
         try:
+            if self.start_for is not None:
+                g.start = await self.start_for(g.seed)
             trajs = await asyncio.gather(*(self._run_one(g, i) for i in range(self.cfg.group_size)))
         except asyncio.CancelledError:
             raise
@@ -284,7 +293,7 @@ class RolloutManager:
             broken = True
             try:
                 t = await run_episode(self.engine, env, self.fmt, g.seed, self.cfg.episode,
-                                      sample=sample, group_id=g.gid, sample_seed=sample_seed)
+                                      sample=sample, group_id=g.gid, sample_seed=sample_seed, start=g.start)
                 broken = t.metadata["fault"] == Fault.UNRECOVERABLE.value
             finally:
                 await self.pool.release(env, broken=broken)
@@ -296,6 +305,10 @@ class RolloutManager:
                 self.counters["unrecoverable"] += 1
                 return placeholder(t)
             if fault is Fault.NONE:
+                if g.start is not None:
+                    from ..stabilizers.ipa import tag_resampled
+
+                    t = tag_resampled(g.start, t, imitate=index == 0 or not self.imitate_once)
                 return t
             self.counters["recoverable"] += 1
             if attempt < self.cfg.max_retries:
