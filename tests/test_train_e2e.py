@@ -20,7 +20,7 @@ SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",
          "logging.progress=false", "logging.tensorboard=false"]
 
 
-def _train(out: Path, *overrides, resume=False, popen=False):
+def _train(out: Path, *overrides, resume=False, popen=False, expect_fail=False):
     cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
            f"output_dir={out}", *SMALL, *overrides] + (["--resume"] if resume else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -28,7 +28,7 @@ def _train(out: Path, *overrides, resume=False, popen=False):
         return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
     res = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=1500)
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert (res.returncode != 0) if expect_fail else (res.returncode == 0), res.stderr[-4000:]
     return res
 
 
@@ -100,3 +100,27 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     for s in (3, 4):
         for k in keys:
             assert b[s][k] == pytest.approx(a[s][k], rel=1e-3, abs=1e-5), (s, k)
+
+
+def test_ipa_resampling_run(tmp_path):
+    """IPA chunk-initialization resampling end to end: rollouts start from expert prefixes, the loss
+    imitates the prefix (one member per group) and reinforces the resampled chunks, and the
+    sequential schedule moves the start one chunk back per step."""
+    out = tmp_path / "ipa"
+    _train(out, "trainer.steps=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=0", "env.max_turns=6",
+           "rollout.max_total_tokens=400", "stabilizers.ipa.enabled=true", "stabilizers.ipa.steps_per_chunk=1")
+    recs = _records(out)
+    for s in (1, 2):
+        r = recs[s]
+        assert r["train/ipa/rl_tokens"] > 0 and r["rollout/num_trajectories"] == 8
+    assert max(recs[s]["train/ipa/il_tokens"] for s in (1, 2)) > 0  # expert prefixes were imitated
+    assert [recs[s]["stab/ipa_offset"] for s in (1, 2)] == [1, 2]
+
+
+def test_rollout_failure_is_reported_not_hung(tmp_path):
+    """An error in the rollout process (here: an environment kwarg it rejects) reaches the launcher
+    as a one-line cause in stderr, instead of leaving the trainer waiting for a batch."""
+    out = tmp_path / "bad"
+    cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0",
+                     "env.kwargs={min_hops: 3, max_hops: 2}", expect_fail=True)
+    assert "rollout process failed" in cmd_res.stderr and "min_hops/max_hops" in cmd_res.stderr

@@ -108,6 +108,7 @@ class MicroBatch:
     index: int  # position among its rank's micro-batches
     est_compute: float
     complete_groups: bool  # every group present here is entirely here
+    ipa: Optional[dict] = None  # IPA resampling's loss roles (Stabilizers.apply): il_mask, rl_chunk_ids, normalizers
 
     @property
     def num_tokens(self) -> int:

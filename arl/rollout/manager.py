@@ -197,7 +197,7 @@ class RolloutManager:
         async with self._cond:
             while True:
                 if self._error is not None:
-                    raise RuntimeError("rollout producer failed") from self._error
+                    raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
                 due = [g for g in self._groups if g.start_version + k <= self.step]
                 finished = [g for g in self._groups if g.done]
                 if all(g.done for g in due) and len(finished) >= G:
@@ -224,7 +224,7 @@ class RolloutManager:
             self._cond.notify_all()  # the producer may start n more groups
             while True:
                 if self._error is not None:
-                    raise RuntimeError("rollout producer failed") from self._error
+                    raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
                 finished = [g for g in self._groups if g.done]
                 if len(finished) >= n:
                     break

@@ -13,7 +13,7 @@ from .config import StabilizerConfig
 from .curriculum import PositiveOnlyCurriculum
 from .dynamic_sampling import DynamicSampler
 from .extreme import control_extremes, length_metrics, reweight_negatives
-from .ipa import IPAResampler
+from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
 from .shaping import shape_rewards
@@ -77,9 +77,16 @@ class Stabilizers:
             metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
         return PreparedBatch(out, rewards, adv, metrics)
 
-    @staticmethod
-    def apply(packed, prep: PreparedBatch) -> None:
+    def apply(self, packed, prep: PreparedBatch, loss_cfg: Optional[LossConfig] = None) -> None:
+        """The step's (stabilized) advantages into every micro-batch; with IPA resampling on, also each
+        micro-batch's loss roles (imitated prefix tokens, resampled chunk ids, step-global normalizers)."""
         apply_advantages(packed, prep.advantages)
+        if self.cfg.ipa.enabled:
+            il_n, rl_n = ipa_normalizers(prep.trajectories, loss_cfg if loss_cfg is not None else self.loss_cfg)
+            for mb in packed.all_micro_batches():
+                il_mask, rl_ids = split_chunk_roles(mb, prep.trajectories)
+                mb.ipa = {"il_mask": il_mask, "rl_chunk_ids": rl_ids, "il_normalizer": il_n, "rl_normalizer": rl_n,
+                          "lambda_il": self.cfg.ipa.lambda_il, "lambda_rl": self.cfg.ipa.lambda_rl}
 
     # -- loss config ------------------------------------------------------------------------------
     def loss_config(self, step: int, success_rate: Optional[float] = None) -> LossConfig:

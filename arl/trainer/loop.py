@@ -22,8 +22,11 @@ import os
 import queue as queue_mod
 import random
 import shutil
+import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -68,9 +71,7 @@ def expert_trajectories(cfg: TrainConfig, model_dir: str, n: int, seed_base: int
     tok = AutoTokenizer.from_pretrained(model_dir)
     fmt = ChatFormat(tok)
     # no faults, no latency, no unsolvable tasks: the expert's fixed turns must stay valid
-    drop = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "latency_median_s", "latency_p99_s",
-            "tool_timeout_s")
-    env = make_env(cfg.env.name, **{k: v for k, v in cfg.env.kwargs.items() if k not in drop})
+    env = make_env(cfg.env.name, **{k: v for k, v in cfg.env.kwargs.items() if k not in _FAULT_KEYS})
     ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
 
     async def one(seed):
@@ -108,9 +109,21 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_versi
     cfg = TrainConfig.model_validate(cfg_dict)
     try:
         asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version))
-    except BaseException as e:  # tell the trainer instead of leaving it waiting
-        batches.put(("error", f"{type(e).__name__}: {e}"))
+    except BaseException as e:  # tell the trainer instead of leaving it waiting (if _rollout_main has not)
+        if not getattr(e, "_arl_reported", False):
+            batches.put(("error", f"{type(e).__name__}: {e}"))
         raise
+
+
+def _next_order(orders, closing) -> Optional[tuple]:
+    """One order, or None after a short wait: the executor thread that waits for orders must come
+    back by itself, or asyncio's shutdown (which joins it) would hang on an error."""
+    while not closing.is_set():
+        try:
+            return orders.get(timeout=0.5)
+        except queue_mod.Empty:
+            continue
+    return None
 
 
 async def _evaluate(engine, fmt, cfg: TrainConfig, n: int) -> float:
@@ -133,6 +146,43 @@ async def _evaluate(engine, fmt, cfg: TrainConfig, n: int) -> float:
 
     res = await asyncio.gather(*(one(i) for i in range(n)))
     return float(np.mean(res)) if res else float("nan")
+
+
+_FAULT_KEYS = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "latency_median_s", "latency_p99_s",
+               "tool_timeout_s")
+
+
+def _ipa_start_hook(cfg: TrainConfig, fmt):
+    """``(resampler, start_for)`` for IPA chunk-initialization resampling, or ``(None, None)`` when off:
+    ``start_for(seed)`` plays the environment's expert on the task (faults off, so its turns stay
+    valid) and returns the start state at the chunk the resampler's schedule picks (parallel mode:
+    one of the anchors, by task seed); None when the env has no demonstrator for the task."""
+    if not cfg.stabilizers.ipa.enabled:
+        return None, None
+    from ..env import make_env
+    from ..env.expert import expert_transcript
+    from ..stabilizers.ipa import IPAResampler, expert_trajectory, start_state
+
+    resampler = IPAResampler(cfg.stabilizers.ipa)
+    max_turns = cfg.env.max_turns
+    kwargs = {k: v for k, v in cfg.env.kwargs.items() if k not in _FAULT_KEYS}
+
+    async def start_for(seed: int):
+        env = make_env(cfg.env.name, **kwargs)
+        try:
+            res = await expert_transcript(env, seed)
+        finally:
+            await env.close()
+        if res is None:
+            return None
+        task, transcript = res
+        expert = expert_trajectory(fmt, env.system_prompt, task, transcript, task_seed=seed)
+        if expert.reward <= 0 or len(expert.turns) > max_turns:  # failed, or longer than an episode may be
+            return None
+        ks = resampler.start_chunks(len(expert.turns))
+        return start_state(expert, ks[seed % len(ks)])
+
+    return resampler, start_for
 
 
 async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int) -> None:
@@ -164,13 +214,17 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
     async def take_orders():
         nonlocal manager
         while not stop.is_set():
-            msg = await loop.run_in_executor(None, orders.get)
+            msg = await loop.run_in_executor(None, _next_order, orders, closing)
+            if msg is None:
+                return
             kind = msg[0]
             if kind == "stop":
                 stop.set()
                 return
             if kind == "weights":
-                _, wdir, version = msg
+                _, wdir, version, ipa_state = msg
+                if resampler is not None and ipa_state is not None:
+                    resampler.load_state_dict(ipa_state)
                 if manager is None:
                     await engine.update_weights(wdir, version)
                 else:
@@ -187,25 +241,38 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
                 evals.add(t)
                 t.add_done_callback(evals.discard)
 
-    orders_task = asyncio.create_task(take_orders())
-    await synced.wait()  # the first weights (after SFT / from the checkpoint)
-    manager = RolloutManager(engine, make_env_factory(cfg), fmt, tasks=tasks, config=rcfg)
-    async with manager:
-        while not stop.is_set():
-            while manager.step > manager.version + r.staleness and not stop.is_set():
-                await asyncio.sleep(0.02)  # the trainer has not synced the weights this step needs
-            if stop.is_set():
-                break
-            get = asyncio.create_task(manager.get_batch())
-            done, _ = await asyncio.wait({get, orders_task}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
-                break
-            batch = await fill_batch(manager, get.result(), cfg.stabilizers.dynamic_sampling)
-            await loop.run_in_executor(None, batches.put, ("batch", batch))
-    for t in list(evals):
-        t.cancel()
-    await engine.close()
+    resampler, start_for = _ipa_start_hook(cfg, fmt)
+    closing = threading.Event()
+    try:
+        orders_task = asyncio.create_task(take_orders())
+        await synced.wait()  # the first weights (after SFT / from the checkpoint)
+        manager = RolloutManager(engine, make_env_factory(cfg), fmt, tasks=tasks, config=rcfg, start_for=start_for,
+                                 imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group)
+        async with manager:
+            while not stop.is_set():
+                while manager.step > manager.version + r.staleness and not stop.is_set():
+                    await asyncio.sleep(0.02)  # the trainer has not synced the weights this step needs
+                if stop.is_set():
+                    break
+                get = asyncio.create_task(manager.get_batch())
+                done, _ = await asyncio.wait({get, orders_task}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    break
+                batch = await fill_batch(manager, get.result(), cfg.stabilizers.dynamic_sampling)
+                await loop.run_in_executor(None, batches.put, ("batch", batch))
+    except BaseException as e:  # report now: the trainer is waiting for a batch
+        batches.put(("error", f"{type(e).__name__}: {e}"))
+        try:
+            e._arl_reported = True
+        except AttributeError:
+            pass
+        raise
+    finally:
+        closing.set()  # the order-taking thread returns, so asyncio's shutdown can join it
+        for t in list(evals):
+            t.cancel()
+        await engine.close()  # also on an error: vLLM's engine-core process must not outlive us
 
 
 # ---------------------------------------------------------------- trainer ranks
@@ -347,7 +414,9 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
     def sync_weights(version: int) -> None:
         if rank == 0:
             write_sync_weights(tr.module.state_dict(), weights_dir)
-            orders.put(("weights", str(weights_dir), version))
+            # the IPA resampler's schedule lives with the trainer (it advances on the step's success)
+            ipa = stab.ipa.state_dict() if cfg.stabilizers.ipa.enabled else None
+            orders.put(("weights", str(weights_dir), version, ipa))
             if version in evals:
                 orders.put(("eval", version, cfg.env.eval_tasks))
 
@@ -384,7 +453,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
                 loss_cfg = stab.loss_config(step, success)
                 packed = pack_step(prep.trajectories, PackerConfig(
                     token_budget=cfg.trainer.micro_batch_tokens, num_ranks=world, seed=cfg.seed + step), loss_cfg)
-                stab.apply(packed, prep)  # every micro-batch carries the step's (stabilized) advantages
+                stab.apply(packed, prep, loss_cfg)  # the step's (stabilized) advantages, IPA loss roles
                 parts = packed.ranks
                 extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(
                     batch.trajectories, current_version=step, adv_norm=loss_cfg.adv_norm, adv_eps=loss_cfg.adv_eps)}
@@ -437,6 +506,13 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
             log.flush(force=True)
             log.logger.close()
         tr.export_hf(str(run_dir / "hf"), tokenizer=tokenizer if rank == 0 else None)
+    except BaseException:
+        # the launcher reports only the first rank to fail, often a peer's "connection closed":
+        # each rank prints its own cause
+        print(f"arl.train: trainer rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
     finally:
         if rank == 0:
             orders.put(("stop",))

@@ -155,14 +155,24 @@ class PolicyTrainer:
             # place the stabilizers' shaped / reweighted / masked advantages reach the loss
             kw = mb.loss_kwargs()
             kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-            out = policy_loss(
-                logp, old.to(self.device), config=loss_cfg, entropy=ent,
-                ref_logp=ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None,
-                advantages=mb.advantages.to(self.device, torch.float32),
-                backend=self.loss_backend, **kw)
-            self.engine.backward(out.loss * self.world, scale_wrt_gas=False)
-            metrics["loss"].append(float(out.loss.detach()) * len(mbs))
-            for k, v in out.metrics.items():
+            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
+            adv = mb.advantages.to(self.device, torch.float32)
+            if mb.ipa is not None:  # IPA resampling: imitation on the expert prefix + RL on the resampled chunks
+                from ..stabilizers.ipa import ipa_mixed_loss
+
+                r = mb.ipa
+                loss, lm = ipa_mixed_loss(
+                    logp, old.to(self.device), mb=mb, il_mask=r["il_mask"], rl_chunk_ids=r["rl_chunk_ids"],
+                    loss_cfg=loss_cfg, il_normalizer=r["il_normalizer"], rl_normalizer=r["rl_normalizer"],
+                    lambda_il=r["lambda_il"], lambda_rl=r["lambda_rl"], advantages=adv, entropy=ent, ref_logp=ref,
+                    backend=self.loss_backend)
+            else:
+                out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
+                                  advantages=adv, backend=self.loss_backend, **kw)
+                loss, lm = out.loss, out.metrics
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            metrics["loss"].append(float(loss.detach()) * len(mbs))
+            for k, v in lm.items():
                 metrics[k].append(float(v))
             if ent is not None:
                 for k, v in (("ent", ent), ("logp", logp), ("cid", mb.chunk_ids), ("cu", mb.cu_seqlens),
@@ -170,7 +180,7 @@ class PolicyTrainer:
                     parts[k].append(v.detach())
         turn = self._turn_metrics(parts)
         # no advantage on any rank and no KL / entropy term: nothing to learn from this batch
-        signal = (any(v > 0 for v in metrics.get("adv_nonzero_frac", ()))
+        signal = (any(v > 0 for v in metrics.get("adv_nonzero_frac", ())) or any(v > 0 for v in metrics.get("ipa/il_tokens", ()))
                   or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
         signal = self._any_rank(signal)
         out = self._finish_step(metrics, apply_update=signal)
