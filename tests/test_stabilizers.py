@@ -191,9 +191,19 @@ def test_off_reproduces_packer_advantages_and_weights_reach_the_loss():
         np.testing.assert_array_equal(mb.advantages.numpy(), plain.advantages[mb.traj_indices.numpy()])
 
     cfg = StabilizerConfig(extreme=dict(enabled=True, max_failed_tokens=20, action="weight", long_weight=0.0))
-    prep = Stabilizers(cfg, loss_cfg).prepare(b)
+    stab = Stabilizers(cfg, loss_cfg)
+    prep = stab.prepare(b)
     packed = pack_step(prep.trajectories, pcfg, loss_cfg)
-    Stabilizers.apply(packed, prep)
+    stab.apply(packed, prep)
+    assert all(m.ipa is None for m in packed.all_micro_batches())  # IPA off: plain policy loss
+    # IPA on: every micro-batch carries its loss roles (no expert prefix here: nothing imitated,
+    # every trained chunk reinforced) and the step-global normalizers
+    ipa = Stabilizers(StabilizerConfig(ipa=dict(enabled=True)), loss_cfg)
+    packed_ipa = pack_step(prep.trajectories, pcfg, loss_cfg)
+    ipa.apply(packed_ipa, prep)
+    for m in packed_ipa.all_micro_batches():
+        assert not m.ipa["il_mask"].any() and torch.equal(m.ipa["rl_chunk_ids"], m.chunk_ids)
+        assert m.ipa["il_normalizer"] == 1.0 and m.ipa["rl_normalizer"] == m.normalizer
     (mb,) = packed.all_micro_batches()
     logp = torch.full((mb.num_tokens,), -1.0, requires_grad=True)
     out = policy_loss(logp, logp.detach() - 0.1, advantages=mb.advantages.float(), config=loss_cfg, **mb.loss_kwargs())
