@@ -5,6 +5,7 @@ unknown key, the keys allowed there:  ``trainer.zero_stag: unknown key (allowed:
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
@@ -217,9 +218,25 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     cur[parts[-1]] = value
 
 
+# The built-in default run (``python -m arl.train`` without --config): the README's main job, i.e.
+# exactly configs/tiny_cpu.yaml (tests/test_config.py keeps the two equal).  The model defaults above
+# stay generic; only this run's choices live here.
+BUILTIN_DEFAULT: dict = {
+    "output_dir": "runs/tiny_cpu",
+    "env": {"max_turns": 6, "pool_size": 32},
+    "rollout": {"temperature": 0.7, "max_turn_tokens": 48, "max_total_tokens": 768},
+    "trainer": {"steps": 150, "max_wall_s": 1200,
+                "optim": {"lr": 2.0e-4, "warmup_steps": 2, "schedule": "constant", "grad_clip": 1.0}},
+    "sft": {"steps": 200},
+    "loss": {"ratio_level": "chunk", "surrogate": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28,
+             "adv_norm": "group_std", "gamma": 0.95, "mismatch_level": "chunk", "mismatch_mode": "mask",
+             "mismatch_low": 0.8, "mismatch_high": 5.0, "loss_agg": "token-mean"},
+}
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
-    """YAML file (or the built-in default when None) plus ``key.sub=value`` overrides."""
-    data: dict = {}
+    """YAML file (or ``BUILTIN_DEFAULT`` when None) plus ``key.sub=value`` overrides."""
+    data: dict = copy.deepcopy(BUILTIN_DEFAULT) if path is None else {}
     if path is not None:
         p = Path(path)
         if not p.is_file():

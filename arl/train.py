@@ -14,7 +14,7 @@ from .layout import plan
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m arl.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run)")
+    ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run, equal to configs/tiny_cpu.yaml)")
     ap.add_argument("--dry-run", action="store_true", help="validate, print layout + memory estimate, exit")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10 loss.ratio_level=chunk")

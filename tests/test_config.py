@@ -46,7 +46,7 @@ def test_dry_run_from_the_command_line():
     (["layout.device=cuda", "layout.gpus_per_node=8", "layout.rollout_gpus=4", "layout.trainer_gpus=2"],
      "layout.rollout_gpus + layout.trainer_gpus = 6 must equal layout.gpus_per_node = 8"),
     (["trainer"], "expected key.sub=value"),
-    (["trainer.steps.x=1"], "trainer.steps: Input should be a valid integer"),
+    (["trainer.steps.x=1"], "trainer.steps.x: steps is not a section"),  # the built-in default sets steps
 ])
 def test_bad_configs_fail_with_one_line(overrides, msg):
     with pytest.raises(ConfigError) as e:
@@ -76,3 +76,8 @@ def test_too_big_for_the_gpu_is_caught_by_dry_run(capsys):
     path = os.path.join(ROOT, "configs", "qwen2.5-7b_8gpu.yaml")
     assert main(["--config", path, "--dry-run", "trainer.zero_stage=0", "layout.gpu_memory_gib=40"]) == 2
     assert "exceeds layout.gpu_memory_gib" in capsys.readouterr().err
+
+
+def test_builtin_default_is_the_readme_main_job():
+    # `python -m arl.train` without --config must run what the README's main line runs
+    assert load_config(None).model_dump() == load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")).model_dump()
