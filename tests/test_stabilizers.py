@@ -147,6 +147,10 @@ def test_shaping_exact_and_capped():
     r, _ = shape_rewards([traj(0, turn_info=[dict(d, new_state=False) for d in dig])],
                          ShapingConfig(enabled=True, checkpoints=("new_state",)))
     assert r[0] == 0.0
+    # IPA-replayed expert turns earn nothing, and a sampled turn repeating them earns nothing either
+    replay = traj(0, turn_info=dig, ipa_prefix_chunks=1)
+    r, _ = shape_rewards([replay], ShapingConfig(enabled=True, checkpoints=("new_state",)))
+    assert r[0] == pytest.approx(0.1)  # turn 1 repeats turn 0's observation "a": only turn 2 ("b") pays
     r_off, m_off = shape_rewards(b, ShapingConfig())
     np.testing.assert_array_equal(r_off, [0, 1, 0, 1, 0, 0]) and not m_off
 

@@ -196,8 +196,7 @@ class RolloutManager:
         await self.start()
         async with self._cond:
             while True:
-                if self._error is not None:
-                    raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
+                self._raise_if_failed()
                 due = [g for g in self._groups if g.start_version + k <= self.step]
                 finished = [g for g in self._groups if g.done]
                 if all(g.done for g in due) and len(finished) >= G:
@@ -223,8 +222,7 @@ class RolloutManager:
             self._extra += n
             self._cond.notify_all()  # the producer may start n more groups
             while True:
-                if self._error is not None:
-                    raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
+                self._raise_if_failed()
                 finished = [g for g in self._groups if g.done]
                 if len(finished) >= n:
                     break
@@ -232,6 +230,10 @@ class RolloutManager:
                     raise ValueError(f"tasks: exhausted with {len(finished)} of {n} extra groups formed")
                 await self._cond.wait()
             return self._hand_over(sorted(finished, key=lambda g: (g.start_version, g.gid))[:n])
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rollout producer failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def _hand_over(self, picked: list) -> RolloutBatch:
         """Remove ``picked`` from the pool and return them as a batch of step ``self.step - 1``

@@ -33,26 +33,32 @@ def count_checkpoints(t: Trajectory, kinds: Sequence[str]) -> int:
         return max(0, int(t.metadata.get("tool_calls", 0)) - int(t.metadata.get("tool_errors", 0)))
     texts = t.metadata.get("turn_texts")
     n, calls, states = 0, set(), set()
+    # IPA-replayed expert turns (chunks < ipa_prefix_chunks) earn nothing, but what they called and
+    # revealed counts as seen, so the sampled continuation is not paid for repeating them
+    replayed = int(t.metadata.get("ipa_prefix_chunks", 0))
     for k, turn in enumerate(info):
         if not isinstance(turn, dict):
             raise ValueError(f"metadata['turn_info'][{k}]: expected a dict, got {type(turn).__name__}")
         if not turn.get("tool") or turn.get("tool_error"):
             continue
+        earned = 0
         call = turn.get("call")
         if call is None and texts is not None and k < len(texts):  # the turn's canonical tool call
             call = tuple(c.key for c in parse_calls(texts[k])) or None
         call = k if call is None else call  # without any call text every valid call is distinct
         if "valid_tool_call" in kinds and call not in calls:
-            n += 1
+            earned += 1
         calls.add(call)
         if "new_state" in kinds:
             if "new_state" in turn:
-                n += bool(turn["new_state"])
+                earned += bool(turn["new_state"])
             else:  # an observation not seen before in the episode (text or the episode's digest of it)
                 obs = turn.get("observation", turn.get("obs_digest"))
                 if obs is not None and obs not in states:
                     states.add(obs)
-                    n += 1
+                    earned += 1
+        if k >= replayed:
+            n += earned
     return n
 
 

@@ -109,9 +109,8 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_versi
     cfg = TrainConfig.model_validate(cfg_dict)
     try:
         asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version))
-    except BaseException as e:  # tell the trainer instead of leaving it waiting (if _rollout_main has not)
-        if not getattr(e, "_arl_reported", False):
-            batches.put(("error", f"{type(e).__name__}: {e}"))
+    except BaseException as e:  # tell the trainer instead of leaving it waiting
+        batches.put(("error", f"{type(e).__name__}: {e}"))
         raise
 
 
@@ -261,18 +260,13 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
                     break
                 batch = await fill_batch(manager, get.result(), cfg.stabilizers.dynamic_sampling)
                 await loop.run_in_executor(None, batches.put, ("batch", batch))
-    except BaseException as e:  # report now: the trainer is waiting for a batch
-        batches.put(("error", f"{type(e).__name__}: {e}"))
-        try:
-            e._arl_reported = True
-        except AttributeError:
-            pass
-        raise
     finally:
-        closing.set()  # the order-taking thread returns, so asyncio's shutdown can join it
+        # on an error too: the order-taking thread returns, so asyncio.run's shutdown (which joins it)
+        # ends and rollout_process reports the error; and vLLM's engine core must not outlive us
+        closing.set()
         for t in list(evals):
             t.cancel()
-        await engine.close()  # also on an error: vLLM's engine-core process must not outlive us
+        await engine.close()
 
 
 # ---------------------------------------------------------------- trainer ranks

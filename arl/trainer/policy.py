@@ -151,11 +151,9 @@ class PolicyTrainer:
                 self._dummy_backward()
                 continue
             logp, ent = self.logprobs(mb, with_entropy=True)
+            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
             # always the micro-batch's step-wide advantages: exact for split groups, and the only
             # place the stabilizers' shaped / reweighted / masked advantages reach the loss
-            kw = mb.loss_kwargs()
-            kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
             adv = mb.advantages.to(self.device, torch.float32)
             if mb.ipa is not None:  # IPA resampling: imitation on the expert prefix + RL on the resampled chunks
                 from ..stabilizers.ipa import ipa_mixed_loss
@@ -167,6 +165,7 @@ class PolicyTrainer:
                     lambda_il=r["lambda_il"], lambda_rl=r["lambda_rl"], advantages=adv, entropy=ent, ref_logp=ref,
                     backend=self.loss_backend)
             else:
+                kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.loss_kwargs().items()}
                 out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics
