@@ -109,6 +109,7 @@ class MicroBatch:
     est_compute: float
     complete_groups: bool  # every group present here is entirely here
     ipa: Optional[dict] = None  # IPA resampling's loss roles (Stabilizers.apply): il_mask, rl_chunk_ids, normalizers
+    segments: Optional[dict] = None  # turn credit (Stabilizers.apply): per-chunk loss segments, policy_loss overrides
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,9 @@ dynamic sampling       sampling (groups)    stab/zero_var_frac (before filtering
  (dynamic_sampling.py)                      groups_kept, sampling_rounds, groups_short
 process-reward         rewards (before      stab/shaping_bonus_mean, shaping_checkpoints_mean,
  shaping (shaping.py)  advantages)          shaping_capped_frac
+turn-level credit     advantages (per      stab/turn_anchor_size_mean, turn_step_adv_nonzero_frac,
+ (turn_credit.py)      chunk: anchor-state  turn_process_reward_per_chunk
+                       step advantages)
 extreme-trajectory     batch (long failed   stab/long_failures, failed_len_max/mean,
  control (extreme.py)  -> MASKED copy) and  success_len_max/mean, failure_share (always on),
                        advantages (weights) stab/neg_adv_share, adv_mean (always on)
@@ -32,12 +35,14 @@ behaviour monitors     after the step       monitor/tool_freq/<tool>, tool_calls
 
 Weights reach the loss only through per-trajectory advantages (``policy_loss(...,
 advantages=mb.advantages)``), so every kernel backend supports them unchanged; masking goes
-through the packer's MASKED status (chunk ids -1).  ``Stabilizers`` (pipeline.py) is the facade the
+through the packer's MASKED status (chunk ids -1).  Turn credit's per-chunk advantages go in the same way,
+with each chunk scored as its own loss segment (``mb.segments``).  ``Stabilizers`` (pipeline.py) is the facade the
 RL loop calls a few times per step.
 """
 from .advantages import advantage_metrics, apply_advantages, trajectory_advantages
 from .config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
-                     ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig)
+                     ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig,
+                     TurnCreditConfig)
 from .curriculum import PositiveOnlyCurriculum
 from .dynamic_sampling import DynamicSampler, filter_zero_variance_groups
 from .extreme import control_extremes, length_metrics, reweight_negatives
@@ -47,6 +52,7 @@ from .monitors import Alarm, Decision, behaviour_metrics
 from .pipeline import PreparedBatch, Stabilizers
 from .schedules import AdaptiveKLController, entropy_coef
 from .shaping import shape_rewards
+from .turn_credit import chunk_segments, turn_advantages
 
 __all__ = [
     "AdaptiveKLConfig", "AdaptiveKLController", "Alarm", "AlarmRule", "CurriculumConfig", "Decision", "DynamicSampler",
@@ -55,5 +61,5 @@ __all__ = [
     "StartState", "advantage_metrics", "apply_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
     "expert_trajectory", "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
     "reweight_negatives", "shape_rewards", "split_chunk_roles", "start_state", "tag_resampled",
-    "trajectory_advantages",
+    "trajectory_advantages", "TurnCreditConfig", "chunk_segments", "turn_advantages",
 ]

@@ -91,6 +91,15 @@ class ShapingConfig(_Section):
         return self
 
 
+class TurnCreditConfig(_Section):
+    """Turn-level credit (turn_credit.py): per-chunk step advantages from anchor-state groups, added to
+    the trajectory's advantage, with the env's new-state verdicts as dense process rewards."""
+
+    enabled: bool = False
+    weight: float = Field(1.0, ge=0)  # the step advantage's weight beside the trajectory's
+    process_reward: float = Field(0.1, ge=0)  # per chunk that reached a new state, in the chunk returns
+
+
 class AdaptiveKLConfig(_Section):
     """Adaptive KL coefficient (proportional controller on the measured KL to the reference)."""
 
@@ -148,9 +157,16 @@ class StabilizerConfig(_Section):
     curriculum: CurriculumConfig = CurriculumConfig()
     ipa: IPAResampleConfig = IPAResampleConfig()
     shaping: ShapingConfig = ShapingConfig()
+    turn_credit: TurnCreditConfig = TurnCreditConfig()
     kl: AdaptiveKLConfig = AdaptiveKLConfig()
     entropy: EntropyScheduleConfig = EntropyScheduleConfig()
     monitors: MonitorConfig = MonitorConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        _need(not (self.turn_credit.enabled and self.ipa.enabled), "turn_credit.enabled", True,
+              "cannot be combined with ipa.enabled (the IPA loss splits chunks its own way)")
+        return self
 
     def __init__(self, **data):
         try:

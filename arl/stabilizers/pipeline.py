@@ -17,6 +17,7 @@ from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
 from .shaping import shape_rewards
+from .turn_credit import chunk_segments, turn_advantages
 
 
 @dataclass
@@ -25,6 +26,7 @@ class PreparedBatch:
     rewards: np.ndarray  # [N] shaped rewards (outcome + capped bonus)
     advantages: np.ndarray  # [N] float64 weighted step advantages, aligned with trajectories
     metrics: dict = field(default_factory=dict)
+    chunk_advantages: Optional[list] = None  # turn credit: [K_i] per-chunk advantages per trajectory
 
 
 class Stabilizers:
@@ -73,14 +75,22 @@ class Stabilizers:
         if self.cfg.extreme.enabled:
             adv = reweight_negatives(adv, self.cfg.extreme.negative_weight) * weights
         metrics.update(advantage_metrics(out, adv))
+        chunk_adv = None
+        if self.cfg.turn_credit.enabled:
+            tc = self.cfg.turn_credit
+            chunk_adv, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward)
+            metrics.update(m)
         if self.cfg.monitors.enabled:
             metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
-        return PreparedBatch(out, rewards, adv, metrics)
+        return PreparedBatch(out, rewards, adv, metrics, chunk_adv)
 
     def apply(self, packed, prep: PreparedBatch, loss_cfg: Optional[LossConfig] = None) -> None:
         """The step's (stabilized) advantages into every micro-batch; with IPA resampling on, also each
         micro-batch's loss roles (imitated prefix tokens, resampled chunk ids, step-global normalizers)."""
         apply_advantages(packed, prep.advantages)
+        if prep.chunk_advantages is not None:
+            for mb in packed.all_micro_batches():
+                mb.segments = chunk_segments(mb, prep.trajectories, prep.chunk_advantages) if not mb.is_empty else None
         if self.cfg.ipa.enabled:
             il_n, rl_n = ipa_normalizers(prep.trajectories, loss_cfg if loss_cfg is not None else self.loss_cfg)
             for mb in packed.all_micro_batches():

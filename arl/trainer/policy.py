@@ -165,7 +165,11 @@ class PolicyTrainer:
                     lambda_il=r["lambda_il"], lambda_rl=r["lambda_rl"], advantages=adv, entropy=ent, ref_logp=ref,
                     backend=self.loss_backend)
             else:
-                kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.loss_kwargs().items()}
+                kw = mb.loss_kwargs()
+                if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
+                    kw.update(mb.segments)
+                    adv = kw.pop("advantages").to(self.device, torch.float32)
+                kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
                 out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics
