@@ -260,6 +260,11 @@ def test_episode_start_from_expert_chunk_k(vllm_engine, tiny_tokenizer, arun):
         P = state.prefix_len
         assert np.array_equal(t.tokens[:P], expert.tokens[:P]) and np.array_equal(t.chunk_ids[:P], expert.chunk_ids[:P])
         assert (t.rollout_logp[:P] == 0).all() and t.metadata["ipa_prefix_chunks"] == k
+        # tool metrics count the sampled turns only; the replayed expert calls are set aside
+        m = t.metadata
+        assert m["ipa_prefix_tool_calls"] == k and len(m["turn_info"]) == len(t.turns)
+        assert m["tool_calls"] == sum(1 for ti in m["turn_info"][k:] if ti["tool"]) == sum(m["tools"].values())
+        assert len(m["calls"]) == sum(1 for ti in m["turn_info"][k:] if ti["tool"] or ti["tool_error"])
         versions = t.metadata["turn_versions"]  # one per turn; the replayed expert turns are -1
         assert versions[:k] == [-1] * k and min(versions[k:]) >= 0 and t.policy_version == versions[k]
         assert len(t.turns) >= k + 1 and (t.chunk_ids[t.turns[k][0]:t.turns[k][1]] == k).all()

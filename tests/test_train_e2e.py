@@ -124,3 +124,44 @@ def test_rollout_failure_is_reported_not_hung(tmp_path):
     cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0",
                      "env.kwargs={min_hops: 3, max_hops: 2}", expect_fail=True)
     assert "rollout process failed" in cmd_res.stderr and "min_hops/max_hops" in cmd_res.stderr
+
+
+def test_killed_launcher_leaves_no_process_behind(tmp_path):
+    """SIGKILL to the launcher alone (not its process group), mid-SFT (no queue traffic that would make
+    the children notice): the trainer ranks and the rollout process, with vLLM's engine, die with it."""
+    import psutil
+
+    out = tmp_path / "orphans"
+    p = _train(out, "trainer.steps=5", "sft.steps=100000", "sft.episodes=16", "env.eval_tasks=0", popen=True)
+    try:
+        launcher = psutil.Process(p.pid)
+        deadline = time.time() + 300
+        while time.time() < deadline and p.poll() is None:
+            if any("EngineCore" in " ".join(k.cmdline()) or "EngineCore" in k.name()
+                   for k in launcher.children(recursive=True)):
+                break  # the rollout process has its engine up; the ranks are in SFT
+            time.sleep(1)
+        time.sleep(5)
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        kids = launcher.children(recursive=True)
+        assert len(kids) >= 3, kids  # the rollout process and two trainer ranks at least
+        launcher.send_signal(signal.SIGKILL)
+        gone, alive = psutil.wait_procs(kids, timeout=60)
+        assert not alive, [(k.pid, k.name()) for k in alive]
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def test_wall_time_stop_evaluates_and_checkpoints_the_last_policy(tmp_path):
+    """trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation and a
+    checkpoint of the policy it ends with, even off the eval/checkpoint schedule."""
+    out = tmp_path / "wall"
+    _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.enabled=false", "env.eval_tasks=4",
+           "trainer.eval_every=100", "trainer.checkpoint_every=100")
+    recs = _records(out)
+    assert sorted(recs) == [0, 1] and "success/heldout" in recs[0] and "success/heldout" in recs[1]
+    assert (out / "checkpoints" / "latest_step").read_text() == "1"

@@ -90,6 +90,11 @@ def _worker(rank, world, port, stage, result_dir):
     mz = tr.rl_step(mbz, tr.old_logprobs(mbz), LOSS)
     skip = {"m0": m0, "m1": m1, "still": still, "moved": moved, "mz": mz,
             "complete": sum(mb.complete_groups and not mb.is_empty for mb in mbz)}
+    # the loop's metric averaging: a key reported by one rank only (empty micro-batches, IPA without RL
+    # tokens) is averaged over the ranks that have it, not a collective of mismatched sizes
+    from arl.trainer.loop import _all_mean
+
+    skip["all_mean"] = _all_mean({"a": float(rank + 1), **({"b": 5.0} if rank == 1 else {})})
     if rank == 0:
         torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs), "skip": skip},
                    os.path.join(result_dir, "ds.pt"))
@@ -141,6 +146,7 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     assert skip["m0"]["skipped_no_signal"] == 1.0 and skip["still"], "a signal-free batch moved the weights"
     assert skip["m1"]["skipped_no_signal"] == 0.0 and skip["moved"] and skip["m1"]["lr"] == OPTIM.lr
     assert skip["complete"] > 0 and skip["mz"]["skipped_no_signal"] == 1.0, "rl_step ignored mb.advantages"
+    assert skip["all_mean"] == {"a": 1.5, "b": 5.0}
     loss, gn, grads, ref_state, turn = single_process_reference()
     # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,
     # equal to the whole batch's

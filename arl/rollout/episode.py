@@ -150,6 +150,10 @@ class Episode:
             raise ValueError(f"start_from: replayed prefix diverges from the expert's at token {where} "
                              f"(replayed {len(self.tokens)} tokens, expert prefix {len(prefix)})")
         self.meta["ipa_prefix_chunks"] = int(state.chunk)
+        # tool metrics and monitors count what the policy did: the replayed expert calls move aside
+        # (turn_info keeps one entry per chunk; shaping skips the prefix by ipa_prefix_chunks)
+        self.meta["ipa_prefix_tool_calls"] = self.meta["tool_calls"]
+        self.meta.update(tool_calls=0, tool_errors=0, tools={}, calls=[])
 
     def sampling(self) -> SamplingConfig:
         """Sampling for the next model turn (per-turn token budget, per-turn seed)."""

@@ -14,6 +14,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent(parent_pid: int, take_children: bool = False) -> None:
+    """Linux: have the kernel send SIGTERM to this process when its parent (the launcher) dies, so a
+    launcher killed with SIGKILL or SIGTERM leaves no trainer rank or rollout engine behind.  If the
+    parent is already gone (it died before this call), exit now.  ``take_children``: on SIGTERM, first
+    kill this process's own descendants (vLLM's engine-core process would outlive a plain exit)."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    if take_children:
+        def _term(signum, frame):
+            import psutil
+
+            for c in psutil.Process().children(recursive=True):
+                try:
+                    c.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            os._exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, _term)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def set_rank_env(rank: int, world_size: int, port: int) -> None:
     """The environment torch.distributed/DeepSpeed read (what torchrun would set)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),

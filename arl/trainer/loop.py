@@ -102,7 +102,12 @@ def expert_trajectories(cfg: TrainConfig, model_dir: str, n: int, seed_base: int
 
 
 # ---------------------------------------------------------------- rollout process
-def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_version: int) -> None:
+def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_version: int,
+                    parent_pid: Optional[int] = None) -> None:
+    if parent_pid is not None:
+        from .dist import die_with_parent
+
+        die_with_parent(parent_pid, take_children=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -271,15 +276,20 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
 
 # ---------------------------------------------------------------- trainer ranks
 def _all_mean(metrics: dict) -> dict:
-    """Average a rank's metric dict over ranks (keys are identical on every rank)."""
+    """Average a rank's metric dict over the ranks that report each key (a rank whose micro-batches
+    were all empty, or held no RL tokens under IPA, reports fewer keys; the union is agreed first)."""
     import torch.distributed as dist
 
-    keys = sorted(metrics)
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return dict(zip(keys, t.tolist()))
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return {k: float(v) for k, v in metrics.items()}
+    key_sets = [None] * dist.get_world_size()
+    dist.all_gather_object(key_sets, sorted(metrics))
+    keys = sorted(set().union(*key_sets))
+    t = torch.tensor([float(metrics.get(k, 0.0)) for k in keys] + [1.0 if k in metrics else 0.0 for k in keys],
+                     dtype=torch.float64)
+    dist.all_reduce(t)
+    n = len(keys)
+    return {k: float(t[i] / t[n + i]) for i, k in enumerate(keys) if t[n + i] > 0}
 
 
 def _scatter(objs_rank0, rank: int):
@@ -349,8 +359,13 @@ class _OrderedLog:
 
 
 def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, demos: list, batches, orders,
-                 resume: bool) -> None:
+                 resume: bool, parent_pid: Optional[int] = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if parent_pid is not None:
+        from .dist import die_with_parent
+
+        die_with_parent(parent_pid)
 
     from ..metrics import trajectory_metrics
     from ..rollout.engine import write_sync_weights
@@ -464,6 +479,10 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
             tokens = float(sum(mb.num_tokens for mb in mbs))
             m = _all_mean(m)
             version = step + 1
+            # one decision for every rank (each has its own clock: ranks that disagree would hang)
+            out_of_time = _bcast(cfg.trainer.max_wall_s is not None and wall() > cfg.trainer.max_wall_s, rank)
+            if out_of_time and cfg.env.eval_tasks:
+                evals.add(version)  # the policy the run ends with is evaluated too
             sync_weights(version)
             step_s = time.perf_counter() - ts
             decision = None
@@ -475,7 +494,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
                 rec.update(stab.stab_metrics())
                 log.add(version, rec, wall())
             action = _bcast(decision.action if decision is not None else "continue", rank)
-            if version % cfg.trainer.checkpoint_every == 0 or version == steps:
+            if version % cfg.trainer.checkpoint_every == 0 or version == steps or out_of_time:
                 checkpoint(version)
             if action == "stop":
                 if rank == 0:
@@ -488,7 +507,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
                     if stab is not None and state.get("stabilizers"):
                         stab.load_state_dict(state["stabilizers"])
                     sync_weights(version)
-            if cfg.trainer.max_wall_s is not None and wall() > cfg.trainer.max_wall_s:
+            if out_of_time:
                 break
         if rank == 0:  # wait for the outstanding evaluations, then write every record
             deadline = time.time() + 900
@@ -535,12 +554,13 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     ctx = mp.get_context("spawn")
     batches, orders = ctx.Queue(), ctx.Queue()
     start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
-    roll = ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, orders, start_version),
+    me = os.getpid()  # children die with the launcher (die_with_parent), also when it is SIGKILLed
+    roll = ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, orders, start_version, me),
                        daemon=False, name="arl-rollout")  # vLLM may start helper processes
     roll.start()
     try:
         mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
-                                               batches, orders, resume),
+                                               batches, orders, resume, me),
                            nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
     finally:
         roll.join(timeout=60)
