@@ -523,6 +523,10 @@ def test_turn_credit_reaches_the_loss_per_chunk():
     kw.update(mb.segments)
     adv = kw.pop("advantages")
     policy_loss(logp, logp.detach(), config=lc, advantages=adv, **kw).loss.backward()
+    # positive-only (the curriculum) acts per chunk: a failed trajectory's right key is still reinforced
+    lp_pos = logp.detach().clone().requires_grad_(True)
+    policy_loss(lp_pos, logp.detach(), config=lc.model_copy(update={"positive_only": True}), advantages=adv,
+                **kw).loss.backward()
     D = mb.normalizer
     for j, i in enumerate(mb.traj_indices.tolist()):
         a = int(mb.cu_seqlens[j])
@@ -530,6 +534,12 @@ def test_turn_credit_reaches_the_loss_per_chunk():
         for k in range(ca[i].size):
             idx = a + np.flatnonzero(t.chunk_ids == k)
             np.testing.assert_allclose(logp.grad[idx].numpy(), -ca[i][k] / D, rtol=1e-6)
+            np.testing.assert_allclose(lp_pos.grad[idx].numpy(), -max(ca[i][k], 0.0) / D, rtol=1e-6, atol=1e-15)
+    # two failures of one task: no trajectory-level signal, but the right key beats the wrong one
+    both_fail = stab.prepare([_tc_traj([[5, 6], [7, 3]], 0.0, [True, False], group=3),
+                              _tc_traj([[4, 6], [7, 3]], 0.0, [False, False], group=3)])
+    np.testing.assert_array_equal(both_fail.advantages, [0.0, 0.0])
+    assert both_fail.chunk_advantages[0][0] > 0 > both_fail.chunk_advantages[1][0]
 
 
 def test_turn_credit_config_errors():
