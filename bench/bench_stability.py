@@ -33,6 +33,7 @@ VARIANTS = {
     "negative_reweight": ["stabilizers.extreme.enabled=true", "stabilizers.extreme.negative_weight=0.5"],
     "positive_curriculum": ["stabilizers.curriculum.enabled=true", "stabilizers.curriculum.until_success=0.5"],
     "shaping": ["stabilizers.shaping.enabled=true"],
+    "turn_credit": ["stabilizers.turn_credit.enabled=true"],
     "entropy_schedule": ["stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.01",
                          "stabilizers.entropy.end=0.0"],
     "adaptive_kl": ["trainer.reference_model=true", "stabilizers.kl.enabled=true", "stabilizers.kl.target=0.02"],
@@ -85,7 +86,10 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    common = [f"seed={args.seed}", f"env.kwargs.unsolvable_frac={args.unsolvable}"]
+    # the baseline is the main job's config with every stabilizer it turns on switched off again;
+    # each variant then switches one on
+    common = [f"seed={args.seed}", f"env.kwargs.unsolvable_frac={args.unsolvable}",
+              "stabilizers.turn_credit.enabled=false", "stabilizers.curriculum.enabled=false"]
     if args.quick:
         common += ["trainer.steps=2", "trainer.eval_every=2", "sft.steps=8", "sft.episodes=32", "env.eval_tasks=8",
                    "rollout.tasks_per_step=4"]

@@ -108,7 +108,8 @@ def test_ipa_resampling_run(tmp_path):
     sequential schedule moves the start one chunk back per step."""
     out = tmp_path / "ipa"
     _train(out, "trainer.steps=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=0", "env.max_turns=6",
-           "rollout.max_total_tokens=400", "stabilizers.ipa.enabled=true", "stabilizers.ipa.steps_per_chunk=1")
+           "rollout.max_total_tokens=400", "stabilizers.ipa.enabled=true", "stabilizers.ipa.steps_per_chunk=1",
+           "stabilizers.turn_credit.enabled=false")  # the main job's turn credit does not combine with IPA
     recs = _records(out)
     for s in (1, 2):
         r = recs[s]
