@@ -148,12 +148,9 @@ class TrainConfig(Section):
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         if self.stabilizers.turn_credit.enabled:  # per-chunk advantages go in as one segment per chunk
-            L = self.loss
-            if L.ratio_level == "sequence" or L.mismatch_level == "sequence" or L.loss_agg != "token-mean":
-                raise ValueError(
-                    "stabilizers.turn_credit.enabled needs loss.ratio_level and loss.mismatch_level in "
-                    f"(token, chunk, none) and loss.loss_agg: token-mean (got {L.ratio_level}, {L.mismatch_level}, "
-                    f"{L.loss_agg})")
+            from .stabilizers.turn_credit import check_loss_config
+
+            check_loss_config(self.loss)
         lay = self.layout
         if lay.device == "cuda":
             if lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:

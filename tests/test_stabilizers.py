@@ -488,7 +488,9 @@ def test_turn_credit_segments_equal_the_plain_loss_at_zero_weight(level, mismatc
     old = -torch.rand(mb.num_tokens, generator=g, dtype=torch.float64) - 0.5
     new0 = old + 0.3 * torch.randn(mb.num_tokens, generator=g, dtype=torch.float64)
     mb.rollout_logp = (old + 0.1 * torch.randn(mb.num_tokens, generator=g, dtype=torch.float64)).float()
-    for backend in ("reference", "cpu"):
+    from arl.loss import available_backends
+
+    for backend in available_backends():  # reference, C++; Triton under the interpreter; CUDA on a GPU
         grads = []
         for seg in (False, True):
             logp = new0.clone().requires_grad_(True)
@@ -549,5 +551,7 @@ def test_turn_credit_config_errors():
         StabilizerConfig(turn_credit=dict(enabled=True), ipa=dict(enabled=True))
     with pytest.raises(ValueError, match="stabilizers.turn_credit.enabled needs loss.ratio_level"):
         load_config(None, ["stabilizers.turn_credit.enabled=true", "loss.ratio_level=sequence"])
+    with pytest.raises(ValueError, match="needs loss.ratio_level token or chunk"):  # the facade checks it too
+        Stabilizers(StabilizerConfig(turn_credit=dict(enabled=True)), LossConfig(loss_agg="seq-mean-token-mean"))
     with pytest.raises(ValueError, match="turn_credit.weight"):
         StabilizerConfig(turn_credit=dict(enabled=True, weight=-1))

@@ -17,7 +17,7 @@ from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
 from .shaping import shape_rewards
-from .turn_credit import chunk_segments, turn_advantages
+from .turn_credit import check_loss_config, chunk_segments, turn_advantages
 
 
 @dataclass
@@ -52,6 +52,8 @@ class Stabilizers:
         self.curriculum = PositiveOnlyCurriculum(self.cfg.curriculum)
         self.kl = AdaptiveKLController(self.cfg.kl)
         self.ipa = IPAResampler(self.cfg.ipa)
+        if self.cfg.turn_credit.enabled:
+            check_loss_config(self.loss_cfg)
         m = self.cfg.monitors
         self.alarm = Alarm(m.alarms, m.ema, m.max_rollbacks)
         self._patterns = compile_patterns(m.destructive_patterns)

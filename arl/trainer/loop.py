@@ -360,12 +360,11 @@ class _OrderedLog:
 
 def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, demos: list, batches, orders,
                  resume: bool, parent_pid: Optional[int] = None) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if parent_pid is not None:
         from .dist import die_with_parent
 
         die_with_parent(parent_pid)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..metrics import trajectory_metrics
     from ..rollout.engine import write_sync_weights
