@@ -12,6 +12,10 @@ the others still run.  The last stdout line is one JSON object.
 
     python bench/bench_stability.py --quick            # baseline + 1 stabilizer, 2 RL steps each (~3 min)
     python bench/bench_stability.py --steps 30         # every variant, 30 RL steps each
+
+The SFT warm start is run once and shared by every variant (``trainer.steps=0`` exports it; the
+variants load it with ``sft.enabled=false``): the same starting policy for all, and one SFT instead
+of one per variant.  ``--no-share-sft`` runs SFT inside each variant instead.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ VARIANTS = {
     "ipa_resample": ["stabilizers.ipa.enabled=true", "stabilizers.ipa.steps_per_chunk=3"],
     "monitors": ["stabilizers.monitors.enabled=true",
                  "stabilizers.monitors.alarms=[{signal: monitor/looping_frac, above: 0.9, action: stop}]"],
+    # the main job's recipe: the two stabilizers configs/tiny_cpu.yaml turns on, together
+    "main_recipe": ["stabilizers.turn_credit.enabled=true", "stabilizers.curriculum.enabled=true"],
 }
 QUICK_VARIANTS = ("baseline", "extreme_mask")  # each launch is ~80 s here (engine start, SFT, RL)
 # early-warning signals: they move before reward does
@@ -50,6 +56,20 @@ WARNINGS = ("stab/zero_var_frac", "adv/zero_var_group_frac", "stab/failed_len_ma
 def _mean(xs):
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else None
+
+
+def run_sft(out: Path, overrides: list) -> Path:
+    """The shared warm start: an SFT-only run; returns its exported HF model directory."""
+    from arl.config import load_config
+    from arl.trainer.loop import launch
+
+    cfg = load_config(str(ROOT / CONFIG), [f"output_dir={out}", "logging.progress=false", *overrides,
+                                           "trainer.steps=0"])
+    launch(cfg)
+    hf = out / "hf"
+    if not (hf / "config.json").exists():
+        raise RuntimeError(f"shared SFT run left no exported model in {hf}")
+    return hf
 
 
 def run_variant(out: Path, overrides: list) -> dict:
@@ -81,6 +101,8 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="keep the run directories here (default: a temp dir)")
+    ap.add_argument("--no-share-sft", dest="share_sft", action="store_false",
+                    help="run the SFT warm start inside every variant instead of once for all")
     args = ap.parse_args()
     names = args.variants.split(",") if args.variants else list(QUICK_VARIANTS if args.quick else VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -97,6 +119,13 @@ def main() -> None:
         common += [f"trainer.steps={args.steps}"]
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="arl-bench-stability-"))
     res = {}
+    sft_wall = None
+    if args.share_sft:
+        t0 = time.perf_counter()
+        hf = run_sft(base / "sft", common)
+        sft_wall = round(time.perf_counter() - t0, 1)
+        print(f"shared SFT warm start: {hf} ({sft_wall} s)", flush=True)
+        common += [f"model.name_or_path={hf}", "sft.enabled=false"]
     for name in names:
         try:
             res[name] = run_variant(base / name, common + VARIANTS[name])
@@ -112,7 +141,7 @@ def main() -> None:
               f"train {r['train_success_curve']}  ({r['wall_s']} s)  {w}", flush=True)
     b = res.get("baseline", {})
     summary = {"bench": "stability", "quick": args.quick, "unsolvable_frac": args.unsolvable, "seed": args.seed,
-               "variants": res}
+               "shared_sft_wall_s": sft_wall, "variants": res}
     if b.get("success_end") is not None:
         summary["success_end_minus_baseline"] = {
             n: (round(r["success_end"] - b["success_end"], 4) if r.get("success_end") is not None else None)
