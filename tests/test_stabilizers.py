@@ -254,7 +254,7 @@ def test_entropy_schedule_endpoints_and_step_loss_config():
                      LossConfig(clip_high=0.28))
     lc = st.loss_config(10)
     assert (lc.kl_beta, lc.entropy_coef, lc.clip_high) == (0.2, pytest.approx(1e-4), 0.28)
-    st.after_step(10, {"kl_mean": 1.0})
+    st.after_step(10, {"train/kl_mean": 1.0})  # the loop's record name
     assert st.loss_config(11).kl_beta > 0.2
 
 
@@ -314,7 +314,7 @@ def test_facade_state_dict_roundtrip_keeps_rollback_count():
     st = Stabilizers(cfg)
     st.loss_config(0)
     for v in (1.0, 1.0, 1.0):
-        st.after_step(0, {"x": v, "kl_mean": 0.5})
+        st.after_step(0, {"x": v, "train/kl_mean": 0.5})
     saved = st.state_dict()
     assert st.after_step(1, {"x": 9.0}).action == "rollback"
     st.load_state_dict(saved)

@@ -36,16 +36,25 @@ def _records(out: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_two_rank_zero2_run_and_exported_model(tmp_path, vllm_engine, arun, tiny_model_dir):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun, tiny_model_dir):
+    """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
+    handed over whole), both with the frozen reference model and the adaptive KL controller."""
     out = tmp_path / "run"
-    _train(out, "trainer.steps=2", "trainer.zero_stage=2", "trainer.world_size=2", "sft.steps=2", "sft.episodes=8",
-           "env.eval_tasks=4", "trainer.eval_every=1")
+    _train(out, "trainer.steps=2", f"trainer.zero_stage={stage}", "trainer.world_size=2", "sft.steps=2",
+           "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
+           "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
+           "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05")  # a gradient even without reward
     recs = _records(out)
     assert sorted(recs) == [0, 1, 2]
     for s in (1, 2):
         r = recs[s]
         assert r["rollout/num_trajectories"] == 8 and r["train/grad_norm"] is not None
         assert r["staleness/max"] <= 1 and "success/heldout" in r
+        assert r["train/kl_mean"] >= 0 and r["stab/kl_skipped"] == 0  # the KL term ran and fed the controller
+    assert recs[1]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # step 1's policy is the reference
+    assert recs[2]["train/kl_mean"] > 0 and recs[1]["stab/kl_beta"] != 0.05  # ... step 2's moved away
+    assert (out / "reference" / "config.json").exists()  # the SFT model, kept for --resume
     assert "sft/sft_nll_per_token" in recs[0] and (out / "checkpoints" / "latest_step").read_text() == "2"
 
     # the exported HF model is the trainer's final model ...
@@ -55,7 +64,12 @@ def test_two_rank_zero2_run_and_exported_model(tmp_path, vllm_engine, arun, tiny
 
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
     trained = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
-    ds_state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    if stage == 3:  # the checkpoint holds partitions: DeepSpeed's own tool reassembles them
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        ds_state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step2")
+    else:
+        ds_state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     trained.load_state_dict(ds_state)
     ids = torch.randint(0, 500, (40,))
     cu = torch.tensor([0, 25, 40], dtype=torch.int32)

@@ -52,14 +52,16 @@ def _worker(rank, world, port, stage, result_dir):
     from arl.trainer.dist import init_distributed, set_rank_env
 
     set_rank_env(rank, world, port)
-    os.environ["ARL_ALLOW_ZERO3"] = "1"
     init_distributed("cpu")
     torch.manual_seed(0)
     model = tiny_model()
-    tr = PolicyTrainer(model, optim=OPTIM, zero_stage=stage, total_steps=10)
+    tr = PolicyTrainer(model, optim=OPTIM, zero_stage=stage, total_steps=10, ref_model=tiny_model())
     step = pack_step(trajectories(), PackerConfig(token_budget=160, num_ranks=world), LOSS)
     mbs = step.ranks[rank]
-    olds = [None if mb.is_empty else perturbed_old(o, mb) for mb, o in zip(mbs, tr.old_logprobs(mbs))]
+    raw = tr.old_logprobs(mbs)
+    # the frozen reference starts as the policy: the same logprobs (partitioned too under ZeRO-3)
+    ref_equal = all(a is None and b is None or torch.equal(a, b) for a, b in zip(raw, tr.ref_logprobs(mbs)))
+    olds = [None if mb.is_empty else perturbed_old(o, mb) for mb, o in zip(mbs, raw)]
     metrics = tr.rl_step(mbs, olds, LOSS)
     state = {}
     import deepspeed
@@ -71,6 +73,9 @@ def _worker(rank, world, port, stage, result_dir):
     with gathered():
         for n, p in params:
             state[n] = p.detach().clone()
+    # what weight sync and the HF export write: the whole model, also when ZeRO-3 partitioned it
+    full = tr.full_state_dict()
+    full_ok = rank != 0 or all(torch.equal(full[n], state[n]) for n in state)
     # a batch without signal (every group's rewards equal): the weights must not move, although
     # Adam's momentum from the step above is nonzero; the step after it moves them again
     flat = [Trajectory(tokens=t.tokens, chunk_ids=t.chunk_ids, rollout_logp=t.rollout_logp, reward=1.0,
@@ -88,7 +93,10 @@ def _worker(rank, world, port, stage, result_dir):
     for mb in mbz:
         mb.advantages = torch.zeros_like(mb.advantages)
     mz = tr.rl_step(mbz, tr.old_logprobs(mbz), LOSS)
-    skip = {"m0": m0, "m1": m1, "still": still, "moved": moved, "mz": mz,
+    ref_after = tr.ref_logprobs(mbs)  # the reference did not move with the policy
+    ref_still = all(a is None and b is None or torch.equal(a, b) for a, b in zip(raw, ref_after))
+    skip = {"m0": m0, "m1": m1, "still": still, "moved": moved, "mz": mz, "ref_equal": ref_equal,
+            "ref_still": ref_still, "full_ok": full_ok,
             "complete": sum(mb.complete_groups and not mb.is_empty for mb in mbz)}
     # the loop's metric averaging: a key reported by one rank only (empty micro-batches, IPA without RL
     # tokens) is averaged over the ranks that have it, not a collective of mismatched sizes
@@ -133,9 +141,7 @@ def single_process_reference():
     return total, gn, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, turn
 
 
-@pytest.mark.parametrize("stage", [2, 0, pytest.param(3, marks=pytest.mark.xfail(
-    strict=True, reason="known bug: under ZeRO-3 the step's update differs from the whole-batch step "
-                        "(sign flips across all parameters); PolicyTrainer refuses stage 3 until fixed"))])
+@pytest.mark.parametrize("stage", [2, 0, 3])
 def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     from arl.trainer.dist import free_port
 
@@ -147,6 +153,7 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     assert skip["m1"]["skipped_no_signal"] == 0.0 and skip["moved"] and skip["m1"]["lr"] == OPTIM.lr
     assert skip["complete"] > 0 and skip["mz"]["skipped_no_signal"] == 1.0, "rl_step ignored mb.advantages"
     assert skip["all_mean"] == {"a": 1.5, "b": 5.0}
+    assert skip["ref_equal"] and skip["ref_still"] and skip["full_ok"]
     loss, gn, grads, ref_state, turn = single_process_reference()
     # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,
     # equal to the whole batch's

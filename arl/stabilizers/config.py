@@ -109,7 +109,9 @@ class AdaptiveKLConfig(_Section):
     init_beta: float = Field(0.05, gt=0)
     min_beta: float = Field(1e-4, gt=0)
     max_beta: float = Field(10.0, gt=0)
-    signal: str = "kl_mean"  # metric holding the measured KL (policy_loss metric of the reference KL)
+    # the step record's metric holding the measured KL to the reference (policy_loss's kl_mean, as the
+    # loop logs it); the controller is fed the whole record after each step
+    signal: str = "train/kl_mean"
 
     @model_validator(mode="after")
     def _check(self):

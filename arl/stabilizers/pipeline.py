@@ -118,8 +118,8 @@ class Stabilizers:
     def after_step(self, step: int, metrics: dict, success_rate: Optional[float] = None) -> Decision:
         """Feed the step's metrics (loss, rollout, prepare's): KL controller, IPA schedule, alarms.
         Returns the alarm decision; ``stab_metrics()`` has the controllers' state to log."""
-        if self.cfg.kl.enabled and self.cfg.kl.signal in metrics:
-            self.kl.update(float(metrics[self.cfg.kl.signal]))
+        if self.cfg.kl.enabled:  # a missing signal counts as skipped (stab/kl_skipped), never silently
+            self.kl.update(float(metrics.get(self.cfg.kl.signal, float("nan"))))
         if self.cfg.ipa.enabled and self.cfg.ipa.mode == "sequential":
             self.ipa.advance(success_rate)
         if not self.cfg.monitors.enabled:

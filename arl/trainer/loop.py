@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -313,7 +313,32 @@ def _latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
     return int(f.read_text()) if f.exists() else None
 
 
-def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> dict:
+def _reference_model(cfg: TrainConfig, model, model_dir: str, run_dir: Path, rank: int, fresh: bool, sft_done: bool,
+                     dtype: torch.dtype):
+    """The frozen reference policy for the KL term (``trainer.reference_model``): the policy RL starts
+    from.  After an SFT warm start that is the SFT model, saved once to ``<run>/reference`` so a
+    resumed run (whose policy has moved on) loads the same reference; without SFT it is the model
+    directory itself."""
+    if not cfg.trainer.reference_model:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    ref_dir = run_dir / "reference"
+    if fresh and sft_done:
+        if rank == 0:
+            model.save_pretrained(str(ref_dir), safe_serialization=True)
+        import torch.distributed as dist
+
+        dist.barrier()
+    src = ref_dir if (ref_dir / "config.json").exists() else Path(model_dir)
+    if not fresh and cfg.sft.enabled and cfg.sft.steps > 0 and src != ref_dir:
+        raise ValueError(f"--resume: the reference model of this run ({ref_dir}) is missing")
+    return AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+
+
+def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> Tuple[dict, Optional[dict]]:
+    """SFT warm start of ``model`` in place; returns the last step's metrics and, under ZeRO-3 (whose
+    engine leaves ``model``'s parameters partitioned), the gathered state dict on every rank."""
     from . import PolicyTrainer
 
     s = cfg.sft
@@ -326,7 +351,7 @@ def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> dict
         batch = rng.sample(demos, per_step) if len(demos) >= per_step else demos
         packed = pack_step(batch, PackerConfig(token_budget=s.micro_batch_tokens, num_ranks=world, seed=step))
         last = tr.sft_step(packed.ranks[rank], normalizer=packed.normalizer)
-    return last
+    return last, (tr.full_state_dict(rank0_only=False) if tr.zero3 else None)
 
 
 class _OrderedLog:
@@ -403,11 +428,18 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
 
     sft_metrics = {}
     if cfg.sft.enabled and resume_step is None and cfg.sft.steps > 0:
-        sft_metrics = {f"sft/{k}": v for k, v in run_sft(cfg, model, demos, rank, world).items()}
+        sft_out, sft_state = run_sft(cfg, model, demos, rank, world)
+        sft_metrics = {f"sft/{k}": v for k, v in sft_out.items()}
         sft_metrics["sft/wall_s"] = time.perf_counter() - t0
+        if sft_state is not None:  # ZeRO-3 partitioned the SFT model: the RL engine starts from a whole copy
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            model.load_state_dict(sft_state)
 
+    ref_model = _reference_model(cfg, model, model_dir, run_dir, rank, fresh=resume_step is None,
+                                 sft_done=bool(sft_metrics), dtype=dtype)
     tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage, total_steps=steps,
-                       dtype=dtype, loss_backend=cfg.trainer.backend, temperature=cfg.rollout.temperature)
+                       dtype=dtype, loss_backend=cfg.trainer.backend, temperature=cfg.rollout.temperature,
+                       ref_model=ref_model)
     stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tokenizer.decode) if rank == 0 else None
     start_step, wall_offset = 0, 0.0
     if resume_step is not None:
@@ -420,8 +452,9 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
         return wall_offset + time.perf_counter() - t0
 
     def sync_weights(version: int) -> None:
+        state = tr.full_state_dict()  # a collective under ZeRO-3 (partitioned weights are gathered)
         if rank == 0:
-            write_sync_weights(tr.module.state_dict(), weights_dir)
+            write_sync_weights(state, weights_dir)
             # the IPA resampler's schedule lives with the trainer (it advances on the step's success)
             ipa = stab.ipa.state_dict() if cfg.stabilizers.ipa.enabled else None
             orders.put(("weights", str(weights_dir), version, ipa))
@@ -472,9 +505,10 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
             loss_cfg = _bcast(loss_cfg, rank)
             wait_s = time.perf_counter() - ts
             old = tr.old_logprobs(mbs)
+            ref = tr.ref_logprobs(mbs) if loss_cfg.kl_beta > 0 else None
             m = {}
             for _ in range(cfg.trainer.updates_per_batch):
-                m = tr.rl_step(mbs, old, loss_cfg)
+                m = tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
             tokens = float(sum(mb.num_tokens for mb in mbs))
             m = _all_mean(m)
             version = step + 1

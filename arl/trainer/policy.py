@@ -61,14 +61,12 @@ class PolicyTrainer:
                  ref_model: Optional[torch.nn.Module] = None):
         import deepspeed
 
-        if zero_stage == 3 and not _allow_zero3():
-            raise ValueError("trainer.zero_stage: 3 is not supported yet (its update does not match the whole-batch "
-                             "step, see tests/test_trainer_ds.py); use 0, 1 or 2")
         self.device = next(model.parameters()).device
         self.dtype = dtype
         self.loss_backend = loss_backend
         self.temperature = temperature
-        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None else None
+        self.zero3 = zero_stage == 3
+        self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
         self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
@@ -78,6 +76,25 @@ class PolicyTrainer:
         self.world = world_size()
         if zero_stage == 0 and dtype == torch.float32:
             self._record_grad_norm_on_clip()
+
+    def _frozen(self, model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+        """The frozen reference policy: a plain copy, or under ZeRO-3 partitioned like the policy by
+        an optimizer-less DeepSpeed engine (its forward gathers, so every rank runs each forward)."""
+        model = model.to(self.device).eval().requires_grad_(False)
+        if not self.zero3:
+            return model
+        import deepspeed
+
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+               "bf16": {"enabled": dtype == torch.bfloat16}, "steps_per_print": 2 ** 62}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        return engine.module.eval()
+
+    def ref_logprobs(self, mbs: Sequence[MicroBatch]) -> list:
+        """Logprobs of the frozen reference policy (for the KL term); a collective under ZeRO-3."""
+        if self.ref_model is None:
+            raise ValueError("ref_logprobs: the trainer has no reference model (trainer.reference_model: true)")
+        return self.old_logprobs(mbs, model=self.ref_model)
 
     def _record_grad_norm_on_clip(self) -> None:
         """Without ZeRO, DeepSpeed clips fp32 gradients but drops the norm; keep it for metrics."""
@@ -96,8 +113,18 @@ class PolicyTrainer:
         return self.engine.module
 
     # ------------------------------------------------------------ forward helpers
+    def _begin_forward(self, model) -> None:
+        """What ``engine.forward`` does before a forward, for our direct calls of the module: the ZeRO
+        optimizer advances its micro-step.  ZeRO-3 copies the first micro-batch's gradient partition
+        and adds the later ones only once the micro-step is > 0; without this every backward
+        overwrote the last and the step used the last micro-batch's gradient alone."""
+        opt = getattr(self.engine, "optimizer", None)
+        if model is self.engine.module and hasattr(opt, "clear_backward_seen_flag"):
+            opt.clear_backward_seen_flag()
+
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None):
         model = model if model is not None else self.engine.module
+        self._begin_forward(model)
         return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
                                temperature=self.temperature, with_entropy=with_entropy)
 
@@ -107,16 +134,27 @@ class PolicyTrainer:
         m = model if model is not None else self.engine.module
         was = m.training
         m.eval()
-        out = [None if mb.is_empty else self.logprobs(mb, model=m)[0].float() for mb in mbs]
+        out = []
+        for mb in mbs:
+            if mb.is_empty:
+                if self.zero3:
+                    self._dummy_forward(m)  # ZeRO-3 gathers parameters in forward: every rank joins
+                out.append(None)
+            else:
+                out.append(self.logprobs(mb, model=m)[0].float())
         m.train(was)
         return out
+
+    def _dummy_forward(self, model):
+        self._begin_forward(model)
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
+        return packed_logprobs(model, ids, cu, temperature=self.temperature)[0]
 
     def _dummy_backward(self) -> None:
         # an empty micro-batch still runs forward/backward so every rank joins the same gradient
         # collectives (ZeRO reduces in backward hooks); its loss is exactly 0
-        ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
-        lp, _ = packed_logprobs(self.engine.module, ids, cu, temperature=self.temperature)
+        lp = self._dummy_forward(self.engine.module)
         self.engine.backward(lp.sum() * 0.0, scale_wrt_gas=False)
 
     def _finish_step(self, metrics: dict, apply_update: bool = True) -> dict:
@@ -254,26 +292,30 @@ class PolicyTrainer:
             raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
         return client_state or {}
 
-    def export_hf(self, directory: str, tokenizer=None) -> None:
-        """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3."""
+    def full_state_dict(self, rank0_only: bool = True) -> Optional[dict]:
+        """The whole model's HF-named state dict on CPU (``None`` on ranks > 0 when ``rank0_only``).
+        Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
+        every rank calls it."""
         import deepspeed
         import torch.distributed as dist
 
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        params = list(self.engine.module.parameters())
-        gather = self.engine.zero_optimization_stage() == 3
-        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if gather else _null()
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        module = self.engine.module
+        ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None) if self.zero3
+               else _null())
         with ctx:
-            if rank0:
-                os.makedirs(directory, exist_ok=True)
-                state = {k: v.detach().to("cpu").contiguous() for k, v in self.engine.module.state_dict().items()}
-                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(directory)
+            if not keep:
+                return None
+            return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()}
 
-
-def _allow_zero3() -> bool:
-    return os.environ.get("ARL_ALLOW_ZERO3") == "1"  # only for the test that tracks the bug
+    def export_hf(self, directory: str, tokenizer=None) -> None:
+        """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3."""
+        state = self.full_state_dict()
+        if state is not None:
+            os.makedirs(directory, exist_ok=True)
+            self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
 
 
 class _null:
