@@ -3,6 +3,7 @@ weight sync."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -92,6 +93,27 @@ def test_weight_sync_forces_tokens_and_stop_string(vllm_engine, tiny_model_dir, 
         before, after = arun(racing())
         assert before.version == v0 + 1 and before.token_ids == [stop_id] * 24
         assert after.version == v0 + 2 and after.token_ids == [forced] * 6
+        # the weight-sync group (gloo here, NCCL on GPU): "trainer rank 0" (a thread here) broadcasts
+        # the tensors straight into the engine's worker, which reloads them; no files
+        from arl.rollout.weight_sync import FromGroup, make_group, send, tensor_meta
+        from arl.trainer.dist import free_port
+
+        port, forced_sd = free_port(), _forced_weights(tiny_model_dir, stop_id)
+        box = {}
+
+        def trainer_side():
+            box["group"] = g = make_group("127.0.0.1", port, 0, 1 + vllm_engine.num_workers, "gloo", timeout_s=120)
+            send(g, forced_sd, "cpu")
+
+        th = threading.Thread(target=trainer_side)
+        th.start()
+        arun(vllm_engine.join_weight_sync("127.0.0.1", port, 1, 1 + vllm_engine.num_workers, "gloo"))
+        arun(vllm_engine.update_weights(FromGroup(tensor_meta(forced_sd)), version=v0 + 7))
+        th.join(timeout=120)
+        s = arun(vllm_engine.generate([prompt], SamplingConfig(max_tokens=8)))[0][0]
+        assert s.token_ids == [stop_id] and s.version == v0 + 7
+        with pytest.raises(ValueError, match="safetensors directory or FromGroup"):
+            arun(vllm_engine.update_weights([("lm_head.weight", torch.zeros(1))]))
     finally:  # restore the original policy for the other tests
         arun(vllm_engine.update_weights(tiny_model_dir))
     s = arun(vllm_engine.generate([prompt], SamplingConfig(max_tokens=6, seed=3, stop=())))[0][0]

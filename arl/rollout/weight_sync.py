@@ -1,0 +1,87 @@
+"""Weight sync over a process group: trainer rank 0 broadcasts every tensor of the policy straight
+into the rollout engine's workers (NCCL on GPU, gloo on CPU).
+
+The group is *stateless*: built from its own TCP store, independent of the trainers' DeepSpeed
+group and of vLLM's own groups, so processes of both sides can join it.  Members: rank 0 = trainer
+rank 0 (the source, which hosts the store), ranks 1..N = the engine workers (every tensor-parallel
+shard receives the whole tensor and keeps its slice when vLLM loads it).
+
+One sync: the rollout side asks its workers to receive ``meta`` (names, dtypes, shapes, in order,
+see ``tensor_meta``) while trainer rank 0 calls ``send`` with the same state dict; each tensor is
+one broadcast, received into a fresh tensor on the worker's device and loaded by vLLM's in-place
+``reload_weights``.  The file path (``write_sync_weights``) remains for the spawn launcher.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Iterable, List, Mapping, Tuple
+
+import torch
+
+Meta = List[Tuple[str, str, List[int]]]  # (hf name, dtype name, shape)
+
+
+@dataclass
+class FromGroup:
+    """``RolloutEngine.update_weights`` source: receive these tensors over the weight-sync group."""
+    meta: Meta
+
+
+EXTENSION = "arl.rollout.weight_sync.WeightSyncWorkerExtension"
+
+
+def tensor_meta(state: Mapping[str, torch.Tensor]) -> Meta:
+    return [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in state.items()]
+
+
+def make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 1800.0):
+    """The stateless group: ``backend`` "gloo" (CPU tensors) or "nccl" (CUDA tensors)."""
+    import torch.distributed as dist
+
+    if world_size < 2:
+        raise ValueError(f"weight sync group: world_size must be >= 2 (trainer + engine workers), got {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.PrefixStore("arl-weight-sync", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    raise ValueError(f"weight sync backend: unknown {backend!r}; choose from ['gloo', 'nccl']")
+
+
+def send(group, state: Mapping[str, torch.Tensor], device) -> None:
+    """Source side: broadcast every tensor of ``state`` (in its order) from rank 0."""
+    for t in state.values():
+        t = t.detach().to(device).contiguous()
+        group.broadcast(t, 0).wait()
+
+
+def receive(group, meta: Meta, device) -> List[Tuple[str, torch.Tensor]]:
+    out = []
+    for name, dtype, shape in meta:
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        group.broadcast(t, 0).wait()
+        out.append((name, t))
+    return out
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``): the engine side of the group.
+    Called through ``collective_rpc`` by name, on every worker of the engine."""
+
+    def arl_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                             timeout_s: float = 1800.0) -> int:
+        rank = rank_offset + int(self.rank)
+        self._arl_sync_group = make_group(host, port, rank, world_size, backend, timeout_s)
+        return rank
+
+    def arl_receive_weights(self, meta: Iterable) -> int:
+        named = receive(self._arl_sync_group, [tuple(m) for m in meta], self.device)
+        self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        return len(named)
+
+
+def sender_backend(device: torch.device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
