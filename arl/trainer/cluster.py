@@ -1,0 +1,163 @@
+"""Launch under torchrun or the deepspeed launcher: one process per device, each takes a role.
+
+``torchrun --nproc_per_node 8 -m arl.train --config X.yaml`` (or ``deepspeed --num_gpus 8 ...``,
+multi-node through ``--hostfile``) starts ``nodes x gpus_per_node`` processes with RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.  Roles (``assign_role``):
+
+* GPU layout, per node: local ranks ``[0, rollout_gpus)`` are rollout devices, the next
+  ``trainer_gpus`` are trainer ranks (trainer rank = node x trainer_gpus + local index).  The rollout
+  leader (node 0, local rank 0) runs ONE vLLM engine over node 0's rollout GPUs (tensor parallel x
+  vLLM data parallel); the other rollout processes have nothing to run and exit.  Rollout GPUs on
+  nodes > 0 stay unused (engines on several nodes are not supported yet; ``--dry-run`` says so).
+* CPU layout (how this launcher is tested here): rank 0 is the rollout process, ranks
+  1..trainer.world_size the trainer ranks.
+
+Channels, all from MASTER_ADDR and MASTER_PORT (the launcher's own port is not used by anyone):
+  +1  the trainers' process group (DeepSpeed: gloo or NCCL), over trainer ranks only;
+  +2  the batch / order queues between the rollout leader and trainer rank 0 (a
+      ``multiprocessing`` manager served by trainer rank 0, authenticated with ARL_AUTHKEY);
+  +3  the weight-sync group: trainer rank 0 broadcasts into the engine's workers.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+from typing import List, Optional
+
+from ..config import TrainConfig
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_launcher() -> bool:
+    """True when started by torchrun or the deepspeed launcher (one process per device)."""
+    return all(k in os.environ for k in LAUNCH_ENV)
+
+
+@dataclass
+class Role:
+    kind: str  # "trainer", "rollout" (the engine's leader) or "idle"
+    node: int
+    local_rank: int
+    trainer_rank: Optional[int] = None
+    trainer_world: int = 0
+    rollout_devices: List[int] = field(default_factory=list)  # local GPU indices of the engine
+
+
+def assign_role(cfg: TrainConfig, rank: int, world: int, local_rank: int, local_world: int) -> Role:
+    lay, n_tr = cfg.layout, cfg.trainer.world_size
+    if lay.device == "cpu":
+        if world != n_tr + 1:
+            raise ValueError(f"WORLD_SIZE: the CPU layout needs trainer.world_size + 1 = {n_tr + 1} processes "
+                             f"(one rollout process + the trainer ranks), got {world}")
+        if rank == 0:
+            return Role("rollout", 0, local_rank, trainer_world=n_tr)
+        return Role("trainer", 0, local_rank, trainer_rank=rank - 1, trainer_world=n_tr)
+    if world != lay.nodes * lay.gpus_per_node or local_world != lay.gpus_per_node:
+        raise ValueError(f"WORLD_SIZE: layout {lay.nodes} node(s) x {lay.gpus_per_node} GPUs needs "
+                         f"{lay.nodes * lay.gpus_per_node} processes, {lay.gpus_per_node} per node; the launcher "
+                         f"started {world}, {local_world} per node")
+    node = rank // local_world
+    if local_rank < lay.rollout_gpus:
+        if node == 0 and local_rank == 0:
+            return Role("rollout", node, local_rank, trainer_world=n_tr, rollout_devices=list(range(lay.rollout_gpus)))
+        return Role("idle", node, local_rank, trainer_world=n_tr)
+    i = local_rank - lay.rollout_gpus
+    return Role("trainer", node, local_rank, trainer_rank=node * lay.trainer_gpus + i, trainer_world=n_tr)
+
+
+def _authkey() -> bytes:
+    key = os.environ.get("ARL_AUTHKEY")
+    if key:
+        return key.encode()
+    # same on every process of one launch; set ARL_AUTHKEY on shared networks
+    return hashlib.sha256(f"arl:{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}".encode()).digest()
+
+
+class _QueueManager(BaseManager):
+    pass
+
+
+def serve_queues(host: str, port: int):
+    """Trainer rank 0: serve the ``batches`` and ``orders`` queues; returns them (local objects)."""
+    batches, orders = queue.Queue(), queue.Queue()
+    _QueueManager.register("batches", callable=lambda: batches)
+    _QueueManager.register("orders", callable=lambda: orders)
+    server = _QueueManager(address=("", port), authkey=_authkey()).get_server()
+    threading.Thread(target=server.serve_forever, daemon=True, name="arl-queues").start()
+    return batches, orders
+
+
+def connect_queues(host: str, port: int, timeout_s: float = 600.0):
+    """The rollout leader: proxies of trainer rank 0's queues (retries until it serves them)."""
+    _QueueManager.register("batches")
+    _QueueManager.register("orders")
+    deadline = time.time() + timeout_s
+    while True:
+        m = _QueueManager(address=(host, port), authkey=_authkey())
+        try:
+            m.connect()
+            return m.batches(), m.orders()
+        except (ConnectionRefusedError, OSError):
+            if time.time() > deadline:
+                raise RuntimeError(f"rollout: trainer rank 0's queues at {host}:{port} did not come up "
+                                   f"within {timeout_s:.0f} s") from None
+            time.sleep(0.5)
+
+
+def shared_model_dir(cfg: TrainConfig) -> str:
+    """``model_dir_for`` once per machine: the processes of a node share the built tiny model."""
+    from filelock import FileLock
+
+    from .loop import model_dir_for
+
+    lock = Path(os.environ.get("TMPDIR", "/tmp")) / f"arl-model-{os.environ['MASTER_PORT']}.lock"
+    with FileLock(str(lock)):
+        return model_dir_for(cfg)
+
+
+def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]:
+    """This process's part of a torchrun / deepspeed launch; returns the run directory on the
+    process that wrote it (trainer rank 0), None elsewhere."""
+    from .loop import _latest_checkpoint, expert_trajectories, rollout_process, trainer_rank
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    role = assign_role(cfg, rank, world, local_rank, local_world)
+    run_dir = Path(cfg.output_dir)
+    if role.kind == "idle":
+        return None
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model_dir = shared_model_dir(cfg)
+    sync_addr = (host, port + 3)
+    if role.kind == "rollout":
+        if cfg.layout.device == "cuda":  # the engine's workers see node 0's rollout GPUs only
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, role.rollout_devices))
+        batches, orders = connect_queues(host, port + 2)
+        start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
+        rollout_process(cfg.model_dump(), model_dir, batches, orders, start_version, parent_pid=os.getppid())
+        return None
+    # a trainer rank: DeepSpeed sees the trainer ranks only (their own group on port + 1); the
+    # device stays LOCAL_RANK (rollout GPUs come first on every node)
+    r = role.trainer_rank
+    batches = orders = None
+    if r == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        batches, orders = serve_queues(host, port + 2)
+    os.environ.update(RANK=str(r), WORLD_SIZE=str(role.trainer_world), MASTER_PORT=str(port + 1),
+                      LOCAL_WORLD_SIZE=str(cfg.layout.trainer_gpus or role.trainer_world))
+    # torchrun's agent hosts the store of ITS world; this group's store is hosted by trainer rank 0
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    demos = expert_trajectories(cfg, model_dir, cfg.sft.episodes) if cfg.sft.enabled else []
+    trainer_rank(r, role.trainer_world, None, cfg.model_dump(), model_dir, demos, batches, orders, resume,
+                 sync_addr=sync_addr)
+    return run_dir if r == 0 else None

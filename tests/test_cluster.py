@@ -1,0 +1,47 @@
+"""Roles of the processes that torchrun / the deepspeed launcher start (arl/trainer/cluster.py)."""
+import os
+
+import pytest
+
+from arl.config import load_config
+from arl.trainer.cluster import assign_role
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(name, *over):
+    return load_config(os.path.join(ROOT, "configs", name), list(over))
+
+
+def test_gpu_roles_two_nodes():
+    cfg = _cfg("qwen2.5-7b_2x8gpu.yaml")
+    lay = cfg.layout
+    roles = [assign_role(cfg, r, 16, r % 8, 8) for r in range(16)]
+    trainers = [r for r in roles if r.kind == "trainer"]
+    # trainer ranks 0..world-1, each once, node-major, on the GPUs after the rollout GPUs
+    assert sorted(r.trainer_rank for r in trainers) == list(range(cfg.trainer.world_size))
+    assert all(r.local_rank >= lay.rollout_gpus and r.trainer_world == cfg.trainer.world_size for r in trainers)
+    assert [r.trainer_rank for r in trainers if r.node == 1][0] == lay.trainer_gpus
+    leaders = [r for r in roles if r.kind == "rollout"]
+    assert len(leaders) == 1 and (leaders[0].node, leaders[0].local_rank) == (0, 0)
+    assert leaders[0].rollout_devices == list(range(lay.rollout_gpus))
+    assert sum(r.kind == "idle" for r in roles) == 2 * lay.rollout_gpus - 1
+
+
+def test_cpu_roles_and_wrong_world():
+    cfg = _cfg("tiny_cpu.yaml")
+    roles = [assign_role(cfg, r, 3, r, 3) for r in range(3)]
+    assert [r.kind for r in roles] == ["rollout", "trainer", "trainer"]
+    assert [r.trainer_rank for r in roles[1:]] == [0, 1]
+    with pytest.raises(ValueError, match="WORLD_SIZE: the CPU layout needs trainer.world_size \\+ 1 = 3"):
+        assign_role(cfg, 0, 2, 0, 2)
+    gpu = _cfg("qwen2.5-7b_8gpu.yaml")
+    with pytest.raises(ValueError, match="WORLD_SIZE: layout 1 node\\(s\\) x 8 GPUs needs 8 processes"):
+        assign_role(gpu, 0, 4, 0, 4)
+
+
+def test_plain_python_refuses_gpu_layout():
+    from arl.trainer.loop import launch
+
+    with pytest.raises(ValueError, match="launch them with torchrun or deepspeed"):
+        launch(_cfg("qwen2.5-7b_8gpu.yaml"))
