@@ -50,7 +50,9 @@ class ModelConfig(Section):
     arch: Optional[ArchConfig] = None  # needed by --dry-run when name_or_path is not local
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gradient_checkpointing: bool = False
-    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    # the trainer's packed attention (arl/model/packed.py): auto = flash-attn varlen on GPU when
+    # installed, else arl's exact per-sequence SDPA; hf_sdpa_packed = transformers' block mask
+    attn_implementation: Literal["auto", "flash_attention_2", "varlen_sdpa", "hf_sdpa_packed"] = "auto"
 
 
 class EnvConfig(Section):

@@ -127,3 +127,28 @@ def test_bad_options_raise():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="flash_attention_2' is not available"):
             packed_logprobs(m, ids, cu, attn="flash_attention_2")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """model.gradient_checkpointing (the GPU configs' memory estimate assumes it) through the packed
+    forward: recomputed activations, the same logprobs and parameter gradients."""
+    ids, cu = _pack(3)
+    grads = []
+    for ckpt in (False, True):
+        m = _model("qwen2").train()
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lp, _ = packed_logprobs(m, ids, cu)
+        lp.sum().backward()
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-6, rtol=0)
+    for n, g in grads[0][1].items():
+        torch.testing.assert_close(g, grads[1][1][n], atol=1e-6, rtol=1e-5, msg=n)
+    # the checkpointed model stays on arl's attention (recomputation needs it); its ordinary forwards
+    # are transformers' SDPA, unchanged
+    from arl.model.packed import ARL_VARLEN_SDPA
+
+    assert m.config._attn_implementation == ARL_VARLEN_SDPA
+    x = ids[None, :30]
+    with torch.no_grad():
+        torch.testing.assert_close(m.eval()(x).logits, _model("qwen2")(x).logits, atol=1e-6, rtol=0)

@@ -68,9 +68,11 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
                            sliding_window=None, cu_seq_lens_q=None, **kwargs):
     """transformers attention function: query [1, heads, T, D], key/value [1, kv_heads, T, D] ->
     ([1, T, heads, D], None), causal within each cu_seqlens segment and nothing across."""
-    if cu_seq_lens_q is None:
-        raise ValueError("cu_seq_lens_q: the arl_varlen_sdpa attention needs the pack's cu_seqlens "
-                         "(call it through arl.model.packed_hidden_states)")
+    if cu_seq_lens_q is None:  # an ordinary (unpacked) forward of a model left on this implementation
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
     if sliding_window is not None:
         raise ValueError(f"sliding_window: {sliding_window} is not supported by arl_varlen_sdpa")
     if query.shape[0] != 1:
@@ -124,14 +126,20 @@ _AUTO_ORDER = ("flash_attention_2", "varlen_sdpa")
 
 @contextlib.contextmanager
 def _attention_implementation(model, impl: str):
-    """Swap the model's attention implementation for one call (every layer reads config's)."""
+    """Swap the model's attention implementation for one call (every layer reads config's).  Under
+    gradient checkpointing the layers run their forward again during backward, after this call has
+    returned: then the implementation stays set (measured: restoring it made the recomputation use
+    plain SDPA across sequence boundaries, and torch.utils.checkpoint failed).  arl's varlen SDPA
+    without cu_seqlens is transformers' SDPA, so the model's other forwards are unchanged."""
     cfg = model.config
     old = cfg._attn_implementation_internal
     cfg._attn_implementation_internal = impl
+    keep = getattr(model, "is_gradient_checkpointing", False) and model.training and torch.is_grad_enabled()
     try:
         yield
     finally:
-        cfg._attn_implementation_internal = old
+        if not keep:
+            cfg._attn_implementation_internal = old
 
 
 def _base_model(model):

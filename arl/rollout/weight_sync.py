@@ -73,7 +73,10 @@ class WeightSyncWorkerExtension:
 
     def arl_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                              timeout_s: float = 1800.0) -> int:
-        rank = rank_offset + int(self.rank)
+        # vLLM data parallel: each DP engine numbers its own workers from 0
+        pc = self.vllm_config.parallel_config
+        per_engine = pc.tensor_parallel_size * pc.pipeline_parallel_size
+        rank = rank_offset + int(getattr(pc, "data_parallel_rank", 0) or 0) * per_engine + int(self.rank)
         self._arl_sync_group = make_group(host, port, rank, world_size, backend, timeout_s)
         return rank
 

@@ -389,7 +389,9 @@ def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> Tupl
 
     s = cfg.sft
     optim = OptimConfig(lr=s.lr, grad_clip=cfg.trainer.optim.grad_clip)
-    tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
+    tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1),
+                       dtype=dtype, attn=cfg.model.attn_implementation)
     rng = random.Random(cfg.seed)
     per_step = max(world, min(len(demos), 32))
     last = {}
@@ -462,7 +464,14 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+    def load_policy():
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if cfg.model.gradient_checkpointing:  # activations of one layer at a time (the layout's estimate)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    model = load_policy()
     t0 = time.perf_counter()
     steps = cfg.trainer.steps
     resume_step = _latest_checkpoint(ckpt_dir) if resume else None
@@ -483,14 +492,14 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
         sft_metrics = {f"sft/{k}": v for k, v in sft_out.items()}
         sft_metrics["sft/wall_s"] = time.perf_counter() - t0
         if sft_state is not None:  # ZeRO-3 partitioned the SFT model: the RL engine starts from a whole copy
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            model = load_policy()
             model.load_state_dict(sft_state)
 
     ref_model = _reference_model(cfg, model, model_dir, run_dir, rank, fresh=resume_step is None,
                                  sft_done=bool(sft_metrics), dtype=dtype)
     tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage, total_steps=steps,
                        dtype=dtype, loss_backend=cfg.trainer.backend, temperature=cfg.rollout.temperature,
-                       ref_model=ref_model)
+                       ref_model=ref_model, attn=cfg.model.attn_implementation)
     stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tokenizer.decode) if rank == 0 else None
     start_step, wall_offset = 0, 0.0
     if resume_step is not None:

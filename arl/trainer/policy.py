@@ -58,13 +58,17 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
-                 ref_model: Optional[torch.nn.Module] = None):
+                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto"):
         import deepspeed
 
-        self.device = next(model.parameters()).device
+        from deepspeed.accelerator import get_accelerator
+
+        # where DeepSpeed puts the module (cuda:LOCAL_RANK on GPU nodes; the model arrives on CPU)
+        self.device = torch.device(get_accelerator().current_device_name())
         self.dtype = dtype
         self.loss_backend = loss_backend
         self.temperature = temperature
+        self.attn = attn
         self.zero3 = zero_stage == 3
         self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -126,7 +130,7 @@ class PolicyTrainer:
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
         return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
-                               temperature=self.temperature, with_entropy=with_entropy)
+                               temperature=self.temperature, with_entropy=with_entropy, attn=self.attn)
 
     @torch.no_grad()
     def old_logprobs(self, mbs: Sequence[MicroBatch], model=None) -> list:
@@ -149,7 +153,7 @@ class PolicyTrainer:
         self._begin_forward(model)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
-        return packed_logprobs(model, ids, cu, temperature=self.temperature)[0]
+        return packed_logprobs(model, ids, cu, temperature=self.temperature, attn=self.attn)[0]
 
     def _dummy_backward(self) -> None:
         # an empty micro-batch still runs forward/backward so every rank joins the same gradient
