@@ -129,7 +129,8 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     role = assign_role(cfg, rank, world, local_rank, local_world)
     run_dir = Path(cfg.output_dir)
