@@ -310,3 +310,35 @@ def test_manager_start_for_hook_resamples_from_expert_prefixes(vllm_engine, tiny
         assert np.array_equal(t.tokens[:state.prefix_len], state.prefix_tokens)
         assert t.metadata["ipa_prefix_chunks"] == 2
         assert t.metadata["ipa_imitate"] == (t.metadata["sample"] == 0)
+
+
+def test_ipa_start_hook_with_unsolvable_tasks(tiny_tokenizer, arun):
+    """The trainer's IPA hook on a task set with unsolvable tasks (bench_stability's setting): the
+    expert is played on the task as the rollout sees it, so an unsolvable task has no expert prefix
+    (a fresh start) and every prefix it gives replays exactly in the rollout's env.  The expert once
+    played the solvable variant of every task and its prefix diverged on the unsolvable ones, which
+    killed the run."""
+    from arl.config import load_config
+    from arl.env import make_env
+    from arl.rollout.episode import Episode
+    from arl.trainer.loop import _ipa_start_hook
+
+    cfg = load_config(None, ["env.kwargs.unsolvable_frac=0.5", "stabilizers.ipa.enabled=true",
+                             "stabilizers.turn_credit.enabled=false", "stabilizers.ipa.steps_per_chunk=1"])
+    fmt = ChatFormat(tiny_tokenizer)
+    resampler, start_for = _ipa_start_hook(cfg, fmt)
+    resampler.offset = 2  # resume from two chunks before the end
+    kinds = set()
+    for seed in range(16):
+        env = make_env(cfg.env.name, **cfg.env.kwargs)
+        arun(env.reset(seed))
+        state = arun(start_for(seed))
+        kinds.add(env.solvable)
+        if not env.solvable:
+            assert state is None, seed
+            continue
+        assert state is not None, seed
+        ep = Episode(make_env(cfg.env.name, **cfg.env.kwargs), fmt, EpisodeConfig(max_turns=cfg.env.max_turns), seed)
+        arun(ep.start_from(state))  # raises if the replay diverges
+        assert ep.meta["ipa_prefix_chunks"] == state.chunk
+    assert kinds == {True, False}

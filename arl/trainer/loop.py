@@ -170,7 +170,9 @@ def _ipa_start_hook(cfg: TrainConfig, fmt):
 
     resampler = IPAResampler(cfg.stabilizers.ipa)
     max_turns = cfg.env.max_turns
-    kwargs = {k: v for k, v in cfg.env.kwargs.items() if k not in _FAULT_KEYS}
+    # the expert plays the task as the rollout will see it (unsolvable_frac defines the task: an
+    # unsolvable one has no expert prefix and starts fresh), without the run-time faults
+    kwargs = {k: v for k, v in cfg.env.kwargs.items() if k not in _FAULT_KEYS or k == "unsolvable_frac"}
 
     async def start_for(seed: int):
         env = make_env(cfg.env.name, **kwargs)
