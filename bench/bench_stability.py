@@ -12,6 +12,7 @@ the others still run.  The last stdout line is one JSON object.
 
     python bench/bench_stability.py --quick            # baseline + 1 stabilizer, 2 RL steps each (~3 min)
     python bench/bench_stability.py --steps 30         # every variant, 30 RL steps each
+    python bench/bench_stability.py --steps 25 --base main   # each stabilizer on top of the main recipe
 
 The SFT warm start is run once and shared by every variant (``trainer.steps=0`` exports it; the
 variants load it with ``sft.enabled=false``): the same starting policy for all, and one SFT instead
@@ -47,6 +48,8 @@ VARIANTS = {
     # the main job's recipe: the two stabilizers configs/tiny_cpu.yaml turns on, together
     "main_recipe": ["stabilizers.turn_credit.enabled=true", "stabilizers.curriculum.enabled=true"],
 }
+# with --base main these are already on (or, IPA resampling, do not combine with turn credit)
+MAIN_INCLUDED = ("turn_credit", "positive_curriculum", "main_recipe", "ipa_resample")
 QUICK_VARIANTS = ("baseline", "extreme_mask")  # each launch is ~80 s here (engine start, SFT, RL)
 # early-warning signals: they move before reward does
 WARNINGS = ("stab/zero_var_frac", "adv/zero_var_group_frac", "stab/failed_len_max", "stab/neg_adv_share", "train/clip_frac",
@@ -101,17 +104,22 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="keep the run directories here (default: a temp dir)")
+    ap.add_argument("--base", choices=("plain", "main"), default="plain",
+                    help="plain: the main job with turn credit and the curriculum off (each variant turns one "
+                         "stabilizer on); main: the main job's recipe as it is, each variant adds one stabilizer")
     ap.add_argument("--no-share-sft", dest="share_sft", action="store_false",
                     help="run the SFT warm start inside every variant instead of once for all")
     args = ap.parse_args()
-    names = args.variants.split(",") if args.variants else list(QUICK_VARIANTS if args.quick else VARIANTS)
+    default = [n for n in VARIANTS if args.base == "plain" or n not in MAIN_INCLUDED]
+    names = args.variants.split(",") if args.variants else list(QUICK_VARIANTS if args.quick else default)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     # the baseline is the main job's config with every stabilizer it turns on switched off again;
     # each variant then switches one on
-    common = [f"seed={args.seed}", f"env.kwargs.unsolvable_frac={args.unsolvable}",
-              "stabilizers.turn_credit.enabled=false", "stabilizers.curriculum.enabled=false"]
+    common = [f"seed={args.seed}", f"env.kwargs.unsolvable_frac={args.unsolvable}"]
+    if args.base == "plain":
+        common += ["stabilizers.turn_credit.enabled=false", "stabilizers.curriculum.enabled=false"]
     if args.quick:
         common += ["trainer.steps=2", "trainer.eval_every=2", "sft.steps=8", "sft.episodes=32", "env.eval_tasks=8",
                    "rollout.tasks_per_step=4"]
@@ -140,7 +148,8 @@ def main() -> None:
         print(f"{name:>20}: held-out success {r['success_start']} -> {r['success_end']}  "
               f"train {r['train_success_curve']}  ({r['wall_s']} s)  {w}", flush=True)
     b = res.get("baseline", {})
-    summary = {"bench": "stability", "quick": args.quick, "unsolvable_frac": args.unsolvable, "seed": args.seed,
+    summary = {"bench": "stability", "quick": args.quick, "base": args.base, "unsolvable_frac": args.unsolvable,
+               "seed": args.seed,
                "shared_sft_wall_s": sft_wall, "variants": res}
     if b.get("success_end") is not None:
         summary["success_end_minus_baseline"] = {
