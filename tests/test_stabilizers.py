@@ -304,6 +304,7 @@ def test_alarm_actions_priority_bounds_and_rollback_budget():
     assert alarm.observe({"a": float("nan")}).action == "rollback"
     d = alarm.observe({"a": -30.0, "monitor/destructive_calls": 1})
     assert d.action == "stop" and len(d.reasons) == 2  # both fire; stop wins
+    assert d.reason == "; ".join(d.reasons)  # the loop's log line (it once raised AttributeError there)
     d = alarm.observe({"a": -30.0})
     assert d.action == "stop" and "max_rollbacks" in d.reasons[-1]  # second rollback > budget of 1
 

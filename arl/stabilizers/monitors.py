@@ -150,6 +150,11 @@ class Decision:
     def ok(self) -> bool:
         return self.action == "continue"
 
+    @property
+    def reason(self) -> str:
+        """One line for the log (the loop prints it when an alarm stops the run)."""
+        return "; ".join(map(str, self.reasons)) or self.action
+
 
 class Alarm:
     def __init__(self, rules: Sequence[AlarmRule], ema: float = 0.0, max_rollbacks: int = 3):
