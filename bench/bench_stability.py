@@ -44,7 +44,10 @@ VARIANTS = {
     "adaptive_kl": ["trainer.reference_model=true", "stabilizers.kl.enabled=true", "stabilizers.kl.target=0.02"],
     "ipa_resample": ["stabilizers.ipa.enabled=true", "stabilizers.ipa.steps_per_chunk=3"],
     "monitors": ["stabilizers.monitors.enabled=true",
-                 "stabilizers.monitors.alarms=[{signal: monitor/looping_frac, above: 0.9, action: stop}]"],
+                 # the absolute bound only: with min_delta 0 the jump rule fired on looping 0.0 -> 0.023
+                 # after an all-zero history (std 0) and stopped the main recipe at step 23
+                 "stabilizers.monitors.alarms=[{signal: monitor/looping_frac, above: 0.9, min_delta: 1.0, "
+                 "action: stop}]"],
     # the main job's recipe: the two stabilizers configs/tiny_cpu.yaml turns on, together
     "main_recipe": ["stabilizers.turn_credit.enabled=true", "stabilizers.curriculum.enabled=true"],
 }
