@@ -84,7 +84,7 @@ class _QueueManager(BaseManager):
     pass
 
 
-def serve_queues(host: str, port: int):
+def serve_queues(port: int):
     """Trainer rank 0: serve the ``batches`` and ``orders`` queues; returns them (local objects)."""
     batches, orders = queue.Queue(), queue.Queue()
     _QueueManager.register("batches", callable=lambda: batches)
@@ -153,7 +153,7 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
     if r == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-        batches, orders = serve_queues(host, port + 2)
+        batches, orders = serve_queues(port + 2)
     os.environ.update(RANK=str(r), WORLD_SIZE=str(role.trainer_world), MASTER_PORT=str(port + 1),
                       LOCAL_WORLD_SIZE=str(cfg.layout.trainer_gpus or role.trainer_world))
     # torchrun's agent hosts the store of ITS world; this group's store is hosted by trainer rank 0

@@ -378,9 +378,12 @@ def _reference_model(cfg: TrainConfig, model, model_dir: str, run_dir: Path, ran
         import torch.distributed as dist
 
         dist.barrier()
-    src = ref_dir if (ref_dir / "config.json").exists() else Path(model_dir)
-    if not fresh and cfg.sft.enabled and cfg.sft.steps > 0 and src != ref_dir:
+    saved = (ref_dir / "config.json").exists()
+    sft_run = cfg.sft.enabled and cfg.sft.steps > 0
+    if not fresh and sft_run and not saved:
         raise ValueError(f"--resume: the reference model of this run ({ref_dir}) is missing")
+    # a fresh run without SFT starts from model_dir, whatever an earlier run left in output_dir
+    src = ref_dir if saved and (sft_done or (not fresh and sft_run)) else Path(model_dir)
     return AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
 
 
