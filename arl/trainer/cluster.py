@@ -5,18 +5,18 @@ multi-node through ``--hostfile``) starts ``nodes x gpus_per_node`` processes wi
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.  Roles (``assign_role``):
 
 * GPU layout, per node: local ranks ``[0, rollout_gpus)`` are rollout devices, the next
-  ``trainer_gpus`` are trainer ranks (trainer rank = node x trainer_gpus + local index).  The rollout
-  leader (node 0, local rank 0) runs ONE vLLM engine over node 0's rollout GPUs (tensor parallel x
-  vLLM data parallel); the other rollout processes have nothing to run and exit.  Rollout GPUs on
-  nodes > 0 stay unused (engines on several nodes are not supported yet; ``--dry-run`` says so).
-* CPU layout (how this launcher is tested here): rank 0 is the rollout process, ranks
-  1..trainer.world_size the trainer ranks.
+  ``trainer_gpus`` are trainer ranks (trainer rank = node x trainer_gpus + local index).  Every
+  node's local rank 0 leads that node's vLLM engine (engine index = node) over its rollout GPUs
+  (tensor parallel x vLLM data parallel); the other rollout processes have nothing to run and exit
+  (vLLM starts its own workers on those GPUs).
+* CPU layout (how this launcher is tested here): ranks 0..E-1 are the rollout processes of the
+  ``rollout.engines`` = E engines, the next trainer.world_size ranks the trainer ranks.
 
 Channels, all from MASTER_ADDR and MASTER_PORT (the launcher's own port is not used by anyone):
   +1  the trainers' process group (DeepSpeed: gloo or NCCL), over trainer ranks only;
-  +2  the batch / order queues between the rollout leader and trainer rank 0 (a
-      ``multiprocessing`` manager served by trainer rank 0, authenticated with ARL_AUTHKEY);
-  +3  the weight-sync group: trainer rank 0 broadcasts into the engine's workers.
+  +2  the batch queue and one order queue per engine between the rollout leaders and trainer
+      rank 0 (a ``multiprocessing`` manager served by trainer rank 0, authenticated with ARL_AUTHKEY);
+  +3  the weight-sync group: trainer rank 0 broadcasts into the workers of every engine.
 """
 from __future__ import annotations
 
@@ -42,31 +42,33 @@ def under_launcher() -> bool:
 
 @dataclass
 class Role:
-    kind: str  # "trainer", "rollout" (the engine's leader) or "idle"
+    kind: str  # "trainer", "rollout" (an engine's leader) or "idle"
     node: int
     local_rank: int
     trainer_rank: Optional[int] = None
     trainer_world: int = 0
     rollout_devices: List[int] = field(default_factory=list)  # local GPU indices of the engine
+    engine: Optional[int] = None  # the engine a rollout leader runs
 
 
 def assign_role(cfg: TrainConfig, rank: int, world: int, local_rank: int, local_world: int) -> Role:
-    lay, n_tr = cfg.layout, cfg.trainer.world_size
+    lay, n_tr, n_eng = cfg.layout, cfg.trainer.world_size, cfg.num_engines()
     if lay.device == "cpu":
-        if world != n_tr + 1:
-            raise ValueError(f"WORLD_SIZE: the CPU layout needs trainer.world_size + 1 = {n_tr + 1} processes "
-                             f"(one rollout process + the trainer ranks), got {world}")
-        if rank == 0:
-            return Role("rollout", 0, local_rank, trainer_world=n_tr)
-        return Role("trainer", 0, local_rank, trainer_rank=rank - 1, trainer_world=n_tr)
+        if world != n_tr + n_eng:
+            raise ValueError(f"WORLD_SIZE: the CPU layout needs trainer.world_size + rollout engines = {n_tr + n_eng} "
+                             f"processes (one rollout process per engine + the trainer ranks), got {world}")
+        if rank < n_eng:
+            return Role("rollout", 0, local_rank, trainer_world=n_tr, engine=rank)
+        return Role("trainer", 0, local_rank, trainer_rank=rank - n_eng, trainer_world=n_tr)
     if world != lay.nodes * lay.gpus_per_node or local_world != lay.gpus_per_node:
         raise ValueError(f"WORLD_SIZE: layout {lay.nodes} node(s) x {lay.gpus_per_node} GPUs needs "
                          f"{lay.nodes * lay.gpus_per_node} processes, {lay.gpus_per_node} per node; the launcher "
                          f"started {world}, {local_world} per node")
     node = rank // local_world
     if local_rank < lay.rollout_gpus:
-        if node == 0 and local_rank == 0:
-            return Role("rollout", node, local_rank, trainer_world=n_tr, rollout_devices=list(range(lay.rollout_gpus)))
+        if local_rank == 0:
+            return Role("rollout", node, local_rank, trainer_world=n_tr, rollout_devices=list(range(lay.rollout_gpus)),
+                        engine=node)
         return Role("idle", node, local_rank, trainer_world=n_tr)
     i = local_rank - lay.rollout_gpus
     return Role("trainer", node, local_rank, trainer_rank=node * lay.trainer_gpus + i, trainer_world=n_tr)
@@ -84,26 +86,29 @@ class _QueueManager(BaseManager):
     pass
 
 
-def serve_queues(port: int):
-    """Trainer rank 0: serve the ``batches`` and ``orders`` queues; returns them (local objects)."""
-    batches, orders = queue.Queue(), queue.Queue()
+def serve_queues(port: int, engines: int = 1):
+    """Trainer rank 0: serve the ``batches`` queue and one ``orders_<e>`` queue per engine; returns
+    them (local objects: the batch queue and the list of order queues)."""
+    batches, orders = queue.Queue(), [queue.Queue() for _ in range(engines)]
     _QueueManager.register("batches", callable=lambda: batches)
-    _QueueManager.register("orders", callable=lambda: orders)
+    for e, q in enumerate(orders):
+        _QueueManager.register(f"orders_{e}", callable=lambda q=q: q)
     server = _QueueManager(address=("", port), authkey=_authkey()).get_server()
     threading.Thread(target=server.serve_forever, daemon=True, name="arl-queues").start()
     return batches, orders
 
 
-def connect_queues(host: str, port: int, timeout_s: float = 600.0):
-    """The rollout leader: proxies of trainer rank 0's queues (retries until it serves them)."""
+def connect_queues(host: str, port: int, engine: int = 0, timeout_s: float = 600.0):
+    """Engine ``engine``'s rollout leader: proxies of trainer rank 0's batch queue and of its own
+    order queue (retries until trainer rank 0 serves them)."""
     _QueueManager.register("batches")
-    _QueueManager.register("orders")
+    _QueueManager.register(f"orders_{engine}")
     deadline = time.time() + timeout_s
     while True:
         m = _QueueManager(address=(host, port), authkey=_authkey())
         try:
             m.connect()
-            return m.batches(), m.orders()
+            return m.batches(), getattr(m, f"orders_{engine}")()
         except (ConnectionRefusedError, OSError):
             if time.time() > deadline:
                 raise RuntimeError(f"rollout: trainer rank 0's queues at {host}:{port} did not come up "
@@ -140,11 +145,12 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
     model_dir = shared_model_dir(cfg)
     sync_addr = (host, port + 3)
     if role.kind == "rollout":
-        if cfg.layout.device == "cuda":  # the engine's workers see node 0's rollout GPUs only
+        if cfg.layout.device == "cuda":  # the engine's workers see this node's rollout GPUs only
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, role.rollout_devices))
-        batches, orders = connect_queues(host, port + 2)
+        batches, orders = connect_queues(host, port + 2, role.engine)
         start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
-        rollout_process(cfg.model_dump(), model_dir, batches, orders, start_version, parent_pid=os.getppid())
+        rollout_process(cfg.model_dump(), model_dir, batches, orders, start_version, parent_pid=os.getppid(),
+                        engine=role.engine)
         return None
     # a trainer rank: DeepSpeed sees the trainer ranks only (their own group on port + 1); the
     # device stays LOCAL_RANK (rollout GPUs come first on every node)
@@ -153,7 +159,7 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
     if r == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-        batches, orders = serve_queues(port + 2)
+        batches, orders = serve_queues(port + 2, cfg.num_engines())
     os.environ.update(RANK=str(r), WORLD_SIZE=str(role.trainer_world), MASTER_PORT=str(port + 1),
                       LOCAL_WORLD_SIZE=str(cfg.layout.trainer_gpus or role.trainer_world))
     # torchrun's agent hosts the store of ITS world; this group's store is hosted by trainer rank 0

@@ -2,22 +2,24 @@
 
 Processes (one machine; GPU nodes use the same roles on their own devices):
   * the launcher (``python -m arl.train``) builds the model directory and the SFT data, starts
-    one rollout process and ``trainer.world_size`` trainer ranks, and waits;
-  * the rollout process runs the vLLM engine and the async ``RolloutManager`` (environments in a
-    pool, bounded staleness) in one asyncio loop; it hands finished batches to trainer rank 0 on
-    ``batches`` and takes ``weights`` / ``eval`` / ``stop`` orders on ``orders``;
+    one rollout process per engine (``rollout.engines``, default 1) and ``trainer.world_size``
+    trainer ranks, and waits;
+  * a rollout process runs its vLLM engine and the async ``RolloutManager`` (environments in a
+    pool, bounded staleness) in one asyncio loop; it hands its share of every batch to trainer
+    rank 0 on ``batches`` and takes ``weights`` / ``eval`` / ``stop`` orders on its own ``orders``
+    queue (trainer rank 0's end: ``link.RolloutLink``);
   * trainer ranks (DeepSpeed, gloo on CPU) run the SFT warm start, then per step: rank 0 takes a
     batch, packs it for all ranks (``pack_step``), scatters the micro-batches; every rank
     recomputes old logprobs and runs ``updates_per_batch`` optimizer steps; rank 0 writes the new
     weights to shared memory and orders the engine to reload them (policy version + 1).
 
 Determinism: with ``rollout.staleness: 0`` and fixed seeds, step k is generated from version k
-on tasks [k*G, (k+1)*G) with per-sample seeds, so a resumed run reproduces an uninterrupted one.
+on tasks [k*G, (k+1)*G) with per-sample seeds (engine e of E takes the e-th G/E of them), so a
+resumed run reproduces an uninterrupted one.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import queue as queue_mod
 import random
@@ -103,7 +105,9 @@ def expert_trajectories(cfg: TrainConfig, model_dir: str, n: int, seed_base: int
 
 # ---------------------------------------------------------------- rollout process
 def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_version: int,
-                    parent_pid: Optional[int] = None) -> None:
+                    parent_pid: Optional[int] = None, engine: int = 0) -> None:
+    """The rollout process of engine ``engine``: its vLLM engine, environments and rollout manager
+    (see arl/trainer/link.py for how several engines share a batch)."""
     if parent_pid is not None:
         from .dist import die_with_parent
 
@@ -113,10 +117,11 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_versi
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = TrainConfig.model_validate(cfg_dict)
     try:
-        asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version))
-        batches.put(("stopped",))  # trainer rank 0 may now go (under torchrun it serves this queue)
+        asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version, engine))
+        batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
     except BaseException as e:  # tell the trainer instead of leaving it waiting
-        batches.put(("error", f"{type(e).__name__}: {e}"))
+        where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
+        batches.put(("error", f"{where}{type(e).__name__}: {e}"))
         raise
 
 
@@ -201,26 +206,28 @@ def _engine_kwargs(cfg: TrainConfig) -> dict:
             "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
 
 
-async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int) -> None:
+async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int, engine_index: int = 0
+                        ) -> None:
     from transformers import AutoTokenizer
 
     from ..rollout.engine import SamplingConfig, make_engine
     from ..rollout.episode import ChatFormat, EpisodeConfig
     from ..rollout.manager import RolloutConfig, RolloutManager
     from ..stabilizers.dynamic_sampling import fill_batch
+    from .link import engine_task_seeds
 
     r = cfg.rollout
     engine = make_engine(r.engine, model=model_dir, seed=cfg.seed, max_model_len=max(r.max_total_tokens + 64, 256),
                          dtype=cfg.model.dtype, engine_kwargs=_engine_kwargs(cfg))
     engine.version = start_version
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+    n_engines = cfg.num_engines()
     rcfg = RolloutConfig(
-        group_size=r.group_size, groups_per_step=r.tasks_per_step, max_staleness=r.staleness,
+        group_size=r.group_size, groups_per_step=r.tasks_per_step // n_engines, max_staleness=r.staleness,
         env_pool_size=cfg.env.pool_size, max_retries=r.retries, max_filtered_frac=r.filter_cap, seed=cfg.seed,
         episode=EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=r.max_total_tokens,
                               sampling=SamplingConfig(max_tokens=r.max_turn_tokens, temperature=r.temperature,
                                                       top_p=r.top_p)))
-    tasks = itertools.count(start_version * r.tasks_per_step)
     loop = asyncio.get_running_loop()
     synced = asyncio.Event()
     stop = asyncio.Event()
@@ -237,9 +244,9 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
             if kind == "stop":
                 stop.set()
                 return
-            if kind == "join_sync":  # the weight-sync group: this engine's workers are ranks 1..N
-                _, host, port, world, backend = msg
-                await engine.join_weight_sync(host, port, 1, world, backend)
+            if kind == "join_sync":  # the weight-sync group: this engine's workers from rank_offset on
+                _, host, port, rank_offset, world, backend = msg
+                await engine.join_weight_sync(host, port, rank_offset, world, backend)
             elif kind == "weights":
                 _, wdir, version, ipa_state = msg
                 if resampler is not None and ipa_state is not None:
@@ -265,6 +272,9 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
     try:
         orders_task = asyncio.create_task(take_orders())
         await synced.wait()  # the first weights (after SFT / from the checkpoint)
+        # the trainer's version decides where the tasks resume (a node's own view of the checkpoint
+        # directory may not be the trainer's)
+        tasks = engine_task_seeds(engine.version, r.tasks_per_step, engine_index, n_engines)
         manager = RolloutManager(engine, make_env_factory(cfg), fmt, tasks=tasks, config=rcfg, start_for=start_for,
                                  imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group)
         async with manager:
@@ -279,7 +289,7 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
                     get.cancel()
                     break
                 batch = await fill_batch(manager, get.result(), cfg.stabilizers.dynamic_sampling)
-                await loop.run_in_executor(None, batches.put, ("batch", batch))
+                await loop.run_in_executor(None, batches.put, ("batch", engine_index, batch))
     finally:
         # on an error too: the order-taking thread returns, so asyncio.run's shutdown (which joins it)
         # ends and rollout_process reports the error; and vLLM's engine core must not outlive us
@@ -339,21 +349,9 @@ def _engine_mismatch(mbs, old) -> dict:
 
 
 def _engine_workers(cfg: TrainConfig) -> int:
-    """Processes of the rollout engine that hold weights (the weight-sync group's receivers)."""
+    """Processes of ONE rollout engine that hold weights (its receivers in the weight-sync group)."""
     kw = _engine_kwargs(cfg)
     return kw.get("tensor_parallel_size", 1) * kw.get("data_parallel_size", 1)
-
-
-def _wait_for(q, kind: str, timeout_s: float) -> None:
-    """Drain ``q`` until a message of ``kind`` (or an error report, or the timeout)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            msg = q.get(timeout=1.0)
-        except queue_mod.Empty:
-            continue
-        if msg[0] in (kind, "error"):
-            return
 
 
 def _latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
@@ -440,7 +438,9 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
                  orders, resume: bool, parent_pid: Optional[int] = None, sync_addr: Optional[tuple] = None) -> None:
     """One trainer rank.  ``port``: the trainers' rendezvous port on this machine (the spawn
     launcher), or None when the environment is already set (torchrun / deepspeed launcher).
-    ``sync_addr``: (host, port) of the weight-sync group, for ``rollout.weight_sync: group``."""
+    ``batches`` / ``orders`` (rank 0 only): the queue from the rollout processes and the list of
+    queues to them, one per engine.  ``sync_addr``: (host, port) of the weight-sync group, for
+    ``rollout.weight_sync: group``."""
     if parent_pid is not None:
         from .dist import die_with_parent
 
@@ -469,6 +469,12 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    link = None
+    if rank == 0:
+        from .link import RolloutLink
+
+        link = RolloutLink(batches, orders, on_eval=lambda v, acc: log.eval_result(v, acc))
 
     def load_policy():
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -529,30 +535,19 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
             # the IPA resampler's schedule lives with the trainer (it advances on the step's success)
             ipa = stab.ipa.state_dict() if cfg.stabilizers.ipa.enabled else None
             if sync_mode == "group":
-                if sync_group is None:  # first sync: the engine's workers join, then every sync is broadcasts
-                    n, backend = 1 + _engine_workers(cfg), sender_backend(tr.device)
-                    orders.put(("join_sync", sync_addr[0], sync_addr[1], n, backend))
+                if sync_group is None:  # first sync: the engines' workers join, then every sync is broadcasts
+                    w, backend = _engine_workers(cfg), sender_backend(tr.device)
+                    n = 1 + link.engines * w  # rank 0 the source; engine e's workers from 1 + e * w on
+                    for e in range(link.engines):
+                        link.send(e, ("join_sync", sync_addr[0], sync_addr[1], 1 + e * w, n, backend))
                     sync_group = make_group(sync_addr[0], sync_addr[1], 0, n, backend)
-                orders.put(("weights", FromGroup(tensor_meta(state)), version, ipa))
-                send(sync_group, state, tr.device)  # returns once the engine has received every tensor
+                link.broadcast(("weights", FromGroup(tensor_meta(state)), version, ipa))
+                send(sync_group, state, tr.device)  # returns once every engine has received every tensor
             else:
                 write_sync_weights(state, weights_dir)
-                orders.put(("weights", str(weights_dir), version, ipa))
-            if version in evals:
-                orders.put(("eval", version, cfg.env.eval_tasks))
-
-    def handle(msg) -> None:
-        if msg[0] == "eval":
-            log.eval_result(msg[1], msg[2])
-        elif msg[0] == "error":
-            raise RuntimeError(f"rollout process failed: {msg[1]}")
-
-    def wait_batch():
-        while True:
-            msg = batches.get()
-            if msg[0] == "batch":
-                return msg[1]
-            handle(msg)
+                link.broadcast(("weights", str(weights_dir), version, ipa))
+            if version in evals:  # one engine evaluates (the held-out tasks are not split)
+                link.send(0, ("eval", version, cfg.env.eval_tasks))
 
     def checkpoint(version: int) -> None:
         client = {"step": version, "wall_s": wall(), "stabilizers": stab.state_dict() if stab is not None else None}
@@ -570,7 +565,7 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
         for step in range(start_step, steps):
             ts = time.perf_counter()
             if rank == 0:
-                batch = wait_batch()
+                batch = link.next_batch()
                 prep = stab.prepare(batch.trainable())
                 loss_cfg = stab.loss_config(step, success)
                 packed = pack_step(prep.trajectories, PackerConfig(
@@ -627,10 +622,7 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
         if rank == 0:  # wait for the outstanding evaluations, then write every record
             deadline = time.time() + 900
             while log.waiting() and time.time() < deadline:
-                try:
-                    handle(batches.get(timeout=5))
-                except queue_mod.Empty:
-                    continue
+                link.poll(5.0)
             log.flush(force=True)
             log.logger.close()
         tr.export_hf(str(run_dir / "hf"), tokenizer=tokenizer if rank == 0 else None)
@@ -644,9 +636,9 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
         raise
     finally:
         if rank == 0:
-            orders.put(("stop",))
+            link.broadcast(("stop",))
             if finished:  # under torchrun this rank serves the queues: stay until the rollout side is done
-                _wait_for(batches, "stopped", timeout_s=120)
+                link.wait_stopped(timeout_s=120)
             shutil.rmtree(weights_dir, ignore_errors=True)
         import torch.distributed as dist
 
@@ -671,19 +663,22 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     demos = expert_trajectories(cfg, model_dir, cfg.sft.episodes) if cfg.sft.enabled else []
     ctx = mp.get_context("spawn")
-    batches, orders = ctx.Queue(), ctx.Queue()
+    batches, orders = ctx.Queue(), [ctx.Queue() for _ in range(cfg.num_engines())]
     start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
     me = os.getpid()  # children die with the launcher (die_with_parent), also when it is SIGKILLed
-    roll = ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, orders, start_version, me),
-                       daemon=False, name="arl-rollout")  # vLLM may start helper processes
-    roll.start()
+    rolls = [ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, q, start_version, me, e),
+                         daemon=False, name=f"arl-rollout-{e}")  # vLLM may start helper processes
+             for e, q in enumerate(orders)]
+    for roll in rolls:
+        roll.start()
     try:
         sync_addr = ("127.0.0.1", free_port())  # used with rollout.weight_sync: group
         mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
                                                batches, orders, resume, me, sync_addr),
                            nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
     finally:
-        roll.join(timeout=60)
-        if roll.is_alive():
-            roll.terminate()
+        for roll in rolls:
+            roll.join(timeout=60)
+            if roll.is_alive():
+                roll.terminate()
     return run_dir

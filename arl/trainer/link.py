@@ -1,0 +1,128 @@
+"""Trainer rank 0's end of the rollout processes: one ``batches`` queue that every rollout process
+writes to, one ``orders`` queue to each of them.
+
+Each engine ``e`` of ``E`` generates ``tasks_per_step / E`` groups of every batch (its own task
+seeds, its own staleness gate) and sends ``("batch", e, RolloutBatch)``; the trainer's step ``k``
+takes the ``k``-th batch of every engine and merges them (``merge_batches``).  Orders about the
+weights and the end of the run go to every engine; held-out evaluation to engine 0 only.
+
+Messages on ``batches``: ``("batch", e, batch)``, ``("eval", version, success)``,
+``("error", text)``, ``("stopped", e)``.
+"""
+from __future__ import annotations
+
+import queue as queue_mod
+import time
+from collections import deque
+from typing import Callable, List, Sequence
+
+# how per-engine rollout metrics combine into the step's: counts add up, maxima take the max,
+# means and fractions are weighted by each engine's trajectory count
+_MAX_KEYS = ("_max", "_peak", "sampling_rounds")
+_MEAN_KEYS = ("_mean", "_frac")
+
+
+def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int):
+    """Task seeds of engine ``engine`` from batch ``step`` on: batch ``s`` of the whole run holds
+    the seeds ``s * tasks_per_step ...`` and engine ``e`` takes the ``e``-th equal share of them
+    (with one engine: every seed from ``step * tasks_per_step`` on, as before)."""
+    share = tasks_per_step // engines
+    s = step
+    while True:
+        base = s * tasks_per_step + engine * share
+        yield from range(base, base + share)
+        s += 1
+
+
+def merge_batches(batches: Sequence):
+    """One ``RolloutBatch`` from each engine's batch of the same step.  Group ids are renumbered
+    ``gid * E + e`` so groups of different engines never share an id (advantages, dynamic sampling
+    and turn credit group by it)."""
+    from ..rollout.manager import RolloutBatch
+
+    if len(batches) == 1:
+        return batches[0]
+    steps = {b.step for b in batches}
+    if len(steps) != 1:
+        raise RuntimeError(f"rollout engines: batches of different steps {sorted(steps)} cannot be merged")
+    E = len(batches)
+    trajs = []
+    for e, b in enumerate(batches):
+        for t in b.trajectories:
+            t.group_id = int(t.group_id) * E + e
+            trajs.append(t)
+    weights = [max(int(b.metrics.get("rollout/num_trajectories", len(b.trajectories))), 0) for b in batches]
+    total = sum(weights) or 1
+    metrics = {}
+    for key in dict.fromkeys(k for b in batches for k in b.metrics):
+        vals = [(b.metrics[key], w) for b, w in zip(batches, weights) if key in b.metrics]
+        if any(s in key for s in _MAX_KEYS):
+            metrics[key] = max(v for v, _ in vals)
+        elif any(s in key for s in _MEAN_KEYS):
+            den = sum(w for _, w in vals) or total
+            metrics[key] = sum(float(v) * w for v, w in vals) / den
+        else:
+            metrics[key] = sum(v for v, _ in vals)
+    metrics["rollout/engines"] = E
+    return RolloutBatch(batches[0].step, trajs, metrics)
+
+
+class RolloutLink:
+    """The queues of trainer rank 0 (``orders``: one queue per engine)."""
+
+    def __init__(self, batches, orders: Sequence, on_eval: Callable[[int, float], None]):
+        if not orders:
+            raise ValueError("RolloutLink: needs at least one engine's orders queue")
+        self.batches, self.orders, self.on_eval = batches, list(orders), on_eval
+        self._pending: List[deque] = [deque() for _ in self.orders]
+        self._stopped: set = set()
+
+    @property
+    def engines(self) -> int:
+        return len(self.orders)
+
+    def broadcast(self, msg: tuple) -> None:
+        for q in self.orders:
+            q.put(msg)
+
+    def send(self, engine: int, msg: tuple) -> None:
+        self.orders[engine].put(msg)
+
+    def _take(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "batch":
+            self._pending[msg[1]].append(msg[2])
+        elif kind == "eval":
+            self.on_eval(msg[1], msg[2])
+        elif kind == "stopped":
+            self._stopped.add(msg[1] if len(msg) > 1 else 0)
+        elif kind == "error":
+            raise RuntimeError(f"rollout process failed: {msg[1]}")
+        else:
+            raise RuntimeError(f"rollout link: unknown message {kind!r}")
+
+    def next_batch(self):
+        """The next step's batch: one from every engine, merged (waits for the slowest)."""
+        while not all(self._pending):
+            self._take(self.batches.get())
+        return merge_batches([d.popleft() for d in self._pending])
+
+    def poll(self, timeout_s: float) -> bool:
+        """Handle one message if one comes within ``timeout_s``; False if none did."""
+        try:
+            msg = self.batches.get(timeout=timeout_s)
+        except queue_mod.Empty:
+            return False
+        self._take(msg)
+        return True
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """After ``stop``: wait until every engine has said it stopped (an error report ends the
+        wait too: the run's work is saved by then).  True when all did."""
+        deadline = time.time() + timeout_s
+        while len(self._stopped) < self.engines and time.time() < deadline:
+            try:
+                self.poll(1.0)
+            except RuntimeError:
+                return False
+        return len(self._stopped) >= self.engines
