@@ -178,6 +178,9 @@ class TrainConfig(Section):
                 raise ValueError("layout.rollout_gpus must be a multiple of rollout.tensor_parallel")
             if lay.nodes > 1 and not lay.hostfile:
                 raise ValueError("layout.hostfile is required when layout.nodes > 1")
+            if lay.nodes > 1 and self.rollout.weight_sync == "file":
+                raise ValueError("rollout.weight_sync: 'file' writes to trainer rank 0's /dev/shm, which engines on "
+                                 "other nodes cannot read; use 'group' (or 'auto') with layout.nodes > 1")
             if self.rollout.engines not in (None, lay.nodes):
                 raise ValueError(f"rollout.engines: GPU layouts run one engine per node (layout.nodes = {lay.nodes}), "
                                  f"got {self.rollout.engines}")

@@ -60,4 +60,6 @@ def test_engine_count_config_errors():
         _cfg("qwen2.5-7b_2x8gpu.yaml", "rollout.engines=3")
     with pytest.raises(ConfigError, match="tasks_per_step = 16 must be a multiple of the number of engines \\(3\\)"):
         _cfg("tiny_cpu.yaml", "rollout.engines=3")
+    with pytest.raises(ConfigError, match="rollout.weight_sync: 'file' writes to trainer rank 0's /dev/shm"):
+        _cfg("qwen2.5-7b_2x8gpu.yaml", "rollout.weight_sync=file")
     assert _cfg("tiny_cpu.yaml").num_engines() == 1 and _cfg("qwen2.5-7b_8gpu.yaml").num_engines() == 1
