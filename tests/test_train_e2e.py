@@ -53,6 +53,7 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
         r = recs[s]
         assert r["rollout/num_trajectories"] == 8 and r["train/grad_norm"] is not None
         assert r["staleness/max"] <= 1 and "success/heldout" in r
+        assert r["rollout/tokens_per_s"] > r["rollout/gen_tokens_per_s"] > 0 and 0 <= r["rollout/engine_idle_frac"] <= 1
         assert r["train/kl_mean"] >= 0 and r["stab/kl_skipped"] == 0  # the KL term ran and fed the controller
     assert recs[1]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # step 1's policy is the reference
     assert recs[2]["train/kl_mean"] > 0 and recs[1]["stab/kl_beta"] != 0.05  # ... step 2's moved away
@@ -225,6 +226,7 @@ def test_torchrun_cpu_layout_two_engines_with_group_weight_sync(tmp_path):
     assert sorted(recs) == [0, 1, 2] and "sft/sft_nll_per_token" in recs[0]
     for s in (1, 2):
         assert recs[s]["rollout/engines"] == 2 and recs[s]["rollout/num_trajectories"] == 8
+        assert recs[s]["rollout/tokens_per_s"] > 0  # the two engines' rates, added
         assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-3, recs[s]["train/logp_abs_diff_vs_rollout"]
     assert (out / "hf" / "config.json").exists() and (out / "checkpoints" / "latest_step").read_text() == "2"
 

@@ -206,6 +206,19 @@ def _engine_kwargs(cfg: TrainConfig) -> dict:
             "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
 
 
+def _rollout_rate(engine, batch) -> dict:
+    """This engine's throughput over the interval since its previous batch (the first: since the
+    first weights arrived): the batch's tokens (prompt + observations + model turns) and its
+    model-turn tokens per second of wall time, and the
+    fraction of that time the engine had no call in flight (evaluations count as busy).  With
+    several engines the rates add up (``merge_batches``)."""
+    st = engine.idle_stats(reset=True)
+    wall = max(st["wall_s"], 1e-9)
+    return {"rollout/tokens_per_s": sum(len(t) for t in batch.trajectories) / wall,
+            "rollout/gen_tokens_per_s": sum(t.num_trained_tokens for t in batch.trajectories) / wall,
+            "rollout/engine_idle_frac": st["idle_frac"]}
+
+
 async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int, engine_index: int = 0
                         ) -> None:
     from transformers import AutoTokenizer
@@ -275,6 +288,7 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
         # the trainer's version decides where the tasks resume (a node's own view of the checkpoint
         # directory may not be the trainer's)
         tasks = engine_task_seeds(engine.version, r.tasks_per_step, engine_index, n_engines)
+        engine.idle_stats(reset=True)  # rates count from here, not from the engine's start
         manager = RolloutManager(engine, make_env_factory(cfg), fmt, tasks=tasks, config=rcfg, start_for=start_for,
                                  imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group)
         async with manager:
@@ -289,6 +303,7 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
                     get.cancel()
                     break
                 batch = await fill_batch(manager, get.result(), cfg.stabilizers.dynamic_sampling)
+                batch.metrics.update(_rollout_rate(engine, batch))
                 await loop.run_in_executor(None, batches.put, ("batch", engine_index, batch))
     finally:
         # on an error too: the order-taking thread returns, so asyncio.run's shutdown (which joins it)
