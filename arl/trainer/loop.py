@@ -257,9 +257,9 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
             if kind == "stop":
                 stop.set()
                 return
-            if kind == "join_sync":  # the weight-sync group: this engine's workers from rank_offset on
-                _, host, port, rank_offset, world, backend = msg
-                await engine.join_weight_sync(host, port, rank_offset, world, backend)
+            if kind == "join_sync":  # the weight-sync group: this engine's workers join as receivers
+                _, host, port, world, backend = msg
+                await engine.join_weight_sync(host, port, world, backend)
             elif kind == "weights":
                 _, wdir, version, ipa_state = msg
                 if resampler is not None and ipa_state is not None:
@@ -551,10 +551,8 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
             ipa = stab.ipa.state_dict() if cfg.stabilizers.ipa.enabled else None
             if sync_mode == "group":
                 if sync_group is None:  # first sync: the engines' workers join, then every sync is broadcasts
-                    w, backend = _engine_workers(cfg), sender_backend(tr.device)
-                    n = 1 + link.engines * w  # rank 0 the source; engine e's workers from 1 + e * w on
-                    for e in range(link.engines):
-                        link.send(e, ("join_sync", sync_addr[0], sync_addr[1], 1 + e * w, n, backend))
+                    n, backend = 1 + link.engines * _engine_workers(cfg), sender_backend(tr.device)
+                    link.broadcast(("join_sync", sync_addr[0], sync_addr[1], n, backend))  # rank 0 is the source
                     sync_group = make_group(sync_addr[0], sync_addr[1], 0, n, backend)
                 link.broadcast(("weights", FromGroup(tensor_meta(state)), version, ipa))
                 send(sync_group, state, tr.device)  # returns once every engine has received every tensor
