@@ -12,10 +12,10 @@ One step of the RL loop, on rank 0 (key names are what the plot and the progress
     m["train/tokens_per_s"] = step_tokens / t_train
     logger.log(step, m, wall_s=time.time() - t_start)
 """
-from .trajectory_stats import (advantage_stats, per_turn_mean, per_turn_sums, success_logprob_mean,
+from .trajectory_stats import (advantage_stats, per_turn_mean, per_turn_sums, rollout_rates, success_logprob_mean,
                                success_logprob_sums, success_rate, trajectory_metrics, turn_means)
 
-__all__ = ["trajectory_metrics", "success_rate", "advantage_stats", "per_turn_sums", "per_turn_mean", "turn_means",
+__all__ = ["trajectory_metrics", "rollout_rates", "success_rate", "advantage_stats", "per_turn_sums", "per_turn_mean", "turn_means",
            "success_logprob_sums", "success_logprob_mean", "MetricsLogger"]
 
 

@@ -151,6 +151,13 @@ def _tool_stats(ok: Sequence[Trajectory], tokenizer) -> dict:
     return out
 
 
+def rollout_rates(trajs: Sequence[Trajectory], rollout_s: float) -> dict:
+    """``rollout/tokens_per_s`` (all tokens) and ``rollout/gen_tokens_per_s`` (model-turn tokens)
+    of ``trajs`` rolled out in ``rollout_s`` seconds."""
+    return {"rollout/tokens_per_s": float(sum(len(t) for t in trajs)) / rollout_s,
+            "rollout/gen_tokens_per_s": float(sum(t.num_trained_tokens for t in trajs)) / rollout_s}
+
+
 def success_rate(trajs: Sequence[Trajectory], success_threshold: float = 1.0) -> float:
     """Share of OK trajectories with reward >= threshold (0.0 when none): log held-out evaluation
     episodes with it as ``success/heldout``."""
@@ -205,8 +212,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, current_v
         stale = [int(current_version) - int(t.policy_version) for t in trajs]
         out.update(_stats(stale, "staleness/"))
     if rollout_s is not None:
-        out["rollout/tokens_per_s"] = float(sum(len(t) for t in trajs)) / rollout_s
-        out["rollout/gen_tokens_per_s"] = float(sum(t.num_trained_tokens for t in trajs)) / rollout_s
+        out.update(rollout_rates(trajs, rollout_s))
     for k in ("gen_s", "tool_s"):
         v = [float(t.metadata[k]) for t in ok if k in t.metadata]
         if v:

@@ -130,7 +130,7 @@ def shared_model_dir(cfg: TrainConfig) -> str:
 def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]:
     """This process's part of a torchrun / deepspeed launch; returns the run directory on the
     process that wrote it (trainer rank 0), None elsewhere."""
-    from .loop import _latest_checkpoint, expert_trajectories, rollout_process, trainer_rank
+    from .loop import expert_trajectories, rollout_process, trainer_rank
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -148,9 +148,7 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
         if cfg.layout.device == "cuda":  # the engine's workers see this node's rollout GPUs only
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, role.rollout_devices))
         batches, orders = connect_queues(host, port + 2, role.engine)
-        start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
-        rollout_process(cfg.model_dump(), model_dir, batches, orders, start_version, parent_pid=os.getppid(),
-                        engine=role.engine)
+        rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine)
         return None
     # a trainer rank: DeepSpeed sees the trainer ranks only (their own group on port + 1); the
     # device stays LOCAL_RANK (rollout GPUs come first on every node)

@@ -95,7 +95,7 @@ class RolloutLink:
         elif kind == "eval":
             self.on_eval(msg[1], msg[2])
         elif kind == "stopped":
-            self._stopped.add(msg[1] if len(msg) > 1 else 0)
+            self._stopped.add(msg[1])
         elif kind == "error":
             raise RuntimeError(f"rollout process failed: {msg[1]}")
         else:

@@ -104,10 +104,11 @@ def expert_trajectories(cfg: TrainConfig, model_dir: str, n: int, seed_base: int
 
 
 # ---------------------------------------------------------------- rollout process
-def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_version: int,
-                    parent_pid: Optional[int] = None, engine: int = 0) -> None:
+def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid: Optional[int] = None,
+                    engine: int = 0) -> None:
     """The rollout process of engine ``engine``: its vLLM engine, environments and rollout manager
-    (see arl/trainer/link.py for how several engines share a batch)."""
+    (see arl/trainer/link.py for how several engines share a batch).  It starts at the policy
+    version of the trainer's first weight sync (a resumed run's step)."""
     if parent_pid is not None:
         from .dist import die_with_parent
 
@@ -117,7 +118,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, start_versi
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = TrainConfig.model_validate(cfg_dict)
     try:
-        asyncio.run(_rollout_main(cfg, model_dir, batches, orders, start_version, engine))
+        asyncio.run(_rollout_main(cfg, model_dir, batches, orders, engine))
         batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
     except BaseException as e:  # tell the trainer instead of leaving it waiting
         where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
@@ -212,15 +213,13 @@ def _rollout_rate(engine, batch) -> dict:
     model-turn tokens per second of wall time, and the
     fraction of that time the engine had no call in flight (evaluations count as busy).  With
     several engines the rates add up (``merge_batches``)."""
+    from ..metrics import rollout_rates
+
     st = engine.idle_stats(reset=True)
-    wall = max(st["wall_s"], 1e-9)
-    return {"rollout/tokens_per_s": sum(len(t) for t in batch.trajectories) / wall,
-            "rollout/gen_tokens_per_s": sum(t.num_trained_tokens for t in batch.trajectories) / wall,
-            "rollout/engine_idle_frac": st["idle_frac"]}
+    return {**rollout_rates(batch.trajectories, max(st["wall_s"], 1e-9)), "rollout/engine_idle_frac": st["idle_frac"]}
 
 
-async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start_version: int, engine_index: int = 0
-                        ) -> None:
+async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, engine_index: int = 0) -> None:
     from transformers import AutoTokenizer
 
     from ..rollout.engine import SamplingConfig, make_engine
@@ -232,7 +231,6 @@ async def _rollout_main(cfg: TrainConfig, model_dir: str, batches, orders, start
     r = cfg.rollout
     engine = make_engine(r.engine, model=model_dir, seed=cfg.seed, max_model_len=max(r.max_total_tokens + 64, 256),
                          dtype=cfg.model.dtype, engine_kwargs=_engine_kwargs(cfg))
-    engine.version = start_version
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
     n_engines = cfg.num_engines()
     rcfg = RolloutConfig(
@@ -485,12 +483,6 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    link = None
-    if rank == 0:
-        from .link import RolloutLink
-
-        link = RolloutLink(batches, orders, on_eval=lambda v, acc: log.eval_result(v, acc))
-
     def load_policy():
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if cfg.model.gradient_checkpointing:  # activations of one layer at a time (the layout's estimate)
@@ -504,13 +496,15 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     evals = set()
     if cfg.env.eval_tasks:
         evals = {v for v in range(0, steps + 1) if v % cfg.trainer.eval_every == 0 or v == steps}
-    log = None
+    log = link = None
     if rank == 0:
         from ..metrics import MetricsLogger
+        from .link import RolloutLink
 
         lg = cfg.logging
         log = _OrderedLog(MetricsLogger(run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
                                         total_steps=steps, resume_step=resume_step), evals)
+        link = RolloutLink(batches, orders, on_eval=log.eval_result)
 
     sft_metrics = {}
     if cfg.sft.enabled and resume_step is None and cfg.sft.steps > 0:
@@ -677,9 +671,8 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     demos = expert_trajectories(cfg, model_dir, cfg.sft.episodes) if cfg.sft.enabled else []
     ctx = mp.get_context("spawn")
     batches, orders = ctx.Queue(), [ctx.Queue() for _ in range(cfg.num_engines())]
-    start_version = (_latest_checkpoint(run_dir / "checkpoints") or 0) if resume else 0
     me = os.getpid()  # children die with the launcher (die_with_parent), also when it is SIGKILLed
-    rolls = [ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, q, start_version, me, e),
+    rolls = [ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, q, me, e),
                          daemon=False, name=f"arl-rollout-{e}")  # vLLM may start helper processes
              for e, q in enumerate(orders)]
     for roll in rolls:
