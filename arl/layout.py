@@ -92,7 +92,7 @@ def plan(cfg: TrainConfig) -> Plan:
         for n in range(lay.nodes):
             for g in range(lay.rollout_gpus):
                 # one engine per node over its rollout GPUs (vLLM data parallel x tensor parallel);
-                # see arl/trainer/cluster.py
+                # see arl/launch.py
                 role = f"vllm engine {n} dp{g // tp} tp{g % tp}"
                 pl.processes.append(Process(role, n, f"cuda:{g}"))
             for g in range(lay.trainer_gpus):

@@ -1,5 +1,129 @@
-"""``python -m arl.plot RUN_DIR [RUN_DIR2 ...] [--out curves.png] [--x step|wall]``."""
-from arl.metrics.plot import main
+"""``python -m arl.plot RUN_DIR [RUN_DIR2 ...] [--out curves.png] [--x step|wall]``: render one or
+more run directories (their ``metrics.jsonl``) into one PNG grid of curves.
+
+Each panel is a title and a list of glob patterns over metric keys (``fnmatch``); a pattern also
+matches under any prefix (``clip_frac`` matches ``train/clip_frac``).  Panels with no matching key in any run are
+left out.  Several runs share each panel (one colour per run, one line style per series), which is
+how IPA and GRPO runs are compared.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .metrics.logger import METRICS_FILE, read_metrics
+
+# (title, key patterns) -- order is the grid order
+PANELS = (
+    ("reward", ("reward/mean", "reward/q50", "rollout/reward_mean")),
+    ("success rate", ("success/train", "success/heldout*", "success/eval*")),
+    ("KL", ("approx_kl", "kl_mean", "kl_to_ref*")),
+    ("clip / mismatch-masked fraction", ("clip_frac", "dual_clip_frac", "mismatch_masked_frac")),
+    ("entropy", ("entropy_mean", "entropy/turn_*")),
+    ("grad norm", ("grad_norm",)),
+    ("length (tokens)", ("len/tokens_mean", "len/tokens_max", "len/failed_tokens_max", "len/success_tokens_max")),
+    ("turns", ("len/turns_mean", "len/turns_max")),
+    ("advantages", ("adv/nonzero_frac", "adv/zero_var_group_frac", "adv/negative_frac")),
+    ("tool calls", ("tools/valid_rate", "tools/repeat_rate")),
+    ("staleness", ("rollout/staleness_mean", "rollout/staleness_max")),
+    ("rollout tokens / s", ("rollout/*tokens_per_s",)),
+    ("train tokens / s", ("train/*tokens_per_s", "train_tokens_per_s")),
+    ("logprob of successful trajectories", ("logp/success_mean",)),
+    ("filtered / masked", ("status/filtered", "status/masked")),
+)
+X_AXES = {"step": "step", "wall": "wall_s"}
+_STYLES = ("-", "--", ":", "-.")
+
+
+def load_run(run_dir) -> list:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no {METRICS_FILE} (not a run directory?)")
+    recs = read_metrics(path)
+    if not recs:
+        raise ValueError(f"{path}: holds no records")
+    return recs
+
+
+def _series(recs: list, patterns: Sequence[str]) -> list:
+    keys = {k for r in recs for k in r if k not in ("step", "wall_s")}
+    out = []
+    for p in patterns:
+        for k in sorted(set(fnmatch.filter(keys, p)) | set(fnmatch.filter(keys, "*/" + p))):
+            if k not in out:
+                out.append(k)
+    return out
+
+
+def plot_runs(run_dirs: Sequence, out: Optional[str] = None, x: str = "step", ncols: int = 4) -> Path:
+    """Draw the curves of ``run_dirs`` into ``out`` (default RUN_DIR/curves.png); returns its path."""
+    if x not in X_AXES:
+        raise ValueError(f"--x: {x!r} not in {sorted(X_AXES)}")
+    if not run_dirs:
+        raise ValueError("no run directory given")
+    runs = [(Path(d).resolve().name or str(d), load_run(d)) for d in run_dirs]
+    names = [n if [m for m, _ in runs].count(n) == 1 else f"{n}#{i}" for i, (n, _) in enumerate(runs)]
+    panels = []
+    for title, pats in PANELS:
+        per_run = [_series(recs, pats) for _, recs in runs]
+        if any(per_run):
+            panels.append((title, per_run))
+    if not panels:
+        raise ValueError(f"{run_dirs[0]}: no plottable metric (keys like reward/mean, clip_frac, grad_norm)")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.3 * nrows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    xkey = X_AXES[x]
+    for ax, (title, per_run) in zip(axes.flat, panels):
+        for r, ((_, recs), keys) in enumerate(zip(runs, per_run)):
+            for s, k in enumerate(keys):
+                pts = [(rec[xkey], rec[k]) for rec in recs if rec.get(k) is not None and rec.get(xkey) is not None]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                label = k if len(runs) == 1 else f"{names[r]}: {k}"
+                ax.plot(xs, ys, _STYLES[s % len(_STYLES)], color=colors[r % len(colors)] if len(runs) > 1
+                        else colors[s % len(colors)], label=label, lw=1.4, marker="." if len(xs) < 30 else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("wall time (s)" if x == "wall" else "step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("  vs  ".join(names), fontsize=11)
+    fig.tight_layout()
+    path = Path(out) if out else Path(run_dirs[0]) / "curves.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m arl.plot", description="Render run directories into a PNG of curves.")
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png of the first run)")
+    ap.add_argument("--x", default="step", choices=sorted(X_AXES), help="x axis: step or wall time")
+    args = ap.parse_args(argv)
+    try:
+        path = plot_runs(args.run_dirs, args.out, args.x)
+    except (ValueError, OSError) as e:
+        print(f"arl.plot: error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

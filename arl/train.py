@@ -1,18 +1,20 @@
 """Entry point: ``python -m arl.train --config configs/X.yaml [key.sub=value ...] [--dry-run]``.
 
 ``--dry-run`` validates the config and prints the process layout, the device assignment and a
-memory estimate without starting any engine or process.
+memory estimate without starting any engine or process; ``--print-config`` prints the resolved
+config (every key, defaults included) as YAML.
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
-process takes its role in the config's layout (``arl.trainer.cluster``); started plainly, the CPU
-layout's launcher spawns the trainer ranks and the rollout process itself.
+process takes its role in the config's layout (``arl.launch``); started plainly, the CPU
+layout's launcher spawns the trainer ranks and the rollout processes itself (``arl.launch``).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .config import ConfigError, load_config
+from .config import ConfigError, dump_config, load_config
+from .launch import launch, launch_distributed, under_launcher
 from .layout import plan
 
 
@@ -20,6 +22,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m arl.train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run, equal to configs/tiny_cpu.yaml)")
     ap.add_argument("--dry-run", action="store_true", help="validate, print layout + memory estimate, exit")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config (all keys) as YAML, exit")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     # the deepspeed launcher passes --local_rank (LOCAL_RANK is read from the environment)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -35,17 +38,16 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"arl.train: config error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
     if args.dry_run:
         print(f"config OK: {args.config or '<built-in default>'}")
         print(layout.render())
         return 0
-    from .trainer.cluster import launch_distributed, under_launcher
-
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
         run_dir = launch_distributed(cfg, resume=args.resume)
     else:
-        from .trainer.loop import launch
-
         run_dir = launch(cfg, resume=args.resume)
     if run_dir is not None:
         print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")

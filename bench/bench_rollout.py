@@ -79,12 +79,13 @@ def _sample_seed(seed, sample):
 
 
 async def _manager_run(engine, fmt, ep_cfg, n, group, batches, weights_dir, staleness):
-    from arl.rollout import RolloutConfig, RolloutManager
+    from arl.config import RolloutConfig
+    from arl.rollout import RolloutManager
 
-    cfg = RolloutConfig(group_size=group, groups_per_step=n // group, max_staleness=staleness,
-                        env_pool_size=n * (staleness + 1), max_retries=0, seed=SEED,
-                        episode=ep_cfg)  # same sampling seeds as the baselines
-    mgr = RolloutManager(engine, ToolLatencyEnv, fmt, tasks=range(batches * n // group), config=cfg)
+    cfg = RolloutConfig(group_size=group, staleness=staleness, retries=0)
+    mgr = RolloutManager(engine, ToolLatencyEnv, fmt, tasks=range(batches * n // group), config=cfg,
+                         groups_per_step=n // group, pool_size=n * (staleness + 1), episode=ep_cfg,
+                         seed=SEED)  # same sampling seeds as the baselines
     out = []
     async with mgr:
         for b in range(batches):
@@ -138,10 +139,11 @@ MODES = {"async": run_async, "async_staleness0": run_async_staleness0, "lockstep
 async def main_async(args):
     from transformers import AutoTokenizer
 
-    from arl.models import TinyModelConfig, build_tiny_model
+    from arl.config import TinyModelConfig
+    from arl.model.tiny import build_tiny_model
     from arl.rollout import ChatFormat, EpisodeConfig, SamplingConfig, VLLMEngine
 
-    model_dir = build_tiny_model(config=TinyModelConfig(envs=("toy_lookup",)))
+    model_dir = build_tiny_model(config=TinyModelConfig(vocab_size=512, intermediate=256), envs=("toy_lookup",))
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
     # the model's own weights, reloaded after every batch as the trainer's sync would
     weights_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),

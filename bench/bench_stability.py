@@ -67,7 +67,7 @@ def _mean(xs):
 def run_sft(out: Path, overrides: list) -> Path:
     """The shared warm start: an SFT-only run; returns its exported HF model directory."""
     from arl.config import load_config
-    from arl.trainer.loop import launch
+    from arl.launch import launch
 
     cfg = load_config(str(ROOT / CONFIG), [f"output_dir={out}", "logging.progress=false", *overrides,
                                            "trainer.steps=0"])
@@ -81,7 +81,7 @@ def run_sft(out: Path, overrides: list) -> Path:
 def run_variant(out: Path, overrides: list) -> dict:
     from arl.config import load_config
     from arl.metrics.logger import read_metrics
-    from arl.trainer.loop import launch
+    from arl.launch import launch
 
     cfg = load_config(str(ROOT / CONFIG), [f"output_dir={out}", "logging.progress=false", *overrides])
     t0 = time.perf_counter()

@@ -1,10 +1,10 @@
-"""Roles of the processes that torchrun / the deepspeed launcher start (arl/trainer/cluster.py)."""
+"""Roles of the processes that torchrun / the deepspeed launcher start (arl/launch.py)."""
 import os
 
 import pytest
 
 from arl.config import load_config
-from arl.trainer.cluster import assign_role
+from arl.launch import assign_role
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,7 @@ def test_cpu_roles_and_wrong_world():
 
 
 def test_plain_python_refuses_gpu_layout():
-    from arl.trainer.loop import launch
+    from arl.launch import launch
 
     with pytest.raises(ValueError, match="launch them with torchrun or deepspeed"):
         launch(_cfg("qwen2.5-7b_8gpu.yaml"))

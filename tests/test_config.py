@@ -81,3 +81,32 @@ def test_too_big_for_the_gpu_is_caught_by_dry_run(capsys):
 def test_builtin_default_is_the_readme_main_job():
     # `python -m arl.train` without --config must run what the README's main line runs
     assert load_config(None).model_dump() == load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")).model_dump()
+
+
+def test_print_config_is_the_resolved_config_and_loads_back(tmp_path, capsys):
+    """``--print-config``: every key with its value (defaults included), as YAML that is itself a
+    valid config giving the same run."""
+    assert main(["--print-config", "trainer.steps=7", "rollout.over_cap=mask"]) == 0
+    text = capsys.readouterr().out
+    for key in ("seed:", "output_dir:", "stabilizers:", "dynamic_sampling:", "log_ratio_clamp:", "over_cap: mask",
+                "steps: 7"):
+        assert key in text, key
+    path = tmp_path / "resolved.yaml"
+    path.write_text(text)
+    assert load_config(str(path)).model_dump() == load_config(None, ["trainer.steps=7",
+                                                                      "rollout.over_cap=mask"]).model_dump()
+
+
+def test_one_error_formatter_for_every_section():
+    """Sections report through one formatter: nested keys joined into one dotted path, unknown keys
+    with the keys allowed there, and the same line whether built alone or inside the config."""
+    from arl.config import StabilizerConfig, TinyModelConfig
+
+    with pytest.raises(ConfigError, match=r"^stabilizers\.curriculum\.x: unknown key \(allowed: enabled, until_step"):
+        load_config(None, ["stabilizers.curriculum.x=1"])
+    with pytest.raises(ValueError, match=r"^StabilizerConfig: curriculum\.x: unknown key"):
+        StabilizerConfig(curriculum={"x": 1})
+    with pytest.raises(ConfigError, match=r"^model\.tiny\.hidden: 30 must be divisible by heads"):
+        load_config(None, ["model.tiny.hidden=30"])
+    with pytest.raises(ValueError, match="hidden"):
+        TinyModelConfig(hidden=30, heads=4)

@@ -1,4 +1,5 @@
-"""Several rollout engines feeding one trainer (arl/trainer/link.py): task shares, batch merging
+"""Several rollout engines feeding one trainer (arl/trainer/link.py): task shares
+(arl/rollout/worker.py), batch merging (arl/data/batch.py)
 and trainer rank 0's queue handling, without processes (the torchrun end-to-end test runs two
 real engines)."""
 import itertools
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from arl.data.trajectory import Trajectory
-from arl.rollout.manager import RolloutBatch
-from arl.trainer.link import RolloutLink, engine_task_seeds, merge_batches
+from arl.data.batch import RolloutBatch, merge_batches
+from arl.rollout.worker import engine_task_seeds
+from arl.trainer.link import RolloutLink
 
 
 def _take(it, n):

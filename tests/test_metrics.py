@@ -14,10 +14,10 @@ from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus
 from arl.loss.config import LossConfig
 from arl.loss.reference import group_advantages
-from arl.metrics import (advantage_stats, per_turn_mean, per_turn_sums, success_logprob_mean, success_rate,
-                         trajectory_metrics, turn_means)
+from arl.metrics import per_turn_mean, per_turn_sums, success_logprob_mean, success_rate, trajectory_metrics, turn_means
 from arl.metrics.logger import MetricsLogger, read_metrics
-from arl.metrics.plot import main as plot_main
+from arl.plot import main as plot_main
+from arl.stabilizers.advantages import group_step_advantages, step_advantages
 
 OK, MASKED, FILTERED = TrajectoryStatus.OK, TrajectoryStatus.MASKED, TrajectoryStatus.FILTERED
 
@@ -51,7 +51,7 @@ def batch():
 
 
 def test_trajectory_metrics_exact(batch):
-    m = trajectory_metrics(batch, current_version=6, rollout_s=2.0)
+    m = trajectory_metrics(batch, rollout_s=2.0)
     r = np.array([1.0, 0.0, 0.0, 0.5])  # the OK trajectories
     g0 = 0.5 / (math.sqrt(0.5) + 1e-6)  # group 0: rewards (1, 0), unbiased std sqrt(0.5)
     expected = {
@@ -59,8 +59,6 @@ def test_trajectory_metrics_exact(batch):
         "reward/mean": 0.375, "reward/std": math.sqrt(0.171875), "reward/min": 0.0, "reward/max": 1.0,
         "reward/q10": 0.0, "reward/q25": 0.0, "reward/q50": 0.25, "reward/q75": 0.625, "reward/q90": 0.85,
         "reward/pos_frac": 0.5, "success/train": 0.25,
-        # non-FILTERED: g0 (1, 0) -> +-g0; g1 (0, 0 masked) and g2 (0.5 alone) have zero variance
-        "adv/nonzero_frac": 2 / 5, "adv/negative_frac": 1 / 5, "adv/zero_var_group_frac": 2 / 3,
         "len/tokens_mean": 12.5, "len/tokens_max": 20, "len/gen_tokens_mean": 33 / 4, "len/gen_tokens_max": 14,
         "len/turns_mean": 1.75, "len/turns_max": 3,
         "len/failed_count": 3, "len/failed_tokens_mean": 38 / 3, "len/failed_tokens_max": 20,
@@ -69,7 +67,6 @@ def test_trajectory_metrics_exact(batch):
         "tools/calls": 5, "tools/calls_per_traj": 1.25, "tools/valid_rate": 0.8,
         "tools/repeat_rate": 1 / 5, "tools/repeat_trajs_frac": 1 / 4,
         "tools/count/lookup": 3, "tools/per_traj/lookup": 0.75, "tools/count/search": 1, "tools/per_traj/search": 0.25,
-        "staleness/mean": 9 / 6, "staleness/max": 3,  # versions 5 4 5 3 5 5 at version 6
         "rollout/tokens_per_s": 60 / 2, "rollout/gen_tokens_per_s": (33 + 0 + 3) / 2,
         "time/gen_s_mean": 2.0, "time/tool_s_mean": 0.5,
     }
@@ -77,11 +74,24 @@ def test_trajectory_metrics_exact(batch):
     for k, v in expected.items():
         assert m[k] == pytest.approx(v, abs=1e-12), k
     assert float(np.std(r)) == pytest.approx(m["reward/std"])
-    # the advantage figures are the loss's own group_advantages
+
+
+def test_step_advantage_figures_exact(batch):
+    """The step's advantages and their figures, computed once (arl/stabilizers/advantages.py)."""
+    g0 = 0.5 / (math.sqrt(0.5) + 1e-6)  # group 0: rewards (1, 0), unbiased std sqrt(0.5)
+    adv = step_advantages(batch, LossConfig())
+    # non-FILTERED: g0 (1, 0) -> +-g0; g1 (0, 0 masked) and g2 (0.5 alone) have zero variance;
+    # the FILTERED trajectory is not packed: 0, in no group
+    np.testing.assert_allclose(adv.per_trajectory, [g0, -g0, 0, 0, 0, 0], rtol=0, atol=1e-12)
+    expected = {"adv/nonzero_frac": 2 / 5, "adv/negative_frac": 1 / 5, "adv/zero_var_group_frac": 2 / 3,
+                "stab/neg_adv_share": 1 / 4, "stab/adv_mean": 0.0, "stab/adv_abs_mean": 2 * g0 / 4}
+    for k, v in expected.items():
+        assert adv.metrics[k] == pytest.approx(v, abs=1e-12), k
+    # the loss's own group_advantages over the same population
     kept = [t for t in batch if t.status is not FILTERED]
-    adv, nz, G = group_advantages(torch.tensor([t.reward for t in kept], dtype=torch.float64),
+    ref, nz, G = group_advantages(torch.tensor([t.reward for t in kept], dtype=torch.float64),
                                   torch.tensor([t.group_id for t in kept]), LossConfig())
-    assert adv[0].item() == pytest.approx(g0) and (nz, G) == (2, 3)
+    assert adv.per_trajectory[0] == pytest.approx(ref[0].item(), abs=0) and (nz, G) == (2, 3)
 
 
 def test_metrics_optional_keys_and_empty_sets():
@@ -90,7 +100,7 @@ def test_metrics_optional_keys_and_empty_sets():
     assert m["tools/valid_rate"] == pytest.approx(2 / 3) and m["tools/calls"] == 3
     assert not any(k.startswith(("tools/repeat", "staleness/", "rollout/", "time/")) for k in m)
     assert m["len/success_count"] == 0 and m["len/success_tokens_max"] == 0.0
-    empty = trajectory_metrics([], current_version=0)
+    empty = trajectory_metrics([])
     assert all(math.isfinite(v) for v in empty.values()) and empty["reward/mean"] == 0.0
     # per-tool counts from the call records when the episode kept no "tools" counter
     u = traj(5, [(1, 5)], 1.0, calls=[call("lookup", {"k": 1}), call("run", {}), call(None, None, True)])
@@ -108,21 +118,24 @@ def test_metrics_bad_input():
         trajectory_metrics([t, "x"])
     with pytest.raises(ValueError, match="rollout_s"):
         trajectory_metrics([t], rollout_s=0.0)
-    with pytest.raises(ValueError, match="adv_norm"):
-        trajectory_metrics([t], adv_norm="zscore")
-    with pytest.raises(ValueError, match="group_ids"):
-        advantage_stats([1.0, 0.0], [0])
+    with pytest.raises(ValueError, match="rewards: shape"):
+        group_step_advantages([t], [1.0, 0.0], LossConfig())
+    with pytest.raises(ValueError, match="non-finite"):
+        group_step_advantages([t], [float("nan")], LossConfig())
 
 
 @pytest.mark.parametrize("adv_norm", ["group_std", "group_mean", "none"])
-def test_advantage_stats_match_loss(adv_norm):
+def test_step_advantages_match_loss(adv_norm):
     rng = np.random.default_rng(0)
     rewards, groups = rng.integers(0, 3, 24).astype(float) - 1, np.repeat(np.arange(6), 4)
-    adv, nz, G = group_advantages(torch.tensor(rewards), torch.tensor(groups), LossConfig(adv_norm=adv_norm))
-    s = advantage_stats(rewards.tolist(), groups.tolist(), adv_norm)
-    assert s["adv/nonzero_frac"] == pytest.approx(float((adv != 0).double().mean()))
-    assert s["adv/negative_frac"] == pytest.approx(float((adv < 0).double().mean()))
-    assert s["adv/zero_var_group_frac"] == pytest.approx(nz / G)
+    cfg = LossConfig(adv_norm=adv_norm)
+    adv, nz, G = group_advantages(torch.tensor(rewards), torch.tensor(groups), cfg)
+    trajs = [traj(4, [(1, 4)], float(r), int(g)) for r, g in zip(rewards, groups)]
+    s = step_advantages(trajs, cfg)
+    np.testing.assert_array_equal(s.per_trajectory, adv.numpy())
+    assert s.metrics["adv/nonzero_frac"] == pytest.approx(float((adv != 0).double().mean()))
+    assert s.metrics["adv/negative_frac"] == pytest.approx(float((adv < 0).double().mean()))
+    assert s.metrics["adv/zero_var_group_frac"] == pytest.approx(nz / G)
 
 
 def test_repeated_calls_from_decoded_turns():
@@ -265,6 +278,7 @@ def test_plot_errors(tmp_path, capsys, monkeypatch):
     assert plot_main([str(tmp_path)]) == 2 and "no plottable metric" in capsys.readouterr().err
     # the `python -m arl.plot` entry point (run in-process: a subprocess costs a 10 s import)
     monkeypatch.setattr(sys, "argv", ["arl.plot", str(tmp_path / "nope")])
+    monkeypatch.delitem(sys.modules, "arl.plot")  # run as __main__, not as the module imported above
     with pytest.raises(SystemExit) as e:
         runpy.run_module("arl.plot", run_name="__main__")
     assert e.value.code == 2 and "no metrics.jsonl" in capsys.readouterr().err

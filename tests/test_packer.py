@@ -55,11 +55,16 @@ pack_args = st.fixed_dictionaries(dict(
 ))
 
 
-def pack(trajs, p, loss=None):
+def marker_advantages(trajs):
+    """Distinct per-trajectory values: where each one lands shows the packer's bookkeeping."""
+    return np.arange(len(trajs), dtype=np.float64) / 7.0 - 1.0
+
+
+def pack(trajs, p, loss=None, advantages=None):
     budget = max([len(t) for t in trajs] + [1]) + p["slack"]
     cfg = PackerConfig(token_budget=budget, num_ranks=p["ranks"], keep_groups=p["keep_groups"],
                        seed=p["seed"], attn_coef=p["attn"])
-    return cfg, pack_step(trajs, cfg, loss)
+    return cfg, pack_step(trajs, cfg, loss, advantages=advantages)
 
 
 def packed_trajs(trajs):
@@ -74,7 +79,8 @@ def effective_chunk_ids(t):
 @given(step_args, pack_args)
 def test_structure(s, p):
     trajs = make_step(**s)
-    cfg, ps = pack(trajs, p)
+    given = marker_advantages(trajs)
+    cfg, ps = pack(trajs, p, advantages=given)
     B = cfg.token_budget
     assert len(ps.ranks) == p["ranks"]
     counts = {len(r) for r in ps.ranks}
@@ -111,6 +117,7 @@ def test_structure(s, p):
                 tr = local >= 0
                 assert np.array_equal(np.diff(local[tr]) > 0, np.diff(glob[tr]) > 0)
                 assert mb.rewards[k].item() == pytest.approx(t.reward, rel=1e-6, abs=1e-6)
+                assert mb.advantages.dtype == torch.float64 and mb.advantages[k].item() == given[i]
                 gid = -(i + 1) if t.status == TrajectoryStatus.MASKED else t.group_id  # placeholders: own group
                 assert (mb.group_ids[k].item(), mb.policy_versions[k].item()) == (gid, t.policy_version)
     # exactly the non-filtered trajectories, each once
@@ -240,21 +247,19 @@ def test_micro_batches_reproduce_step_loss_and_grad(lc, s, p):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
-@settings(max_examples=25, **SETTINGS)
-@given(step_args, pack_args, st.sampled_from(["group_std", "group_mean", "none"]))
-def test_advantages_are_step_wide(s, p, norm):
-    trajs = make_step(**s)
-    loss = LossConfig(adv_norm=norm)
-    _, ps = pack(trajs, {**p, "keep_groups": False}, loss)
-    idx = packed_trajs(trajs)
-    if not idx:
-        return
-    adv, _, _ = group_advantages(torch.tensor([float(np.float32(trajs[i].reward)) for i in idx], dtype=torch.float64),
-                                 torch.tensor([-(i + 1) if trajs[i].status == TrajectoryStatus.MASKED else trajs[i].group_id for i in idx]), loss)
-    want = dict(zip(idx, adv.tolist()))
-    for mb in ps.all_micro_batches():
-        for i, a in zip(mb.traj_indices.tolist(), mb.advantages.tolist()):
-            assert a == pytest.approx(want[i], rel=1e-6, abs=1e-6)
+def test_advantages_are_carried_not_computed():
+    """Without given advantages the micro-batches carry none (policy_loss then normalizes in the
+    micro-batch); a wrong shape or a non-finite value is refused with one line."""
+    trajs = make_step(seed=1, n=8, max_len=40)
+    _, ps = pack(trajs, dict(ranks=2, slack=0, keep_groups=True, seed=0, attn=0.0))
+    assert all(mb.advantages is None for mb in ps.all_micro_batches())
+    cfg = PackerConfig(token_budget=200)
+    with pytest.raises(ValueError, match="advantages: shape"):
+        pack_step(trajs, cfg, advantages=np.zeros(3))
+    bad = np.zeros(len(trajs))
+    bad[2] = np.nan
+    with pytest.raises(ValueError, match="advantages: non-finite value nan at index 2"):
+        pack_step(trajs, cfg, advantages=bad)
 
 
 # ---- balance -------------------------------------------------------------------------------
@@ -415,7 +420,7 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
     s = {**s, "n": max(s["n"], 2), "max_len": min(s["max_len"], 120), "filtered": 0.0}
     trajs = make_step(**s)
     loss = LossConfig(**lc)
-    _, ps = pack(trajs, {**p, "keep_groups": False, "slack": p["slack"] % 40}, loss)
+    ps_cfg, _ = pack(trajs, {**p, "keep_groups": False, "slack": p["slack"] % 40}, loss)
     idx = packed_trajs(trajs)
     gen = torch.Generator().manual_seed(s["seed"])
     old = {i: -torch.rand(len(trajs[i]), generator=gen, dtype=torch.float64) * 2 for i in idx}
@@ -425,6 +430,11 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
     if not bool((w["chunk_ids"] >= 0).any()):
         return
     w["rewards"] = torch.tensor([trajs[i].reward for i in idx], dtype=torch.float64)
+    # the step's advantages, normalized over the whole step (as arl/stabilizers/advantages.py does
+    # before packing), handed to the packer
+    step_adv = np.zeros(len(trajs))
+    step_adv[idx] = group_advantages(w["rewards"], w["group_ids"], loss)[0].numpy()
+    ps = pack_step(trajs, ps_cfg, loss, advantages=step_adv)
     total = policy_loss(w.pop("logp"), torch.cat([old[i] for i in idx]), config=loss, **w).loss
     acc = torch.zeros((), dtype=torch.float64)
     for mb in ps.all_micro_batches():
@@ -445,15 +455,28 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
 
 
 def test_masked_placeholder_does_not_move_its_groups_advantages():
+    """In-micro-batch normalization (no advantages given): a placeholder is a group of its own, so
+    the real members' loss and gradient are those without it."""
     rng = np.random.default_rng(5)
     group = [make_traj(i, 20, rng, group_size=3) for i in range(3)]  # one group of 3
     for t, r in zip(group, (1.0, 0.0, 0.0)):
         t.reward = r
     ph = make_traj(2, 20, rng, group_size=3, status=TrajectoryStatus.MASKED)
     ph.reward = 0.0
-    base = pack_step(group[:2], PackerConfig(token_budget=200), LossConfig())
-    with_ph = pack_step(group[:2] + [ph], PackerConfig(token_budget=200), LossConfig())
-    adv = lambda ps: {int(i): float(a) for mb in ps.all_micro_batches()  # noqa: E731
-                      for i, a in zip(mb.traj_indices.tolist(), mb.advantages.tolist())}
-    a0, a1 = adv(base), adv(with_ph)
-    assert a1[0] == pytest.approx(a0[0]) and a1[1] == pytest.approx(a0[1]) and a1[2] == 0.0
+
+    def grads(trajs):
+        (mb,) = pack_step(trajs, PackerConfig(token_budget=200), LossConfig()).all_micro_batches()
+        logp = (mb.rollout_logp.double() - 0.1).requires_grad_(True)
+        kw = {**mb.loss_kwargs(), "rollout_logp": mb.rollout_logp.double()}
+        policy_loss(logp, mb.rollout_logp.double(), config=LossConfig(), **kw).loss.backward()
+        order = mb.traj_indices.tolist()
+        cu = mb.cu_seqlens.tolist()
+        return mb, {i: logp.grad[cu[k]:cu[k + 1]] for k, i in enumerate(order)}
+
+    mb, g_ph = grads(group[:2] + [ph])
+    assert sorted(mb.group_ids.tolist()) == sorted([group[0].group_id, group[1].group_id, -3])
+    _, g0 = grads(group[:2])
+    for i in (0, 1):
+        assert g0[i].abs().max() > 0
+        torch.testing.assert_close(g_ph[i], g0[i], rtol=0, atol=0)
+    assert not g_ph[2].abs().max() > 0  # the placeholder trains nothing

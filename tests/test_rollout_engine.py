@@ -96,7 +96,7 @@ def test_weight_sync_forces_tokens_and_stop_string(vllm_engine, tiny_model_dir, 
         # the weight-sync group (gloo here, NCCL on GPU): "trainer rank 0" (a thread here) broadcasts
         # the tensors straight into the engine's worker, which reloads them; no files
         from arl.rollout.weight_sync import FromGroup, make_group, send, tensor_meta
-        from arl.trainer.dist import free_port
+        from arl.procs import free_port
 
         port, forced_sd = free_port(), _forced_weights(tiny_model_dir, stop_id)
         box = {}

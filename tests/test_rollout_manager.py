@@ -10,7 +10,8 @@ import pytest
 from arl.data.trajectory import TrajectoryStatus
 from arl.env.base import Environment, Fault, StepResult
 from arl.env.registry import make_env
-from arl.rollout import (ChatFormat, EpisodeConfig, RolloutConfig, RolloutManager, SamplingConfig,
+from arl.config import RolloutConfig
+from arl.rollout import (ChatFormat, EpisodeConfig, RolloutManager, SamplingConfig,
                          run_episode)
 
 SAMPLING = SamplingConfig(max_tokens=4, stop=())  # a random tiny model: fixed-length turns
@@ -120,9 +121,11 @@ def test_limits_max_turns_and_total_tokens(vllm_engine, tiny_tokenizer, arun):
     assert len(t) <= 60 and t.reward == 0.0 and t.metadata["truncated"] == "max_total_tokens"
 
 
-def _manager(engine, tok, env_factory, tasks, **kw):
-    cfg = RolloutConfig(episode=EpisodeConfig(max_turns=3, sampling=SAMPLING), **kw)
-    return RolloutManager(engine, env_factory, tok, tasks=tasks, config=cfg)
+def _manager(engine, tok, env_factory, tasks, groups_per_step, seed=None, **rollout):
+    """A manager on the ``rollout`` config section ``rollout`` (YAML key names)."""
+    return RolloutManager(engine, env_factory, tok, tasks=tasks, config=RolloutConfig(**rollout),
+                          groups_per_step=groups_per_step, episode=EpisodeConfig(max_turns=3, sampling=SAMPLING),
+                          seed=seed)
 
 
 def test_faults_keep_batch_size_and_filter_cap(vllm_engine, tiny_tokenizer, arun):
@@ -130,7 +133,7 @@ def test_faults_keep_batch_size_and_filter_cap(vllm_engine, tiny_tokenizer, arun
 
     async def go():
         m = _manager(vllm_engine, tiny_tokenizer, FaultyEnv, range(8), group_size=2, groups_per_step=4,
-                     max_staleness=0, max_retries=1, max_filtered_frac=0.5)
+                     staleness=0, retries=1, filter_cap=0.5)
         async with m:
             b1 = await m.get_batch()
             await m.update_weights(vllm_engine.model_path)
@@ -166,7 +169,7 @@ def test_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
 
     async def go():
         m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), range(100), group_size=n,
-                     groups_per_step=G, max_staleness=staleness)
+                     groups_per_step=G, staleness=staleness)
         seen = []
         async with m:
             for step in range(steps):
@@ -179,6 +182,14 @@ def test_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
                         await m.get_batch()
                     with pytest.raises(ValueError, match="max_staleness"):
                         await m.get_batch()
+                    # the rollout process waits for the weights instead, and goes on once they come
+                    assert not m.due()
+                    waiter = asyncio.create_task(m.wait_for_weights())
+                    await asyncio.sleep(0.05)
+                    assert not waiter.done()
+                    await m.update_weights(vllm_engine.model_path)
+                    await asyncio.wait_for(waiter, 5)
+                    assert m.due()
                     return seen
                 await m.update_weights(vllm_engine.model_path)
         return seen
@@ -194,7 +205,7 @@ def test_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
 def test_env_reset_determinism_through_rollout(vllm_engine, tiny_tokenizer, arun):
     async def go():
         m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), [3, 4], group_size=2,
-                     groups_per_step=2, max_staleness=0, seed=123)
+                     groups_per_step=2, staleness=0, seed=123)
         async with m:
             return await m.get_batch()
 
@@ -217,7 +228,7 @@ def test_get_groups_refills_the_step_within_the_staleness_bound(vllm_engine, tin
 
     async def go():
         m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), range(100), group_size=n,
-                     groups_per_step=G, max_staleness=staleness)
+                     groups_per_step=G, staleness=staleness)
         async with m:
             with pytest.raises(ValueError, match="get_batch first"):
                 await m.get_groups(1)
@@ -246,7 +257,7 @@ def test_episode_start_from_expert_chunk_k(vllm_engine, tiny_tokenizer, arun):
     and the model samples from chunk k on; a prefix that cannot be replayed is a ValueError."""
     from arl.env.expert import expert_transcript
     from arl.env.toy import ToyLookupEnv
-    from arl.stabilizers import expert_trajectory, start_state, tag_resampled
+    from arl.data.expert import expert_trajectory, start_state, tag_resampled
 
     fmt = ChatFormat(tiny_tokenizer)
     env = ToyLookupEnv(min_hops=3, max_hops=3)
@@ -284,7 +295,7 @@ def test_manager_start_for_hook_resamples_from_expert_prefixes(vllm_engine, tiny
     gave its task, trajectories are tagged, and only sample 0 imitates the prefix."""
     from arl.env.expert import expert_transcript
     from arl.env.toy import ToyLookupEnv
-    from arl.stabilizers import expert_trajectory, start_state
+    from arl.data.expert import expert_trajectory, start_state
 
     fmt = ChatFormat(tiny_tokenizer)
     seen = {}
@@ -295,12 +306,13 @@ def test_manager_start_for_hook_resamples_from_expert_prefixes(vllm_engine, tiny
         seen[seed] = start_state(expert_trajectory(fmt, env.system_prompt, task, tr, task_seed=seed), 2)
         return seen[seed]
 
-    cfg = RolloutConfig(group_size=3, groups_per_step=2, max_staleness=0, seed=0,
-                        episode=EpisodeConfig(sampling=SamplingConfig(max_tokens=24, temperature=1.0)))
+    cfg = RolloutConfig(group_size=3, staleness=0)
+    episode = EpisodeConfig(sampling=SamplingConfig(max_tokens=24, temperature=1.0))
 
     async def go():
         async with RolloutManager(vllm_engine, lambda: ToyLookupEnv(min_hops=3, max_hops=3), fmt,
-                                  tasks=iter([21, 22]), config=cfg, start_for=start_for) as m:
+                                  tasks=iter([21, 22]), config=cfg, groups_per_step=2, episode=episode, seed=0,
+                                  start_for=start_for) as m:
             return await m.get_batch()
 
     batch = arun(go())
@@ -321,12 +333,14 @@ def test_ipa_start_hook_with_unsolvable_tasks(tiny_tokenizer, arun):
     from arl.config import load_config
     from arl.env import make_env
     from arl.rollout.episode import Episode
-    from arl.trainer.loop import _ipa_start_hook
+    from arl.rollout.expert import expert_start_hook
+    from arl.stabilizers import IPAResampler
 
     cfg = load_config(None, ["env.kwargs.unsolvable_frac=0.5", "stabilizers.ipa.enabled=true",
                              "stabilizers.turn_credit.enabled=false", "stabilizers.ipa.steps_per_chunk=1"])
     fmt = ChatFormat(tiny_tokenizer)
-    resampler, start_for = _ipa_start_hook(cfg, fmt)
+    resampler = IPAResampler(cfg.stabilizers.ipa)
+    start_for = expert_start_hook(cfg, fmt, resampler)
     resampler.offset = 2  # resume from two chunks before the end
     kinds = set()
     for seed in range(16):

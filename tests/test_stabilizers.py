@@ -1,18 +1,21 @@
 """Stabilizers on scripted batches: exact masks, weights, advantages, schedules, monitors, IPA."""
 import asyncio
+import functools
 
 import numpy as np
 import pytest
 import torch
 
+from arl.data.batch import RolloutBatch
+from arl.data.expert import expert_trajectory, start_state, tag_resampled
 from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus as S
 from arl.loss import LossConfig, policy_loss
+from arl.rollout.manager import fill_batch
 from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSampler, IPAResampler, StabilizerConfig,
-                             Stabilizers, behaviour_metrics, entropy_coef, expert_trajectory, filter_zero_variance_groups,
-                             ipa_mixed_loss, ipa_normalizers, shape_rewards, split_chunk_roles, start_state,
-                             tag_resampled)
-from arl.stabilizers.config import (AdaptiveKLConfig, DynamicSamplingConfig, EntropyScheduleConfig,
+                             Stabilizers, behaviour_metrics, entropy_coef, filter_zero_variance_groups,
+                             ipa_mixed_loss, ipa_normalizers, shape_rewards, split_chunk_roles)
+from arl.config.stabilizers import (AdaptiveKLConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                                     IPAResampleConfig, MonitorConfig, ShapingConfig)
 
 EPS = LossConfig().adv_eps
@@ -92,25 +95,21 @@ class _RefillManager:
         self.groups, self.asked = list(groups), []
 
     async def get_groups(self, n):
-        from arl.rollout.manager import RolloutBatch
-
         self.asked.append(n)
         out, self.groups = self.groups[:n], self.groups[n:]
         return RolloutBatch(7, [t for g in out for t in g], {})
 
 
 def test_fill_batch_asks_the_manager_for_replacements():
-    from arl.rollout.manager import RolloutBatch
-    from arl.stabilizers.dynamic_sampling import fill_batch
-
     first = RolloutBatch(7, [traj(1, 0), traj(0, 0), traj(0, 1), traj(0, 1), traj(1, 2), traj(1, 2)], {"rollout/x": 1})
     mgr = _RefillManager([[traj(0, 3), traj(0, 3)], [traj(1, 4), traj(0, 4)], [traj(0, 5), traj(1, 5)]])
-    out = asyncio.run(fill_batch(mgr, first, DynamicSamplingConfig(enabled=True, max_rounds=3)))
+    out = asyncio.run(fill_batch(mgr, first, functools.partial(DynamicSampler, DynamicSamplingConfig(enabled=True,
+                                                                                                      max_rounds=3))))
     assert mgr.asked == [2, 1]  # two zero-variance groups dropped, then the one still missing
     assert out.step == 7 and sorted({t.group_id for t in out.trajectories}) == [0, 4, 5]
     assert out.metrics["rollout/x"] == 1 and out.metrics["stab/extra_trajectories"] == 6
     assert out.metrics["stab/zero_var_frac"] == pytest.approx(3 / 6)
-    off = asyncio.run(fill_batch(mgr, first, DynamicSamplingConfig()))
+    off = asyncio.run(fill_batch(mgr, first, None))
     assert off is first and mgr.asked == [2, 1]  # off: no extra sampling at all
 
 
@@ -152,7 +151,8 @@ def test_shaping_exact_and_capped():
     r, _ = shape_rewards([replay], ShapingConfig(enabled=True, checkpoints=("new_state",)))
     assert r[0] == pytest.approx(0.1)  # turn 1 repeats turn 0's observation "a": only turn 2 ("b") pays
     r_off, m_off = shape_rewards(b, ShapingConfig())
-    np.testing.assert_array_equal(r_off, [0, 1, 0, 1, 0, 0]) and not m_off
+    np.testing.assert_array_equal(r_off, [0, 1, 0, 1, 0, 0])
+    assert not m_off
 
 
 # ------------------------------------------------------------------- extremes and advantages
@@ -185,25 +185,27 @@ def test_extreme_weight_mode_exact():
     np.testing.assert_allclose(prep.advantages[:4], [a0[0], 0.25 * a0[1], a0[2], a0[3]], rtol=0, atol=1e-12)
 
 
-def test_off_reproduces_packer_advantages_and_weights_reach_the_loss():
+def test_off_gives_the_spec_advantages_and_weights_reach_the_loss():
     b = scripted_batch()
     loss_cfg = LossConfig()
     pcfg = PackerConfig(token_budget=256, keep_groups=False)
     plain = Stabilizers(loss_cfg=loss_cfg).prepare(b)
     assert plain.trajectories == b and plain.metrics["stab/failed_len_max"] == 44
-    for mb in pack_step(b, pcfg, loss_cfg).all_micro_batches():
+    a0, a1 = group_std([1, 0, 0, 0]), group_std([1, 0])  # the loss spec's group_std; FILTERED: 0
+    np.testing.assert_allclose(plain.advantages, [*a0, *a1, 0.0], rtol=0, atol=1e-12)
+    for mb in pack_step(b, pcfg, loss_cfg, advantages=plain.advantages).all_micro_batches():
         np.testing.assert_array_equal(mb.advantages.numpy(), plain.advantages[mb.traj_indices.numpy()])
 
     cfg = StabilizerConfig(extreme=dict(enabled=True, max_failed_tokens=20, action="weight", long_weight=0.0))
     stab = Stabilizers(cfg, loss_cfg)
     prep = stab.prepare(b)
-    packed = pack_step(prep.trajectories, pcfg, loss_cfg)
+    packed = pack_step(prep.trajectories, pcfg, loss_cfg, advantages=prep.advantages)
     stab.apply(packed, prep)
     assert all(m.ipa is None for m in packed.all_micro_batches())  # IPA off: plain policy loss
     # IPA on: every micro-batch carries its loss roles (no expert prefix here: nothing imitated,
     # every trained chunk reinforced) and the step-global normalizers
     ipa = Stabilizers(StabilizerConfig(ipa=dict(enabled=True)), loss_cfg)
-    packed_ipa = pack_step(prep.trajectories, pcfg, loss_cfg)
+    packed_ipa = pack_step(prep.trajectories, pcfg, loss_cfg, advantages=prep.advantages)
     ipa.apply(packed_ipa, prep)
     for m in packed_ipa.all_micro_batches():
         assert not m.ipa["il_mask"].any() and torch.equal(m.ipa["rl_chunk_ids"], m.chunk_ids)
@@ -482,7 +484,7 @@ def test_turn_credit_segments_equal_the_plain_loss_at_zero_weight(level, mismatc
     lc = LossConfig(ratio_level=level, gamma=0.9, mismatch_level=mismatch, mismatch_high=1.2, clip_high=0.28)
     stab = Stabilizers(StabilizerConfig(turn_credit=dict(enabled=True, weight=0.0)), lc)
     prep = stab.prepare(_tc_batch())
-    packed = pack_step(prep.trajectories, PackerConfig(token_budget=256), lc)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=256), lc, advantages=prep.advantages)
     stab.apply(packed, prep, lc)
     (mb,) = packed.all_micro_batches()
     g = torch.Generator().manual_seed(0)
@@ -518,7 +520,7 @@ def test_turn_credit_reaches_the_loss_per_chunk():
     assert ca[1][1] < ca[1][0] < 0  # b's wrong answer, compared with a's right one in the same context
     assert ca[2][0] < ca[1][0]  # c's wrong key is worse than b's right key
     assert ca[0][0] > 0 and ca[0][1] > 0  # a did everything right
-    packed = pack_step(prep.trajectories, PackerConfig(token_budget=256), lc)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=256), lc, advantages=prep.advantages)
     stab.apply(packed, prep, lc)
     (mb,) = packed.all_micro_batches()
     logp = torch.full((mb.num_tokens,), -1.0, dtype=torch.float64, requires_grad=True)

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from arl.models import TinyModelConfig, build_tiny_model
+from arl.config import TinyModelConfig
+from arl.model.tiny import build_corpus, build_tiny_model
 
 CORPUS = ["Find the value for k17.", '<tool_call>{"name": "lookup", "arguments": {"key": "k03"}}</tool_call>',
           "<answer>v42</answer>", "error: malformed tool call"] * 3
-SMALL = TinyModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=256)
+SMALL = TinyModelConfig(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, max_position=256)
 
 
 def test_build_is_deterministic_and_cached(tmp_path):
@@ -22,9 +22,9 @@ def test_build_is_deterministic_and_cached(tmp_path):
     stamp = (a / "model.safetensors").stat().st_mtime_ns
     assert build_tiny_model(tmp_path / "a", SMALL, corpus=CORPUS) == a  # cache hit: not rebuilt
     assert (a / "model.safetensors").stat().st_mtime_ns == stamp
-    c = build_tiny_model(tmp_path / "a", TinyModelConfig(**{**SMALL.__dict__, "seed": 1}), corpus=CORPUS)
+    c = build_tiny_model(tmp_path / "a", SMALL, seed=1, corpus=CORPUS)
     assert (c / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()  # key changed: rebuilt
-    assert json.loads((c / "arl_tiny.json").read_text())["config"]["seed"] == 1
+    assert json.loads((c / "arl_tiny.json").read_text())["seed"] == 1
 
 
 def test_loads_in_transformers_untied_with_chat_template(tmp_path):
@@ -53,14 +53,12 @@ def test_loads_in_transformers_untied_with_chat_template(tmp_path):
 
 
 def test_corpus_from_registered_env_and_bad_input(tmp_path):
-    from arl.models import build_corpus
-
     corpus = build_corpus(("toy_lookup",), seeds=2)
     assert any("k" in t and "<tool_call>" in t for t in corpus) and corpus == build_corpus(("toy_lookup",), seeds=2)
     with pytest.raises(ValueError, match="envs"):
         build_corpus(("no_such_env",))
-    with pytest.raises(ValueError, match="hidden_size"):
-        TinyModelConfig(hidden_size=30, num_attention_heads=4)
+    with pytest.raises(ValueError, match="hidden"):
+        TinyModelConfig(hidden=30, heads=4)
     with pytest.raises(ValueError, match="vocab_size"):
         TinyModelConfig(vocab_size=100)
     with pytest.raises(ValueError, match="corpus"):

@@ -52,7 +52,7 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
     for s in (1, 2):
         r = recs[s]
         assert r["rollout/num_trajectories"] == 8 and r["train/grad_norm"] is not None
-        assert r["staleness/max"] <= 1 and "success/heldout" in r
+        assert r["rollout/staleness_max"] <= 1 and "success/heldout" in r
         assert r["rollout/tokens_per_s"] > r["rollout/gen_tokens_per_s"] > 0 and 0 <= r["rollout/engine_idle_frac"] <= 1
         assert r["train/kl_mean"] >= 0 and r["stab/kl_skipped"] == 0  # the KL term ran and fed the controller
     assert recs[1]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # step 1's policy is the reference
@@ -236,7 +236,7 @@ def _free_port_block(n=4):
     import socket
 
     for _ in range(100):
-        from arl.trainer.dist import free_port
+        from arl.procs import free_port
 
         p = free_port()
         try:

@@ -11,6 +11,7 @@ from arl.config import OptimConfig
 from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.loss import LossConfig, policy_loss
+from arl.stabilizers.advantages import step_advantages
 
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
@@ -43,6 +44,12 @@ def trajectories(n=12, group=4, seed=0):
     return out
 
 
+def pack(trajs, world):
+    """As trainer rank 0 packs: with the step's advantages, computed once over the whole step."""
+    adv = step_advantages(trajs, LOSS).per_trajectory
+    return pack_step(trajs, PackerConfig(token_budget=160, num_ranks=world), LOSS, advantages=adv)
+
+
 def perturbed_old(logp, mb):
     return logp + 0.1 * mb.rollout_logp  # deterministic per token, whatever the packing
 
@@ -56,7 +63,7 @@ def _worker(rank, world, port, stage, result_dir):
     torch.manual_seed(0)
     model = tiny_model()
     tr = PolicyTrainer(model, optim=OPTIM, zero_stage=stage, total_steps=10, ref_model=tiny_model())
-    step = pack_step(trajectories(), PackerConfig(token_budget=160, num_ranks=world), LOSS)
+    step = pack(trajectories(), world)
     mbs = step.ranks[rank]
     raw = tr.old_logprobs(mbs)
     # the frozen reference starts as the policy: the same logprobs (partitioned too under ZeRO-3)
@@ -80,7 +87,7 @@ def _worker(rank, world, port, stage, result_dir):
     # Adam's momentum from the step above is nonzero; the step after it moves them again
     flat = [Trajectory(tokens=t.tokens, chunk_ids=t.chunk_ids, rollout_logp=t.rollout_logp, reward=1.0,
                        group_id=t.group_id) for t in trajectories(seed=1)]
-    mbs0 = pack_step(flat, PackerConfig(token_budget=160, num_ranks=world), LOSS).ranks[rank]
+    mbs0 = pack(flat, world).ranks[rank]
     m0 = tr.rl_step(mbs0, tr.old_logprobs(mbs0), LOSS)
     with gathered():
         still = all(torch.equal(p.detach(), state[n]) for n, p in params)
@@ -89,7 +96,7 @@ def _worker(rank, world, port, stage, result_dir):
         moved = any(not torch.equal(p.detach(), state[n]) for n, p in params)
     # the step-wide advantages the stabilizers write into the micro-batches are what the loss uses,
     # also for micro-batches whose groups are complete: zeroed, the step has no signal
-    mbz = pack_step(trajectories(), PackerConfig(token_budget=160, num_ranks=world), LOSS).ranks[rank]
+    mbz = pack(trajectories(), world).ranks[rank]
     for mb in mbz:
         mb.advantages = torch.zeros_like(mb.advantages)
     mz = tr.rl_step(mbz, tr.old_logprobs(mbz), LOSS)
@@ -100,9 +107,9 @@ def _worker(rank, world, port, stage, result_dir):
             "complete": sum(mb.complete_groups and not mb.is_empty for mb in mbz)}
     # the loop's metric averaging: a key reported by one rank only (empty micro-batches, IPA without RL
     # tokens) is averaged over the ranks that have it, not a collective of mismatched sizes
-    from arl.trainer.loop import _all_mean
+    from arl.trainer.dist import all_mean
 
-    skip["all_mean"] = _all_mean({"a": float(rank + 1), **({"b": 5.0} if rank == 1 else {})})
+    skip["all_mean"] = all_mean({"a": float(rank + 1), **({"b": 5.0} if rank == 1 else {})})
     if rank == 0:
         torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs), "skip": skip},
                    os.path.join(result_dir, "ds.pt"))
@@ -114,7 +121,7 @@ def _worker(rank, world, port, stage, result_dir):
 
 def single_process_reference():
     model = tiny_model()
-    step = pack_step(trajectories(), PackerConfig(token_budget=160, num_ranks=1), LOSS)
+    step = pack(trajectories(), 1)
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, weight_decay=OPTIM.weight_decay)
     from arl.model.packed import packed_logprobs
 
@@ -143,7 +150,7 @@ def single_process_reference():
 
 @pytest.mark.parametrize("stage", [2, 0, 3])
 def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
-    from arl.trainer.dist import free_port
+    from arl.procs import free_port
 
     mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path)), nprocs=2, join=True)
     ds = torch.load(tmp_path / "ds.pt")

@@ -39,7 +39,7 @@ def _main(model_dir: str, parallel: str) -> None:
 
     from arl.rollout.engine import SamplingConfig, make_engine
     from arl.rollout.weight_sync import FromGroup, make_group, send, tensor_meta
-    from arl.trainer.dist import free_port
+    from arl.procs import free_port
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

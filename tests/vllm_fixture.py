@@ -20,9 +20,11 @@ TEST_MODEL_ENVS = ("toy_lookup",)  # tokenizer corpus for tests: independent of 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from arl.models import TinyModelConfig, build_tiny_model
+    from arl.config import TinyModelConfig
+    from arl.model.tiny import build_tiny_model
 
-    return build_tiny_model(config=TinyModelConfig(envs=TEST_MODEL_ENVS))
+    # a smaller vocabulary and MLP than the main job's model: the tests' engine starts faster
+    return build_tiny_model(config=TinyModelConfig(vocab_size=512, intermediate=256), envs=TEST_MODEL_ENVS)
 
 
 @pytest.fixture(scope="session")

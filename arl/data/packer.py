@@ -30,14 +30,13 @@ ranks, all micro-batches; see arl/loss/reference.py), so that the sum over ranks
 ``policy_loss(..., normalizer=mb.normalizer)`` is the whole step's loss.  With DeepSpeed, which divides
 by the accumulation steps and averages over ranks, scale each micro-batch loss by GAS * world size.
 
-Group advantages: ``policy_loss`` computes advantages from the rewards and group ids *of the batch it
-is given*.  That equals the whole step's advantage only when every group is entirely inside one
-micro-batch, which ``keep_groups`` (default) ensures whenever the group fits in the budget; each
-micro-batch says so in ``complete_groups``, and ``PackedStep.split_groups`` lists the groups that did
-not fit.  For those (or with ``keep_groups=False``) each micro-batch also carries ``advantages``, the
-step-wide per-trajectory advantages computed with the loss config's ``adv_norm``: pass
-``policy_loss(..., advantages=mb.advantages)`` for a micro-batch whose ``complete_groups`` is False
-(passing it always is also exact).
+Advantages: the packer computes none.  The step's advantages are computed once, over the whole step
+(arl/stabilizers/advantages.py), and given to ``pack_step(..., advantages=)``; each micro-batch then
+carries its sequences' values in ``advantages`` for ``policy_loss(..., advantages=mb.advantages)``.
+Without them (``advantages`` None) ``policy_loss`` normalizes rewards within the micro-batch it is
+given, which equals the step's normalization only when every group is entirely inside it:
+``keep_groups`` (default) keeps a group together whenever it fits in the budget, each micro-batch says
+so in ``complete_groups``, and ``PackedStep.split_groups`` lists the groups that did not fit.
 """
 from __future__ import annotations
 
@@ -46,10 +45,10 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import ConfigDict, model_validator
 
-from ..loss.config import LossConfig, one_line_error
-from ..loss.reference import group_advantages
+from ..errors import OneLineErrors
+from ..loss.config import LossConfig
 from .partition import fill_bins, karmarkar_karp
 from .trajectory import Trajectory, TrajectoryStatus
 
@@ -61,7 +60,7 @@ def attn_coef_for(hidden_size: int) -> float:
     return 1.0 / (12 * hidden_size)
 
 
-class PackerConfig(BaseModel):
+class PackerConfig(OneLineErrors):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     token_budget: int  # hard cap on tokens per micro-batch
@@ -70,12 +69,6 @@ class PackerConfig(BaseModel):
     keep_groups: bool = True  # a group that fits the budget stays in one micro-batch
     overlong: Literal["error", "truncate"] = "error"
     seed: int = 0  # breaks ties between equal lengths / costs
-
-    def __init__(self, **data):
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise ValueError(one_line_error(e, "PackerConfig")) from None
 
     @model_validator(mode="after")
     def _check(self) -> "PackerConfig":
@@ -100,7 +93,7 @@ class MicroBatch:
     rollout_logp: torch.Tensor  # [T] float32
     rewards: torch.Tensor  # [N] float32
     group_ids: torch.Tensor  # [N] int64
-    advantages: torch.Tensor  # [N] float64, step-wide per-trajectory advantages
+    advantages: Optional[torch.Tensor]  # [N] float64, the step's advantages of these sequences (None: not given)
     traj_indices: torch.Tensor  # [N] int64, index of each sequence in the step's trajectory list
     policy_versions: torch.Tensor  # [N] int64
     normalizer: float  # the step's global loss denominator for the configured loss_agg
@@ -237,7 +230,7 @@ def _units(seqs: list, cfg: PackerConfig) -> list:
     return units
 
 
-def _build(seqs: list, members: list, adv: np.ndarray, normalizer: float, rank: int, index: int,
+def _build(seqs: list, members: list, adv: Optional[np.ndarray], normalizer: float, rank: int, index: int,
            attn_coef: float, complete: bool) -> MicroBatch:
     members = sorted(members, key=lambda k: seqs[k].index)
     sel = [seqs[k] for k in members]
@@ -268,7 +261,7 @@ def _build(seqs: list, members: list, adv: np.ndarray, normalizer: float, rank: 
         rollout_logp=torch.from_numpy(cat("rollout_logp", np.float32)),
         rewards=torch.tensor([x.reward for x in sel], dtype=torch.float32),
         group_ids=torch.tensor([x.group_id for x in sel], dtype=torch.int64),
-        advantages=torch.from_numpy(adv[members].astype(np.float64)) if sel else torch.zeros(0, dtype=torch.float64),
+        advantages=None if adv is None else torch.tensor([adv[x.index] for x in sel], dtype=torch.float64),
         traj_indices=torch.tensor([x.index for x in sel], dtype=torch.int64),
         policy_versions=torch.tensor([x.version for x in sel], dtype=torch.int64),
         normalizer=normalizer,
@@ -279,22 +272,23 @@ def _build(seqs: list, members: list, adv: np.ndarray, normalizer: float, rank: 
     )
 
 
-def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optional[LossConfig] = None) -> PackedStep:
-    """Pack one step's trajectories into micro-batches for ``cfg.num_ranks`` ranks (see module doc)."""
+def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optional[LossConfig] = None,
+              advantages: Optional[np.ndarray] = None) -> PackedStep:
+    """Pack one step's trajectories into micro-batches for ``cfg.num_ranks`` ranks (see module doc).
+    ``advantages``: [len(trajectories)] the step's advantages, carried into the micro-batches."""
     loss = loss if loss is not None else LossConfig()
+    if advantages is not None:
+        advantages = np.asarray(advantages, dtype=np.float64)
+        if advantages.shape != (len(trajectories),):
+            raise ValueError(f"advantages: shape {advantages.shape} does not match {len(trajectories)} trajectories")
+        if not np.isfinite(advantages).all():
+            i = int(np.flatnonzero(~np.isfinite(advantages))[0])
+            raise ValueError(f"advantages: non-finite value {advantages[i]} at index {i}")
     seqs, truncated, skipped = _prepare(trajectories, cfg)
     R, B = cfg.num_ranks, cfg.token_budget
     lengths = np.array([len(s.tokens) for s in seqs], dtype=np.int64)
     trained = np.array([int((s.chunk_ids >= 0).sum()) for s in seqs], dtype=np.int64)
     normalizer = step_normalizer(trained, loss)
-
-    if seqs:  # step-wide advantages, in the same arithmetic as the reference loss
-        adv, _, _ = group_advantages(
-            torch.tensor([s.reward for s in seqs], dtype=torch.float64),
-            torch.tensor([s.group_id for s in seqs], dtype=torch.int64), loss)
-        adv = adv.numpy()
-    else:
-        adv = np.zeros(0)
 
     units = _units(seqs, cfg)
     unit_tokens = [int(lengths[u].sum()) for u in units]
@@ -339,7 +333,7 @@ def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optio
         for j, b in enumerate(rank_bins):
             members = [k for u in b for k in units[u]]
             complete = not any(seqs[k].group_id in split_set for k in members)
-            mbs.append(_build(seqs, members, adv, normalizer, r, j, cfg.attn_coef, complete))
+            mbs.append(_build(seqs, members, advantages, normalizer, r, j, cfg.attn_coef, complete))
         ranks.append(mbs)
     return PackedStep(
         ranks=ranks,

@@ -5,18 +5,18 @@ Which trajectories each figure is computed over -- chosen to match what the loss
 
 * behaviour (reward, success, lengths, tools, repeats): status OK only -- MASKED placeholders and
   FILTERED trajectories do not say what the policy did;
-* advantages (nonzero, zero-variance groups, negative share): every non-FILTERED trajectory, with
-  ``arl.loss.reference.group_advantages`` (the packer packs MASKED placeholders with reward 0);
-* status counts and staleness: all trajectories.
+* status counts: all trajectories.
+
+The step's advantage figures (``adv/*``) come with the advantages themselves
+(arl/stabilizers/advantages.py), staleness with the batch (``rollout/staleness_*``, the manager).
 
 A figure over an empty set is 0.0 (its ``*_count`` key says the set was empty); nothing is NaN.
 
 Keys: ``reward/{mean,std,min,max,q10,q25,q50,q75,q90,pos_frac}``, ``success/train``,
-``adv/{nonzero_frac,zero_var_group_frac,negative_frac}``,
 ``len/{tokens,gen_tokens,turns}_{mean,max}``, ``len/{failed,success}_{count,tokens_mean,tokens_max}``,
 ``tools/{calls,calls_per_traj,valid_rate,repeat_rate,repeat_trajs_frac}``,
 ``tools/count/<name>``, ``tools/per_traj/<name>``, ``status/{ok,masked,filtered,truncated,faults}``,
-``staleness/{mean,max}`` (with ``current_version``), ``rollout/{tokens_per_s,gen_tokens_per_s}``
+``rollout/{tokens_per_s,gen_tokens_per_s}``
 (with ``rollout_s``), ``time/{gen_s,tool_s}_mean`` (when the episodes recorded them).
 
 Tool calls.  The preferred source is ``metadata["calls"]``: one record per tool-call attempt,
@@ -36,17 +36,15 @@ import json
 import math
 import re
 from collections import Counter
-from types import SimpleNamespace
-from typing import Any, Mapping, Optional, Sequence, get_args
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
-from arl.data.trajectory import Trajectory, TrajectoryStatus
-from arl.loss.config import AdvNorm
+from ..data.trajectory import Trajectory, TrajectoryStatus
+from ..env.toolcall import TOOL_CLOSE, TOOL_OPEN  # the turn format the environments parse
 
 QUANTILES = (10, 25, 50, 75, 90)
-ADV_NORMS = get_args(AdvNorm)
 _TAG_SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
@@ -64,31 +62,8 @@ def _tag(name: Any) -> str:
     return _TAG_SAFE.sub("_", str(name)) or "_"
 
 
-def advantage_stats(rewards: Sequence[float], group_ids: Sequence[int], adv_norm: str = "group_std",
-                    adv_eps: float = 1e-6) -> dict:
-    """Nonzero-advantage and negative-advantage shares (per trajectory) and the zero-variance group
-    fraction, with the loss's own ``group_advantages``."""
-    from arl.loss.reference import group_advantages
-
-    if len(rewards) == 0:
-        return {"adv/nonzero_frac": 0.0, "adv/negative_frac": 0.0, "adv/zero_var_group_frac": 0.0}
-    if len(rewards) != len(group_ids):
-        raise ValueError(f"advantage_stats: {len(rewards)} rewards but {len(group_ids)} group_ids")
-
-    if adv_norm not in ADV_NORMS:
-        raise ValueError(f"advantage_stats: adv_norm {adv_norm!r} not in {ADV_NORMS}")
-    cfg = SimpleNamespace(adv_norm=adv_norm, adv_eps=adv_eps)  # the two LossConfig fields it reads
-    adv, n_zero_var, n_groups = group_advantages(torch.tensor(rewards, dtype=torch.float64),
-                                                 torch.tensor(group_ids, dtype=torch.int64), cfg)
-    n = adv.numel()
-    return {"adv/nonzero_frac": float((adv != 0).sum()) / n, "adv/negative_frac": float((adv < 0).sum()) / n,
-            "adv/zero_var_group_frac": n_zero_var / n_groups}
-
-
 def _calls_from_text(t: Trajectory, tokenizer) -> list:
     """Tool-call records read back from the model's own turns (fallback when ``calls`` is absent)."""
-    from arl.env.toolcall import TOOL_CLOSE, TOOL_OPEN  # the turn format the environments parse
-
     pattern = re.compile(re.escape(TOOL_OPEN) + "(.*?)" + re.escape(TOOL_CLOSE), re.S)
     calls = []
     for a, b in t.turns:
@@ -165,14 +140,12 @@ def success_rate(trajs: Sequence[Trajectory], success_threshold: float = 1.0) ->
     return sum(x >= success_threshold for x in r) / len(r) if r else 0.0
 
 
-def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, current_version: Optional[int] = None,
-                       success_threshold: float = 1.0, rollout_s: Optional[float] = None,
-                       adv_norm: str = "group_std", adv_eps: float = 1e-6) -> dict:
+def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, success_threshold: float = 1.0,
+                       rollout_s: Optional[float] = None) -> dict:
     """Statistics of one step's trajectories (see the module docstring for keys and populations).
 
-    current_version: the trainer's policy version now (staleness = it - trajectory.policy_version);
     success_threshold: reward >= it counts as a success; rollout_s: wall seconds the rollout of
-    these trajectories took (for tokens/s); adv_norm/adv_eps: as in the loss config.
+    these trajectories took (for tokens/s).
     """
     if rollout_s is not None and not (rollout_s > 0 and math.isfinite(rollout_s)):
         raise ValueError(f"trajectory_metrics: rollout_s must be a positive finite number, got {rollout_s}")
@@ -195,9 +168,6 @@ def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, current_v
     succ = r >= success_threshold
     out["success/train"] = float(succ.mean()) if r.size else 0.0
 
-    kept = [t for t in trajs if t.status is not TrajectoryStatus.FILTERED]
-    out.update(advantage_stats([t.reward for t in kept], [t.group_id for t in kept], adv_norm, adv_eps))
-
     lens = np.array([len(t) for t in ok], dtype=np.float64)
     out.update(_stats(lens, "len/tokens_"))
     out.update(_stats([t.num_trained_tokens for t in ok], "len/gen_tokens_"))
@@ -208,9 +178,6 @@ def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, current_v
 
     out.update(_tool_stats(ok, tokenizer))
 
-    if current_version is not None:
-        stale = [int(current_version) - int(t.policy_version) for t in trajs]
-        out.update(_stats(stale, "staleness/"))
     if rollout_s is not None:
         out.update(rollout_rates(trajs, rollout_s))
     for k in ("gen_s", "tool_s"):

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Sequence, Type
 
-from arl.env.base import STOP_STRINGS
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from ..env.base import STOP_STRINGS
+from .weight_sync import EXTENSION, FromGroup
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,6 @@ class RolloutEngine(abc.ABC):
         """Swap in new weights between engine calls; stamp ``version`` (default: current + 1).
         ``weights``: a directory of safetensors files, or ``FromGroup(meta)``: the tensors arrive
         over the weight-sync group (the trainer sends them meanwhile)."""
-        from .weight_sync import FromGroup
-
         if isinstance(weights, FromGroup):
             load = self._load_from_group
         elif isinstance(weights, (str, os.PathLike)):
@@ -201,8 +204,6 @@ class VLLMEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        import torch
-
         kw = dict(model=str(model), tokenizer=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
                   max_num_seqs=max_num_seqs, enforce_eager=True, logprobs_mode=logprobs_mode,
                   disable_log_stats=True)
@@ -212,16 +213,12 @@ class VLLMEngine(RolloutEngine):
             kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
         kw.update(engine_kwargs or {})
         # the workers can join arl's weight-sync group (arl_join_weight_sync / arl_receive_weights)
-        from .weight_sync import EXTENSION
-
         kw.setdefault("worker_extension_cls", EXTENSION)
         args = AsyncEngineArgs(**kw)
         self.num_workers = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("data_parallel_size", 1))
         self.model_path = str(model)
         self.llm = AsyncLLM.from_engine_args(args)
         self._ids = itertools.count()
-        from transformers import AutoTokenizer
-
         self._tok = AutoTokenizer.from_pretrained(str(model))
         self._stop_ids: Dict[tuple, Optional[list]] = {}
 
@@ -284,8 +281,6 @@ class VLLMEngine(RolloutEngine):
 def write_sync_weights(state_dict: Mapping, weights_dir: str | os.PathLike) -> Path:
     """Trainer side of CPU weight sync: dump an HF-named state dict as one safetensors file
     (use a directory under /dev/shm so nothing touches disk).  Returns the directory."""
-    import torch
-    from safetensors.torch import save_file
 
     d = Path(weights_dir)
     d.mkdir(parents=True, exist_ok=True)

@@ -10,13 +10,18 @@ may be consumed at step ``v + max_staleness`` at the latest.  Two rules make tha
 (1) generation pauses once ``(version + max_staleness + 1) * groups_per_step`` groups have been
 started (so at most ``groups_per_step`` unconsumed groups are ever due at a step), and
 (2) ``get_batch`` takes the groups that are due first, waiting for them, then the oldest finished
-ones.  Finished-but-unconsumed groups are therefore bounded too (the hand-over queue).
+ones.  Finished-but-unconsumed groups are therefore bounded too (the hand-over queue).  The next
+batch may be taken once ``step <= version + max_staleness`` (``wait_for_weights`` waits for that).
 
 Mask & filter.  An unrecoverable fault (env failed to start, died) → the trajectory becomes a
 MASKED placeholder (all chunk ids -1, reward 0) so the batch keeps its size.  A recoverable fault
-(tool timeout, transient error) → the episode is re-run (``max_retries`` times, new fault draws),
-then FILTERED.  Per batch at most ``max_filtered_frac`` of the trajectories may be FILTERED; past
-the cap the extra ones are kept (``over_cap="keep"``: trained with reward 0) or masked.
+(tool timeout, transient error) → the episode is re-run (``rollout.retries`` times, new fault
+draws), then FILTERED.  Per batch at most ``rollout.filter_cap`` of the trajectories may be
+FILTERED; past the cap the extra ones are kept (``over_cap: keep``: trained with reward 0) or masked.
+
+Configuration: the ``rollout`` section of the training config as is (``arl.config.RolloutConfig``),
+plus what the process knows at run time (its share of the groups, the env pool size, the episode
+settings, the sampling seed).
 """
 from __future__ import annotations
 
@@ -26,42 +31,17 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from arl.data.trajectory import Trajectory, TrajectoryStatus
-from arl.env.base import Environment, Fault
-
+from ..config import RolloutConfig
+from ..data.batch import RolloutBatch, placeholder
+from ..data.expert import tag_resampled
+from ..data.trajectory import Trajectory, TrajectoryStatus
+from ..env.base import Environment, Fault
 from .engine import RolloutEngine
 from .episode import ChatFormat, EpisodeConfig, run_episode
-
-OVER_CAP_ACTIONS = ("keep", "mask")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    group_size: int = 4  # samples per task
-    groups_per_step: int = 4  # groups in one trainer batch
-    max_staleness: int = 1  # max policy versions between generation and training
-    env_pool_size: int = 32  # live environments = max episodes (and tool calls) in flight
-    max_retries: int = 1  # re-runs of an episode after a recoverable fault
-    max_filtered_frac: float = 0.5  # cap on FILTERED trajectories per batch
-    over_cap: str = "keep"  # what happens to filtered trajectories past the cap: keep | mask
-    seed: int | None = None  # sampling seeds derived from it (None: engine randomness)
-    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
-
-    def __post_init__(self):
-        for name in ("group_size", "groups_per_step", "env_pool_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RolloutConfig.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("max_staleness", "max_retries"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"RolloutConfig.{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.max_filtered_frac <= 1.0:
-            raise ValueError(f"RolloutConfig.max_filtered_frac: must be in [0, 1], got {self.max_filtered_frac}")
-        if self.over_cap not in OVER_CAP_ACTIONS:
-            raise ValueError(f"RolloutConfig.over_cap: {self.over_cap!r} not in {OVER_CAP_ACTIONS}")
 
 
 @dataclass
@@ -74,27 +54,9 @@ class _Group:
     start: object = None  # IPA StartState every sample of the group starts from (None: the task's start)
 
 
-@dataclass
-class RolloutBatch:
-    step: int
-    trajectories: list  # groups_per_step * group_size, group by group; FILTERED ones included
-    metrics: dict
-
-    def trainable(self) -> list:
-        """Everything but FILTERED (MASKED placeholders stay: they keep the batch size)."""
-        return [t for t in self.trajectories if t.status is not TrajectoryStatus.FILTERED]
-
-
 def derive_sample_seed(base: int, task_seed: int, sample: int) -> int:
     """Sampling seed of one trajectory (int tuples hash the same in every process)."""
     return hash((int(base), int(task_seed), int(sample))) & 0x7FFFFFFF
-
-
-def placeholder(t: Trajectory) -> Trajectory:
-    """Masked stand-in for a broken trajectory: same tokens, nothing trained, reward 0."""
-    return Trajectory(tokens=t.tokens, chunk_ids=np.full(len(t), -1, np.int32), rollout_logp=np.zeros(len(t), np.float32),
-                      reward=0.0, group_id=t.group_id, policy_version=t.policy_version, turns=[],
-                      status=TrajectoryStatus.MASKED, metadata=dict(t.metadata))
 
 
 class EnvPool:
@@ -132,17 +94,28 @@ class EnvPool:
 
 class RolloutManager:
     def __init__(self, engine: RolloutEngine, env_factory: Callable[[], Environment], tokenizer_or_format,
-                 tasks: Iterable[int] | None = None, config: RolloutConfig | None = None,
-                 start_for: Callable | None = None, imitate_once_per_group: bool = True):
-        """``start_for``: the IPA chunk-initialization hook, ``async (task_seed) -> StartState | None``
-        (arl/stabilizers/ipa.py); a group whose task gets a state starts every sample from that expert
-        prefix and its trajectories are tagged (``ipa_prefix_chunks``; ``ipa_imitate`` on sample 0
-        only when ``imitate_once_per_group``, else on all)."""
+                 tasks: Iterable[int] | None = None, config: RolloutConfig | None = None, *,
+                 groups_per_step: Optional[int] = None, pool_size: int = 32, episode: Optional[EpisodeConfig] = None,
+                 seed: Optional[int] = None, start_for: Callable | None = None, imitate_once_per_group: bool = True):
+        """``config``: the ``rollout`` section (group size, staleness, retries, filter cap).
+        ``groups_per_step``: groups in one batch (default ``config.tasks_per_step``; an engine's share
+        when several engines split a batch).  ``pool_size``: live environments = episodes (and tool
+        calls) in flight.  ``seed``: sampling seeds derive from it (None: engine randomness).
+        ``start_for``: the IPA chunk-initialization hook, ``async (task_seed) -> StartState | None``;
+        a group whose task gets a state starts every sample from that expert prefix and its
+        trajectories are tagged (``ipa_prefix_chunks``; ``ipa_imitate`` on sample 0 only when
+        ``imitate_once_per_group``, else on all)."""
         self.engine = engine
         self.start_for, self.imitate_once = start_for, imitate_once_per_group
-        self.cfg = config or RolloutConfig()
+        self.cfg = config if config is not None else RolloutConfig()
+        self.groups_per_step = int(groups_per_step if groups_per_step is not None else self.cfg.tasks_per_step)
+        if self.groups_per_step < 1 or pool_size < 1:
+            raise ValueError(f"RolloutManager: groups_per_step ({self.groups_per_step}) and pool_size ({pool_size}) "
+                             "must be >= 1")
+        self.episode = episode if episode is not None else EpisodeConfig()
+        self.seed = seed
         self.fmt = tokenizer_or_format if isinstance(tokenizer_or_format, ChatFormat) else ChatFormat(tokenizer_or_format)
-        self.pool = EnvPool(env_factory, self.cfg.env_pool_size)
+        self.pool = EnvPool(env_factory, pool_size)
         self._tasks: Iterator[int] = iter(tasks if tasks is not None else itertools.count())
         # versions are the engine's; step counts from the version the manager starts at (a
         # resumed trainer at step s starts with an engine at version s)
@@ -179,6 +152,16 @@ class RolloutManager:
         await self.stop()
 
     # --- trainer side ---
+    def due(self) -> bool:
+        """The next batch may be taken: its step is within ``staleness`` of the policy version."""
+        return self.step <= self.version + self.cfg.staleness
+
+    async def wait_for_weights(self) -> None:
+        """Until ``due()``: the trainer has synced the weights the next batch needs."""
+        async with self._cond:
+            while not self.due():
+                await self._cond.wait()
+
     async def update_weights(self, weights_dir: str | os.PathLike, version: int | None = None) -> None:
         """Sync the trainer's weights into the engine; opens the generation gate by one step."""
         await self.engine.update_weights(weights_dir, version)
@@ -189,8 +172,8 @@ class RolloutManager:
     async def get_batch(self) -> RolloutBatch:
         """The next step's groups (waits for them).  Every trajectory in it has
         ``step - policy_version <= max_staleness`` where step counts batches consumed before it."""
-        G, k = self.cfg.groups_per_step, self.cfg.max_staleness
-        if self.step > self.version + k:
+        G, k = self.groups_per_step, self.cfg.staleness
+        if not self.due():
             raise ValueError(f"get_batch: step {self.step} is more than max_staleness={k} ahead of the "
                              f"policy version {self.version}; call update_weights first")
         await self.start()
@@ -246,7 +229,7 @@ class RolloutManager:
 
     # --- generation side ---
     async def _produce(self) -> None:
-        G, k = self.cfg.groups_per_step, self.cfg.max_staleness
+        G, k = self.groups_per_step, self.cfg.staleness
         try:
             while True:
                 async with self._cond:
@@ -288,13 +271,13 @@ class RolloutManager:
 
     async def _run_one(self, g: _Group, index: int) -> Trajectory:
         n = self.cfg.group_size
-        for attempt in range(self.cfg.max_retries + 1):
+        for attempt in range(self.cfg.retries + 1):
             sample = index + attempt * n  # new fault/latency draws on a retry, same task
-            sample_seed = None if self.cfg.seed is None else derive_sample_seed(self.cfg.seed, g.seed, sample)
+            sample_seed = None if self.seed is None else derive_sample_seed(self.seed, g.seed, sample)
             env = await self.pool.acquire()
             broken = True
             try:
-                t = await run_episode(self.engine, env, self.fmt, g.seed, self.cfg.episode,
+                t = await run_episode(self.engine, env, self.fmt, g.seed, self.episode,
                                       sample=sample, group_id=g.gid, sample_seed=sample_seed, start=g.start)
                 broken = t.metadata["fault"] == Fault.UNRECOVERABLE.value
             finally:
@@ -308,19 +291,17 @@ class RolloutManager:
                 return placeholder(t)
             if fault is Fault.NONE:
                 if g.start is not None:
-                    from ..stabilizers.ipa import tag_resampled
-
                     t = tag_resampled(g.start, t, imitate=index == 0 or not self.imitate_once)
                 return t
             self.counters["recoverable"] += 1
-            if attempt < self.cfg.max_retries:
+            if attempt < self.cfg.retries:
                 self.counters["retries"] += 1
         t.status = TrajectoryStatus.FILTERED
         return t
 
     # --- mask & filter cap, metrics ---
     def _apply_filter_cap(self, trajs: list) -> list:
-        cap = math.floor(self.cfg.max_filtered_frac * len(trajs))
+        cap = math.floor(self.cfg.filter_cap * len(trajs))
         filtered = [i for i, t in enumerate(trajs) if t.status is TrajectoryStatus.FILTERED]
         for i in filtered[cap:]:
             t = trajs[i]
@@ -354,3 +335,26 @@ class RolloutManager:
             "rollout/env_pool_peak": self.pool.peak_in_use,
             "rollout/gate_waits": self.counters["gate_waits"],
         }
+
+
+async def fill_batch(manager: RolloutManager, batch: RolloutBatch, make_sampler: Optional[Callable]) -> RolloutBatch:
+    """Dynamic sampling, acted out: a judge ``make_sampler(target_groups)`` (``add`` / ``groups_needed``
+    / ``finish``, e.g. ``arl.stabilizers.DynamicSampler``) looks at ``batch`` (just taken from
+    ``manager``) and says how many groups are missing; ``manager.get_groups(n)`` samples them, until
+    the judge is satisfied.  Returns a ``RolloutBatch`` of the same step with the judge's metrics
+    added; a pass-through when ``make_sampler`` is None (dynamic sampling off)."""
+    target = len({int(t.group_id) for t in batch.trajectories})
+    if make_sampler is None or target == 0:
+        return batch
+    sampler = make_sampler(target)
+    sampler.add(batch.trajectories)
+    metrics = dict(batch.metrics)
+    extra_trajs = 0
+    while (n := sampler.groups_needed()) > 0:
+        extra = await manager.get_groups(n)
+        extra_trajs += len(extra.trajectories)
+        sampler.add(extra.trajectories)
+    trajs, m = sampler.finish()
+    metrics.update(m)
+    metrics["stab/extra_trajectories"] = extra_trajs
+    return RolloutBatch(batch.step, trajs, metrics)

@@ -39,15 +39,14 @@ through the packer's MASKED status (chunk ids -1).  Turn credit's per-chunk adva
 with each chunk scored as its own loss segment (``mb.segments``).  ``Stabilizers`` (pipeline.py) is the facade the
 RL loop calls a few times per step.
 """
-from .advantages import advantage_metrics, apply_advantages, trajectory_advantages
-from .config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
+from .advantages import StepAdvantages, advantage_metrics, group_step_advantages, step_advantages
+from ..config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                      ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig,
                      TurnCreditConfig)
 from .curriculum import PositiveOnlyCurriculum
 from .dynamic_sampling import DynamicSampler, filter_zero_variance_groups
 from .extreme import control_extremes, length_metrics, reweight_negatives
-from .ipa import (IPAResampler, StartState, expert_trajectory, ipa_mixed_loss, ipa_normalizers, split_chunk_roles,
-                  start_state, tag_resampled)
+from .ipa import IPAResampler, ipa_mixed_loss, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics
 from .pipeline import PreparedBatch, Stabilizers
 from .schedules import AdaptiveKLController, entropy_coef
@@ -58,8 +57,8 @@ __all__ = [
     "AdaptiveKLConfig", "AdaptiveKLController", "Alarm", "AlarmRule", "CurriculumConfig", "Decision", "DynamicSampler",
     "DynamicSamplingConfig", "EntropyScheduleConfig", "ExtremeTrajectoryConfig", "IPAResampleConfig", "IPAResampler",
     "MonitorConfig", "PositiveOnlyCurriculum", "PreparedBatch", "ShapingConfig", "StabilizerConfig", "Stabilizers",
-    "StartState", "advantage_metrics", "apply_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
-    "expert_trajectory", "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
-    "reweight_negatives", "shape_rewards", "split_chunk_roles", "start_state", "tag_resampled",
-    "trajectory_advantages", "TurnCreditConfig", "chunk_segments", "turn_advantages",
+    "StepAdvantages", "advantage_metrics", "group_step_advantages", "step_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
+    "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
+    "reweight_negatives", "shape_rewards", "split_chunk_roles",
+    "TurnCreditConfig", "chunk_segments", "turn_advantages",
 ]

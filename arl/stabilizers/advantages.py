@@ -1,25 +1,47 @@
-"""Per-trajectory step advantages with stabilizer weights, and their hand-over to packed micro-batches.
+"""The step's advantages, computed once, here: everything downstream takes them as input.
 
-``trajectory_advantages`` reproduces the packer's step-wide advantages exactly (same rewards, same
-group ids, FILTERED trajectories left out, float64) from the given (possibly shaped) rewards;
-``apply_advantages`` writes the weighted ones into every micro-batch, which the trainer then passes
-as ``policy_loss(..., advantages=mb.advantages)`` for every micro-batch (exact for complete groups
-too).  gamma discounting and ``positive_only`` still act per chunk inside the loss.
+    rewards   = outcome + capped process rewards                 (shaping.py; outcome when off)
+    batch     = long failures masked or down-weighted            (extreme.py; unchanged when off)
+    A_i       = group normalization of the rewards over the whole step (the loss spec's
+                ``group_advantages``; FILTERED trajectories are left out and get 0)
+    A_i      *= negative reweighting and extreme weights         (extreme.py; when on)
+    A_{i,k}   = gamma^(K-1-k) A_i + w * step advantage of chunk k (turn_credit.py; when on)
+
+The packer carries ``A_i`` into every micro-batch (``pack_step(..., advantages=)``), the trainer passes
+them to ``policy_loss(..., advantages=)`` (turn credit: one segment per chunk with ``A_{i,k}``), and
+the advantage metrics below are computed from the same numbers.  ``gamma`` discounting and
+``positive_only`` still act per chunk inside the loss.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from ..config.stabilizers import StabilizerConfig
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..loss.config import LossConfig
 from ..loss.reference import group_advantages
+from .extreme import control_extremes, reweight_negatives
+from .shaping import shape_rewards
+from .turn_credit import turn_advantages
 
 
-def trajectory_advantages(trajs: Sequence[Trajectory], rewards: np.ndarray, loss_cfg: LossConfig) -> np.ndarray:
-    """[N] float64 step advantages (0 for FILTERED trajectories, which the packer skips)."""
+@dataclass
+class StepAdvantages:
+    trajectories: list  # the step's trajectories as packed (long failures may have become MASKED copies)
+    rewards: np.ndarray  # [N] float64 rewards the advantages come from (shaped when shaping is on)
+    per_trajectory: np.ndarray  # [N] float64 A_i, aligned with ``trajectories`` (0 for FILTERED)
+    per_chunk: Optional[list] = None  # turn credit: [K_i] float64 A_{i,k} per trajectory
+    metrics: Optional[dict] = None
+
+
+def group_step_advantages(trajs: Sequence[Trajectory], rewards, loss_cfg: LossConfig):
+    """``(A [N] float64, zero-variance groups, groups)``: group-normalized advantages over the whole
+    step (``loss_cfg.adv_norm`` / ``adv_eps``) in the loss spec's arithmetic.  FILTERED trajectories
+    are not packed: they get 0 and take no part in any group."""
     rewards = np.asarray(rewards, dtype=np.float64)
     if rewards.shape != (len(trajs),):
         raise ValueError(f"rewards: shape {rewards.shape} does not match {len(trajs)} trajectories")
@@ -28,28 +50,41 @@ def trajectory_advantages(trajs: Sequence[Trajectory], rewards: np.ndarray, loss
         raise ValueError(f"rewards: non-finite value {rewards[i]} at index {i}")
     keep = np.array([t.status is not TrajectoryStatus.FILTERED for t in trajs], dtype=bool)
     adv = np.zeros(len(trajs), dtype=np.float64)
-    if keep.any():
-        gids = torch.tensor([int(t.group_id) for t, k in zip(trajs, keep) if k], dtype=torch.int64)
-        a, _, _ = group_advantages(torch.from_numpy(rewards[keep]), gids, loss_cfg)
-        adv[keep] = a.numpy()
-    return adv
+    if not keep.any():
+        return adv, 0, 0
+    gids = torch.tensor([int(t.group_id) for t, k in zip(trajs, keep) if k], dtype=torch.int64)
+    a, n_zero, n_groups = group_advantages(torch.from_numpy(rewards[keep]), gids, loss_cfg)
+    adv[keep] = a.numpy()
+    return adv, int(n_zero), int(n_groups)
 
 
-def advantage_metrics(trajs: Sequence[Trajectory], adv: np.ndarray) -> dict:
-    """Over trajectories that train (OK): share with a negative advantage, mean advantage."""
+def advantage_metrics(trajs: Sequence[Trajectory], adv: np.ndarray, zero_var_groups: int, groups: int) -> dict:
+    """``adv/*`` over every packed (non-FILTERED) trajectory; ``stab/*adv*`` over those that train (OK)."""
+    kept = np.array([t.status is not TrajectoryStatus.FILTERED for t in trajs], dtype=bool)
     ok = np.array([t.status is TrajectoryStatus.OK for t in trajs], dtype=bool)
-    a = adv[ok]
-    return {"stab/neg_adv_share": float((a < 0).mean()) if a.size else 0.0,
+    k, a = adv[kept], adv[ok]
+    return {"adv/nonzero_frac": float((k != 0).mean()) if k.size else 0.0,
+            "adv/negative_frac": float((k < 0).mean()) if k.size else 0.0,
+            "adv/zero_var_group_frac": zero_var_groups / groups if groups else 0.0,
+            "stab/neg_adv_share": float((a < 0).mean()) if a.size else 0.0,
             "stab/adv_mean": float(a.mean()) if a.size else 0.0,
             "stab/adv_abs_mean": float(np.abs(a).mean()) if a.size else 0.0}
 
 
-def apply_advantages(packed, adv: np.ndarray) -> None:
-    """Overwrite ``advantages`` of every micro-batch of a ``PackedStep`` (indexed by
-    ``traj_indices``, i.e. positions in the trajectory list given to ``pack_step``)."""
-    adv = np.asarray(adv, dtype=np.float64)
-    for mb in packed.all_micro_batches():
-        idx = mb.traj_indices.numpy()
-        if idx.size and int(idx.max()) >= adv.shape[0]:
-            raise ValueError(f"adv: {adv.shape[0]} entries, but a micro-batch holds trajectory index {int(idx.max())}")
-        mb.advantages = torch.from_numpy(adv[idx].copy())
+def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
+                    cfg: Optional[StabilizerConfig] = None) -> StepAdvantages:
+    """The step's advantages (see the module doc) with their metrics."""
+    cfg = cfg if cfg is not None else StabilizerConfig()
+    rewards, metrics = shape_rewards(trajs, cfg.shaping)
+    out, weights, m = control_extremes(trajs, cfg.extreme)
+    metrics.update(m)
+    adv, n_zero, n_groups = group_step_advantages(out, rewards, loss_cfg)
+    if cfg.extreme.enabled:
+        adv = reweight_negatives(adv, cfg.extreme.negative_weight) * weights
+    metrics.update(advantage_metrics(out, adv, n_zero, n_groups))
+    per_chunk = None
+    if cfg.turn_credit.enabled:
+        tc = cfg.turn_credit
+        per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward)
+        metrics.update(m)
+    return StepAdvantages(out, rewards, adv, per_chunk, metrics)

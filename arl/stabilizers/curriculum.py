@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .config import CurriculumConfig
+from ..config import CurriculumConfig
 
 
 class PositiveOnlyCurriculum:

@@ -1,7 +1,8 @@
 """Dynamic sampling (DAPO): groups whose rewards all agree carry no advantage signal; drop them and
 sample more groups until the batch is full, for at most ``max_rounds`` extra rounds.
 
-Acts at sampling time, before shaping and advantages.  A group's variance is judged on the outcome
+Judges at sampling time, before shaping and advantages: ``DynamicSampler`` says how many groups
+are missing; the rollout side (``arl.rollout.manager.fill_batch``) samples them.  A group's variance is judged on the outcome
 reward of its trainable (non-FILTERED, non-MASKED) members; a group with fewer than two of them has
 zero variance.  Metric ``stab/zero_var_frac`` is measured BEFORE filtering, over every group sampled
 for the step (all rounds).
@@ -12,7 +13,7 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from .config import DynamicSamplingConfig
+from ..config import DynamicSamplingConfig
 
 
 def group_by_id(trajs: Iterable[Trajectory]) -> "OrderedDict[int, list]":
@@ -94,27 +95,3 @@ class DynamicSampler:
             "stab/sampling_rounds": self.rounds,
             "stab/groups_short": max(0, self.target - len(self._kept)),
         }
-
-
-async def fill_batch(manager, batch, cfg: DynamicSamplingConfig):
-    """The rollout side of dynamic sampling: judge ``batch`` (a ``RolloutBatch`` just taken from
-    ``manager``), then ask ``manager.get_groups(n)`` for replacements of its zero-variance groups
-    until the batch is full or ``max_rounds`` are spent.  Returns a ``RolloutBatch`` of the same
-    step with the sampler's metrics added (a pass-through when dynamic sampling is off)."""
-    from ..rollout.manager import RolloutBatch
-
-    target = len(group_by_id(batch.trajectories))
-    if not cfg.enabled or target == 0:
-        return batch
-    sampler = DynamicSampler(cfg, target_groups=target)
-    sampler.add(batch.trajectories)
-    metrics = dict(batch.metrics)
-    extra_trajs = 0
-    while (n := sampler.groups_needed()) > 0:
-        extra = await manager.get_groups(n)
-        extra_trajs += len(extra.trajectories)
-        sampler.add(extra.trajectories)
-    trajs, m = sampler.finish()
-    metrics.update(m)
-    metrics["stab/extra_trajectories"] = extra_trajs
-    return RolloutBatch(batch.step, trajs, metrics)

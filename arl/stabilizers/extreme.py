@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from .config import ExtremeTrajectoryConfig
+from ..config import ExtremeTrajectoryConfig
 
 
 def trajectory_lengths(trajs: Sequence[Trajectory], length_of: str = "tokens") -> np.ndarray:

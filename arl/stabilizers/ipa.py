@@ -1,15 +1,13 @@
 """IPA chunk initialization resampling (arXiv 2512.24873): roll out from chunk k of an expert
 trajectory, imitate the expert prefix, reinforce the resampled continuation.
 
-Bookkeeping.  An expert demonstration is rendered token-level as a ``Trajectory``
-(``expert_trajectory``: expert turn j is chunk j, observations untrained).  A ``StartState`` at
-chunk k is the expert prefix up to the first token of chunk k (prompt, expert turns 0..k-1 and their
-observations) plus the expert turns to replay in the environment.  The rollout continues from there
-(the rollout hook: reset the env, replay the k expert turns through ``env.step``, append the prefix
-tokens with the expert's chunk ids and rollout_logp 0, then sample from turn k on).
-``tag_resampled`` checks that a returned trajectory starts with the prefix and records
+Bookkeeping (arl/data/expert.py).  An expert demonstration is rendered token-level as a
+``Trajectory`` (expert turn j is chunk j, observations untrained).  A ``StartState`` at chunk k is
+the expert prefix up to the first token of chunk k plus the expert turns to replay in the
+environment; the rollout side continues from there and tags each trajectory with
 ``metadata["ipa_prefix_chunks"] = k`` (and ``ipa_imitate``).  Chunks < k are *prefix* (imitation),
-chunks >= k *resampled* (RL).
+chunks >= k *resampled* (RL).  This module decides k (``IPAResampler``) and turns the tags into loss
+roles.
 
 Schedules.  sequential: start at the last chunk (only the final turn is sampled) and move one chunk
 back every ``steps_per_chunk`` steps, or as soon as the success rate reaches ``advance_at_success``;
@@ -22,95 +20,17 @@ step-global (``ipa_normalizers``), like every loss term in arl.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from ..data.expert import start_state
 from ..data.packer import step_normalizer
 from ..data.trajectory import Trajectory, TrajectoryStatus
+from ..loss import policy_loss
 from ..loss.config import LossConfig
-from .config import IPAResampleConfig
-
-
-class ChatFormatLike(Protocol):
-    """What ``arl.rollout.episode.ChatFormat`` offers and ``expert_trajectory`` needs."""
-
-    def prompt_ids(self, system: str, task: str) -> list: ...
-    def encode(self, text: str) -> list: ...
-    def observation_ids(self, observation: str, turn_ended_with_eos: bool = False) -> list: ...
-
-
-def expert_trajectory(fmt: ChatFormatLike, system_prompt: str, task: str, transcript: Sequence,
-                      *, group_id: int = 0, task_seed: Optional[int] = None) -> Trajectory:
-    """Render ``(task, [(turn_text, StepResult), ...])`` of ``arl.env.expert.expert_transcript`` as a
-    token-level Trajectory (rollout_logp 0: nothing was sampled)."""
-    if not transcript:
-        raise ValueError("transcript: empty (no expert turns)")
-    tokens = list(fmt.prompt_ids(system_prompt, task))
-    chunks = [-1] * len(tokens)
-    turns, texts = [], []
-    reward = 0.0
-    for k, (text, res) in enumerate(transcript):
-        ids = list(fmt.encode(text))
-        turns.append((len(tokens), len(tokens) + len(ids)))
-        tokens += ids
-        chunks += [k] * len(ids)
-        texts.append(text)
-        if res.done:
-            reward = float(res.reward)
-            break
-        obs = list(fmt.observation_ids(res.observation))
-        tokens += obs
-        chunks += [-1] * len(obs)
-    return Trajectory(tokens=tokens, chunk_ids=chunks, rollout_logp=np.zeros(len(tokens), np.float32), reward=reward,
-                      group_id=group_id, turns=turns,
-                      metadata={"expert": True, "task_seed": task_seed, "expert_turns": texts})
-
-
-@dataclass(frozen=True)
-class StartState:
-    expert: Trajectory
-    chunk: int  # k: the first resampled chunk
-
-    @property
-    def prefix_len(self) -> int:
-        """Tokens before chunk k's first token (the whole prompt when k = 0)."""
-        return int(self.expert.turns[self.chunk][0])
-
-    @property
-    def prefix_tokens(self) -> np.ndarray:
-        return self.expert.tokens[: self.prefix_len]
-
-    @property
-    def prefix_chunk_ids(self) -> np.ndarray:
-        return self.expert.chunk_ids[: self.prefix_len]
-
-    @property
-    def replay_turns(self) -> list:
-        """Expert turn texts the env must be stepped through before sampling."""
-        return list(self.expert.metadata.get("expert_turns", []))[: self.chunk]
-
-    @property
-    def task_seed(self):
-        return self.expert.metadata.get("task_seed")
-
-
-class PrefixRollout(Protocol):
-    """The rollout hook this module is written against: play ``group_size`` episodes of the task
-    ``state.task_seed`` that start from ``state`` (env replayed through ``state.replay_turns``,
-    trajectory starting with ``state.prefix_tokens`` / ``state.prefix_chunk_ids``)."""
-
-    async def __call__(self, state: StartState, group_size: int, group_id: int) -> list: ...
-
-
-def start_state(expert: Trajectory, k: int) -> StartState:
-    K = len(expert.turns)
-    if not 0 <= k < K:
-        raise ValueError(f"k: start chunk {k} outside the expert's {K} chunks")
-    return StartState(expert, int(k))
+from ..config import IPAResampleConfig
 
 
 class IPAResampler:
@@ -147,17 +67,6 @@ class IPAResampler:
 
     def load_state_dict(self, s: dict) -> None:
         self.offset, self._since = int(s["offset"]), int(s["since"])
-
-
-def tag_resampled(state: StartState, traj: Trajectory, imitate: bool = True) -> Trajectory:
-    """A copy of a rollout from ``state`` tagged with its prefix length in chunks."""
-    P = state.prefix_len
-    if len(traj) < P or not np.array_equal(traj.tokens[:P], state.prefix_tokens):
-        raise ValueError(f"traj: does not start with the expert prefix of {P} tokens (start chunk {state.chunk})")
-    if not np.array_equal(traj.chunk_ids[:P], state.prefix_chunk_ids):
-        raise ValueError("traj.chunk_ids: prefix chunk ids differ from the expert's")
-    return dataclasses.replace(traj, metadata={**traj.metadata, "ipa_prefix_chunks": state.chunk,
-                                               "ipa_imitate": bool(imitate)})
 
 
 def _prefix_chunks(t: Trajectory) -> int:
@@ -213,8 +122,6 @@ def ipa_mixed_loss(logp: torch.Tensor, old_logp: torch.Tensor, *, mb, il_mask: t
                    entropy: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
                    backend: str = "reference"):
     """``(loss, metrics)``: lambda_il * imitation NLL + lambda_rl * chunk-level RL loss (see module doc)."""
-    from ..loss import policy_loss
-
     if il_mask.shape != logp.shape or rl_chunk_ids.shape != logp.shape:
         raise ValueError(f"il_mask/rl_chunk_ids: shapes {tuple(il_mask.shape)}/{tuple(rl_chunk_ids.shape)} "
                          f"do not match logp {tuple(logp.shape)}")

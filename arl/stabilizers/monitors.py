@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..data.trajectory import Trajectory
-from .config import AlarmRule, MonitorConfig
+from ..config import AlarmRule, MonitorConfig
 
 DESTRUCTIVE_PATTERNS = (
     r"\brm\s+(-\w+\s+)*-\w*[rRf]",  # rm -rf / rm -r / rm -f

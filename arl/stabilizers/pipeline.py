@@ -1,4 +1,4 @@
-"""``Stabilizers``: the few calls per step the RL loop makes; holds every stabilizer's state."""
+"""``Stabilizers``: the few calls per step trainer rank 0 makes; holds every stabilizer's state."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,42 +6,40 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..config.stabilizers import StabilizerConfig, check_turn_credit_loss
 from ..data.trajectory import Trajectory
 from ..loss.config import LossConfig
-from .advantages import advantage_metrics, apply_advantages, trajectory_advantages
-from .config import StabilizerConfig
+from .advantages import step_advantages
 from .curriculum import PositiveOnlyCurriculum
-from .dynamic_sampling import DynamicSampler
-from .extreme import control_extremes, length_metrics, reweight_negatives
+from .extreme import length_metrics
 from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
-from .shaping import shape_rewards
-from .turn_credit import check_loss_config, chunk_segments, turn_advantages
+from .turn_credit import chunk_segments
 
 
 @dataclass
 class PreparedBatch:
     trajectories: list  # give these to pack_step (long failures may have become MASKED copies)
     rewards: np.ndarray  # [N] shaped rewards (outcome + capped bonus)
-    advantages: np.ndarray  # [N] float64 weighted step advantages, aligned with trajectories
+    advantages: np.ndarray  # [N] float64 the step's advantages, aligned with trajectories
     metrics: dict = field(default_factory=dict)
     chunk_advantages: Optional[list] = None  # turn credit: [K_i] per-chunk advantages per trajectory
 
 
 class Stabilizers:
-    """Per step, the loop calls::
+    """Per step, trainer rank 0 calls::
 
-        sampler = stab.sampler(groups_per_step)        # dynamic sampling (pass-through when off)
-        ... sampler.add(...) while sampler.groups_needed() ...
-        trajs, m_sampling = sampler.finish()
-        prep = stab.prepare(trajs)                      # shaping, extremes, advantages, monitors
-        packed = pack_step(prep.trajectories, packer_cfg, loss_cfg)
-        stab.apply(packed, prep)                        # weighted advantages into micro-batches
-        step_loss_cfg = stab.loss_config(step, success_rate)   # curriculum, KL beta, entropy coef
-        ... rl_step(..., step_loss_cfg) with advantages=mb.advantages for every micro-batch ...
-        decision = stab.after_step(step, metrics)       # KL controller update, alarms
-        if decision.action != "continue": ...           # "stop" or "rollback" to the last checkpoint
+        loss_cfg = stab.loss_config(step, success_rate)   # curriculum, KL beta, entropy coef
+        prep = stab.prepare(batch.trainable(), loss_cfg)   # the step's advantages, monitors
+        packed = pack_step(prep.trajectories, packer_cfg, loss_cfg, advantages=prep.advantages)
+        stab.apply(packed, prep, loss_cfg)                 # turn credit segments, IPA loss roles
+        ... every rank: rl_step(...) ...
+        decision = stab.after_step(step, record, success_rate)   # KL controller, IPA schedule, alarms
+        if decision.action != "continue": ...              # "stop" or "rollback" to the last checkpoint
+
+    Dynamic sampling and IPA's start states act on the rollout side; their judges
+    (``DynamicSampler``, ``IPAResampler``) are handed to it by the launcher.
     """
 
     def __init__(self, cfg: Optional[StabilizerConfig] = None, loss_cfg: Optional[LossConfig] = None,
@@ -52,15 +50,10 @@ class Stabilizers:
         self.curriculum = PositiveOnlyCurriculum(self.cfg.curriculum)
         self.kl = AdaptiveKLController(self.cfg.kl)
         self.ipa = IPAResampler(self.cfg.ipa)
-        if self.cfg.turn_credit.enabled:
-            check_loss_config(self.loss_cfg)
+        check_turn_credit_loss(self.cfg, self.loss_cfg)
         m = self.cfg.monitors
         self.alarm = Alarm(m.alarms, m.ema, m.max_rollbacks)
         self._patterns = compile_patterns(m.destructive_patterns)
-
-    # -- sampling ---------------------------------------------------------------------------------
-    def sampler(self, target_groups: int) -> DynamicSampler:
-        return DynamicSampler(self.cfg.dynamic_sampling, target_groups)
 
     # -- batch and advantages ---------------------------------------------------------------------
     def prepare(self, trajs: Sequence[Trajectory], loss_cfg: Optional[LossConfig] = None) -> PreparedBatch:
@@ -69,34 +62,24 @@ class Stabilizers:
                 raise ValueError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
         loss_cfg = loss_cfg if loss_cfg is not None else self.loss_cfg
         metrics = length_metrics(trajs, self.cfg.extreme)  # early-warning signals, always on
-        rewards, m = shape_rewards(trajs, self.cfg.shaping)
-        metrics.update(m)
-        out, weights, m = control_extremes(trajs, self.cfg.extreme)
-        metrics.update(m)
-        adv = trajectory_advantages(out, rewards, loss_cfg)
-        if self.cfg.extreme.enabled:
-            adv = reweight_negatives(adv, self.cfg.extreme.negative_weight) * weights
-        metrics.update(advantage_metrics(out, adv))
-        chunk_adv = None
-        if self.cfg.turn_credit.enabled:
-            tc = self.cfg.turn_credit
-            chunk_adv, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward)
-            metrics.update(m)
+        adv = step_advantages(trajs, loss_cfg, self.cfg)
+        metrics.update(adv.metrics)
         if self.cfg.monitors.enabled:
             metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
-        return PreparedBatch(out, rewards, adv, metrics, chunk_adv)
+        return PreparedBatch(adv.trajectories, adv.rewards, adv.per_trajectory, metrics, adv.per_chunk)
 
     def apply(self, packed, prep: PreparedBatch, loss_cfg: Optional[LossConfig] = None) -> None:
-        """The step's (stabilized) advantages into every micro-batch; with IPA resampling on, also each
-        micro-batch's loss roles (imitated prefix tokens, resampled chunk ids, step-global normalizers)."""
-        apply_advantages(packed, prep.advantages)
+        """What the loss needs beyond the packed advantages: turn credit's per-chunk segments, and with
+        IPA resampling on, each micro-batch's loss roles (imitated prefix tokens, resampled chunk ids,
+        step-global normalizers)."""
+        trajs = prep.trajectories
         if prep.chunk_advantages is not None:
             for mb in packed.all_micro_batches():
-                mb.segments = chunk_segments(mb, prep.trajectories, prep.chunk_advantages) if not mb.is_empty else None
+                mb.segments = chunk_segments(mb, trajs, prep.chunk_advantages) if not mb.is_empty else None
         if self.cfg.ipa.enabled:
-            il_n, rl_n = ipa_normalizers(prep.trajectories, loss_cfg if loss_cfg is not None else self.loss_cfg)
+            il_n, rl_n = ipa_normalizers(trajs, loss_cfg if loss_cfg is not None else self.loss_cfg)
             for mb in packed.all_micro_batches():
-                il_mask, rl_ids = split_chunk_roles(mb, prep.trajectories)
+                il_mask, rl_ids = split_chunk_roles(mb, trajs)
                 mb.ipa = {"il_mask": il_mask, "rl_chunk_ids": rl_ids, "il_normalizer": il_n, "rl_normalizer": rl_n,
                           "lambda_il": self.cfg.ipa.lambda_il, "lambda_rl": self.cfg.ipa.lambda_rl}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .config import AdaptiveKLConfig, EntropyScheduleConfig
+from ..config import AdaptiveKLConfig, EntropyScheduleConfig
 
 
 class AdaptiveKLController:

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from .config import ShapingConfig
+from ..config import ShapingConfig
 from .monitors import parse_calls
 
 

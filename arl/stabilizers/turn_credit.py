@@ -20,7 +20,7 @@ The loss sees the per-chunk advantages by scoring each chunk as its own segment 
 with ``ratio_level`` token or chunk, ``mismatch_level`` none/token/chunk and ``loss_agg: token-mean``
 a chunk's loss depends only on its own tokens and advantage, so splitting the sequences at chunk starts
 changes nothing else (the normalizer is the step's trained-token count either way), and every kernel
-backend runs unchanged.  Other levels would change meaning: ``check_loss_config`` rejects them.
+backend runs unchanged.  Other levels would change meaning: the config rejects them (``arl.config.stabilizers.check_turn_credit_loss``).
 """
 from __future__ import annotations
 
@@ -32,15 +32,6 @@ import torch
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..loss.config import LossConfig
-
-
-def check_loss_config(loss_cfg: LossConfig) -> None:
-    """One-line ValueError unless the loss scores a chunk by its own tokens only (what segments need)."""
-    if loss_cfg.ratio_level == "sequence" or loss_cfg.mismatch_level == "sequence" or loss_cfg.loss_agg != "token-mean":
-        raise ValueError(
-            "stabilizers.turn_credit.enabled needs loss.ratio_level token or chunk, loss.mismatch_level none, token "
-            f"or chunk and loss.loss_agg token-mean (got {loss_cfg.ratio_level}, {loss_cfg.mismatch_level}, "
-            f"{loss_cfg.loss_agg})")
 
 
 def chunk_starts(t: Trajectory) -> np.ndarray:

@@ -1,47 +1,11 @@
-"""Process-group set-up for trainer ranks: gloo on CPU, NCCL on GPU, always through DeepSpeed."""
+"""The trainer ranks' process group (gloo on CPU, NCCL on GPU, always through DeepSpeed) and every
+collective the trainer runs."""
 from __future__ import annotations
 
 import os
-import socket
-from contextlib import closing
 
 import torch
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent(parent_pid: int, take_children: bool = False) -> None:
-    """Linux: have the kernel send SIGTERM to this process when its parent (the launcher) dies, so a
-    launcher killed with SIGKILL or SIGTERM leaves no trainer rank or rollout engine behind.  If the
-    parent is already gone (it died before this call), exit now.  ``take_children``: on SIGTERM, first
-    kill this process's own descendants (vLLM's engine-core process would outlive a plain exit)."""
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    if take_children:
-        def _term(signum, frame):
-            import psutil
-
-            for c in psutil.Process().children(recursive=True):
-                try:
-                    c.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            os._exit(128 + signum)
-
-        signal.signal(signal.SIGTERM, _term)
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
+import torch.distributed as dist
 
 
 def set_rank_env(rank: int, world_size: int, port: int) -> None:
@@ -53,7 +17,6 @@ def set_rank_env(rank: int, world_size: int, port: int) -> None:
 def init_distributed(device: str) -> None:
     """Initialize the default process group once (no-op if it exists)."""
     import deepspeed
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return
@@ -68,12 +31,95 @@ def init_distributed(device: str) -> None:
 
 
 def rank() -> int:
-    import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# ---------------------------------------------------------------- collectives of the trainer ranks
+# Every collective the trainer runs goes through these functions, so the device rule of the
+# backend is kept in one place: NCCL only moves CUDA tensors, gloo only CPU ones.
+def _comm_device(device) -> torch.device:
+    d = torch.device(device) if device is not None else torch.device("cpu")
+    return d if d.type == "cuda" else torch.device("cpu")
+
+
+def _distributed() -> bool:
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_mean(metrics: dict) -> dict:
+    """Average a rank's metric dict over the ranks that report each key (a rank whose micro-batches
+    were all empty, or held no RL tokens under IPA, reports fewer keys; the union is agreed first)."""
+
+    if not _distributed():
+        return {k: float(v) for k, v in metrics.items()}
+    key_sets = [None] * dist.get_world_size()
+    dist.all_gather_object(key_sets, sorted(metrics))
+    keys = sorted(set().union(*key_sets))
+    t = torch.tensor([float(metrics.get(k, 0.0)) for k in keys] + [1.0 if k in metrics else 0.0 for k in keys],
+                     dtype=torch.float64)
+    dist.all_reduce(t)
+    n = len(keys)
+    return {k: float(t[i] / t[n + i]) for i, k in enumerate(keys) if t[n + i] > 0}
+
+
+def all_sum(t: torch.Tensor, device=None) -> torch.Tensor:
+    """The sum over ranks of ``t`` (a copy, on ``t``'s device)."""
+
+    if not _distributed():
+        return t.clone()
+    buf = t.to(_comm_device(device))
+    dist.all_reduce(buf)
+    return buf.to(t.device)
+
+
+def all_max_int(x: int, device=None) -> int:
+
+    if not _distributed():
+        return int(x)
+    t = torch.tensor([int(x)], dtype=torch.int64, device=_comm_device(device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def any_rank(flag: bool, device=None) -> bool:
+    """True on every rank when ``flag`` is true on any."""
+    return all_max_int(1 if flag else 0, device) > 0
+
+
+def scatter_from_rank0(objs_rank0, rank: int):
+    """Rank r receives ``objs_rank0[r]`` (a list on rank 0, ignored elsewhere)."""
+
+    if not _distributed():
+        return objs_rank0[0]
+    out = [None]
+    dist.scatter_object_list(out, objs_rank0 if rank == 0 else None, src=0)
+    return out[0]
+
+
+def broadcast_from_rank0(obj, rank: int):
+    """Rank 0's ``obj`` on every rank."""
+
+    if not _distributed():
+        return obj
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -16,56 +16,7 @@ import time
 from collections import deque
 from typing import Callable, List, Sequence
 
-# how per-engine rollout metrics combine into the step's: counts add up, maxima take the max,
-# means and fractions are weighted by each engine's trajectory count
-_MAX_KEYS = ("_max", "_peak", "sampling_rounds")
-_MEAN_KEYS = ("_mean", "_frac")
-
-
-def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int):
-    """Task seeds of engine ``engine`` from batch ``step`` on: batch ``s`` of the whole run holds
-    the seeds ``s * tasks_per_step ...`` and engine ``e`` takes the ``e``-th equal share of them
-    (with one engine: every seed from ``step * tasks_per_step`` on, as before)."""
-    share = tasks_per_step // engines
-    s = step
-    while True:
-        base = s * tasks_per_step + engine * share
-        yield from range(base, base + share)
-        s += 1
-
-
-def merge_batches(batches: Sequence):
-    """One ``RolloutBatch`` from each engine's batch of the same step.  Group ids are renumbered
-    ``gid * E + e`` so groups of different engines never share an id (advantages, dynamic sampling
-    and turn credit group by it)."""
-    from ..rollout.manager import RolloutBatch
-
-    if len(batches) == 1:
-        return batches[0]
-    steps = {b.step for b in batches}
-    if len(steps) != 1:
-        raise RuntimeError(f"rollout engines: batches of different steps {sorted(steps)} cannot be merged")
-    E = len(batches)
-    trajs = []
-    for e, b in enumerate(batches):
-        for t in b.trajectories:
-            t.group_id = int(t.group_id) * E + e
-            trajs.append(t)
-    weights = [max(int(b.metrics.get("rollout/num_trajectories", len(b.trajectories))), 0) for b in batches]
-    total = sum(weights) or 1
-    metrics = {}
-    for key in dict.fromkeys(k for b in batches for k in b.metrics):
-        vals = [(b.metrics[key], w) for b, w in zip(batches, weights) if key in b.metrics]
-        if any(s in key for s in _MAX_KEYS):
-            metrics[key] = max(v for v, _ in vals)
-        elif any(s in key for s in _MEAN_KEYS):
-            den = sum(w for _, w in vals) or total
-            metrics[key] = sum(float(v) * w for v, w in vals) / den
-        else:
-            metrics[key] = sum(v for v, _ in vals)
-    metrics["rollout/engines"] = E
-    return RolloutBatch(batches[0].step, trajs, metrics)
-
+from ..data.batch import merge_batches
 
 class RolloutLink:
     """The queues of trainer rank 0 (``orders``: one queue per engine)."""

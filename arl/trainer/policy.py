@@ -18,8 +18,10 @@ import torch
 from ..config import OptimConfig
 from ..data.packer import MicroBatch
 from ..loss import LossConfig, policy_loss
+from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
-from .dist import world_size
+from ..stabilizers.ipa import ipa_mixed_loss
+from .dist import all_max_int, all_sum, any_rank, rank, world_size
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -194,12 +196,11 @@ class PolicyTrainer:
                 continue
             logp, ent = self.logprobs(mb, with_entropy=True)
             ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
-            # always the micro-batch's step-wide advantages: exact for split groups, and the only
-            # place the stabilizers' shaped / reweighted / masked advantages reach the loss
-            adv = mb.advantages.to(self.device, torch.float32)
+            # the step's advantages (arl/stabilizers/advantages.py) when the packer was given them:
+            # exact for split groups, and how shaping / reweighting / masking reach the loss; None:
+            # the loss normalizes the micro-batch's rewards itself
+            adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
             if mb.ipa is not None:  # IPA resampling: imitation on the expert prefix + RL on the resampled chunks
-                from ..stabilizers.ipa import ipa_mixed_loss
-
                 r = mb.ipa
                 loss, lm = ipa_mixed_loss(
                     logp, old.to(self.device), mb=mb, il_mask=r["il_mask"], rl_chunk_ids=r["rl_chunk_ids"],
@@ -227,43 +228,25 @@ class PolicyTrainer:
         # no advantage on any rank and no KL / entropy term: nothing to learn from this batch
         signal = (any(v > 0 for v in metrics.get("adv_nonzero_frac", ())) or any(v > 0 for v in metrics.get("ipa/il_tokens", ()))
                   or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
-        signal = self._any_rank(signal)
+        signal = any_rank(signal, self.device)
         out = self._finish_step(metrics, apply_update=signal)
         out["skipped_no_signal"] = float(not signal)
         out.update(turn)
         return out
 
-    def _any_rank(self, flag: bool) -> bool:
-        import torch.distributed as dist
-
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return bool(flag)
-        dev = self.device if torch.device(self.device).type == "cuda" else "cpu"  # NCCL needs CUDA tensors
-        t = torch.tensor([1.0 if flag else 0.0], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
     def _turn_metrics(self, parts: dict) -> dict:
         """Per-turn entropy and the successful trajectories' mean logprob over all ranks: sums and
         counts are all-reduced (turn counts padded to the largest), then divided."""
-        import torch.distributed as dist
-
-        from ..metrics import per_turn_sums, success_logprob_sums, turn_means
-
         if parts["ent"]:
             sums, counts = per_turn_sums(parts["ent"], parts["cid"], parts["cu"])
             ls, lc = success_logprob_sums(parts["logp"], parts["cid"], parts["cu"], parts["ok"])
         else:  # no micro-batch on this rank
             sums, counts, ls, lc = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), 0.0, 0
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = self.device if torch.device(self.device).type == "cuda" else "cpu"  # NCCL needs CUDA tensors
-            k = torch.tensor([sums.numel()], dtype=torch.int64, device=dev)
-            dist.all_reduce(k, op=dist.ReduceOp.MAX)
-            K = int(k)
+        if world_size() > 1:
+            K = all_max_int(sums.numel(), self.device)
             pad = lambda x: torch.cat([x, x.new_zeros(K - x.numel())])  # noqa: E731
-            buf = torch.cat([pad(sums), pad(counts), torch.tensor([ls, float(lc)], dtype=torch.float64)]).to(dev)
-            dist.all_reduce(buf)
-            buf = buf.cpu()
+            buf = all_sum(torch.cat([pad(sums), pad(counts), torch.tensor([ls, float(lc)], dtype=torch.float64)]),
+                          self.device)
             sums, counts, ls, lc = buf[:K], buf[K:2 * K], float(buf[2 * K]), float(buf[2 * K + 1])
         out = turn_means(sums, counts)
         if lc > 0:
@@ -302,9 +285,8 @@ class PolicyTrainer:
         Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
         every rank calls it."""
         import deepspeed
-        import torch.distributed as dist
 
-        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        keep = not rank0_only or rank() == 0
         module = self.engine.module
         ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None) if self.zero3
                else _null())

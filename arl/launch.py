@@ -1,8 +1,12 @@
-"""Launch under torchrun or the deepspeed launcher: one process per device, each takes a role.
+"""The launchers: where the processes of a run come from, and what each one is.
 
-``torchrun --nproc_per_node 8 -m arl.train --config X.yaml`` (or ``deepspeed --num_gpus 8 ...``,
-multi-node through ``--hostfile``) starts ``nodes x gpus_per_node`` processes with RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.  Roles (``assign_role``):
+``python -m arl.train`` started plainly (the CPU layout on one machine): ``launch`` builds the model
+directory and the SFT demonstrations, spawns one rollout process per engine
+(``arl.rollout.worker``) and ``trainer.world_size`` trainer ranks (``arl.trainer.rank``), and waits.
+
+Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set; multi-node through ``--hostfile``): ``launch_distributed`` gives this
+process its role (``assign_role``):
 
 * GPU layout, per node: local ranks ``[0, rollout_gpus)`` are rollout devices, the next
   ``trainer_gpus`` are trainer ranks (trainer rank = node x trainer_gpus + local index).  Every
@@ -17,9 +21,13 @@ Channels, all from MASTER_ADDR and MASTER_PORT (the launcher's own port is not u
   +2  the batch queue and one order queue per engine between the rollout leaders and trainer
       rank 0 (a ``multiprocessing`` manager served by trainer rank 0, authenticated with ARL_AUTHKEY);
   +3  the weight-sync group: trainer rank 0 broadcasts into the workers of every engine.
+
+Both launchers hand the rollout side the stabilizers' judges (``rollout_hooks``): the rollout
+package acts on them without importing the stabilizers.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
@@ -30,11 +38,86 @@ from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import List, Optional
 
-from ..config import TrainConfig
+from filelock import FileLock
+from transformers import AutoTokenizer
+
+from .config import TrainConfig
+from .model.tiny import build_tiny_model
+from .procs import free_port
+from .rollout.episode import ChatFormat
+from .rollout.expert import expert_demos
+from .rollout.worker import RolloutHooks, rollout_process
+from .stabilizers import DynamicSampler, IPAResampler
+from .trainer.rank import trainer_rank
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+# ---------------------------------------------------------------- what every launcher prepares
+def model_dir_for(cfg: TrainConfig) -> str:
+    """The model directory: ``model.name_or_path``, or the locally built tiny model."""
+    if cfg.model.name_or_path != "tiny":
+        return cfg.model.name_or_path
+    return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,)))
+
+
+def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
+    if not cfg.sft.enabled:
+        return []
+    return expert_demos(cfg, ChatFormat(AutoTokenizer.from_pretrained(model_dir)), cfg.sft.episodes)
+
+
+def rollout_hooks(cfg: TrainConfig) -> RolloutHooks:
+    """The stabilizers' judges the rollout side acts on (picklable, for spawned processes)."""
+    s = cfg.stabilizers
+    return RolloutHooks(
+        make_sampler=functools.partial(DynamicSampler, s.dynamic_sampling) if s.dynamic_sampling.enabled else None,
+        start_chooser=IPAResampler(s.ipa) if s.ipa.enabled else None)
+
+
+def _write_config(cfg: TrainConfig) -> Path:
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    return run_dir
+
+
+# ---------------------------------------------------------------- one machine: spawn
+def launch(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Run SFT + RL with ``cfg`` on this machine; returns the run directory (metrics.jsonl,
+    checkpoints, hf/)."""
+    import torch.multiprocessing as mp
+
+    if cfg.layout.device != "cpu":
+        raise ValueError("layout.device: 'cuda' configs run one process per GPU: launch them with torchrun or "
+                         "deepspeed (see README), not plain python")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model_dir = model_dir_for(cfg)
+    run_dir = _write_config(cfg)
+    demos = sft_demos(cfg, model_dir)
+    ctx = mp.get_context("spawn")
+    batches, orders = ctx.Queue(), [ctx.Queue() for _ in range(cfg.num_engines())]
+    me = os.getpid()  # children die with the launcher (die_with_parent), also when it is SIGKILLed
+    hooks = rollout_hooks(cfg)
+    rolls = [ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, q, me, e, hooks),
+                         daemon=False, name=f"arl-rollout-{e}")  # vLLM may start helper processes
+             for e, q in enumerate(orders)]
+    for roll in rolls:
+        roll.start()
+    try:
+        sync_addr = ("127.0.0.1", free_port())  # used with rollout.weight_sync: group
+        mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
+                                               batches, orders, resume, me, sync_addr),
+                           nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
+    finally:
+        for roll in rolls:
+            roll.join(timeout=60)
+            if roll.is_alive():
+                roll.terminate()
+    return run_dir
+
+
+# ---------------------------------------------------------------- torchrun / deepspeed: roles
 def under_launcher() -> bool:
     """True when started by torchrun or the deepspeed launcher (one process per device)."""
     return all(k in os.environ for k in LAUNCH_ENV)
@@ -118,10 +201,6 @@ def connect_queues(host: str, port: int, engine: int = 0, timeout_s: float = 600
 
 def shared_model_dir(cfg: TrainConfig) -> str:
     """``model_dir_for`` once per machine: the processes of a node share the built tiny model."""
-    from filelock import FileLock
-
-    from .loop import model_dir_for
-
     lock = Path(os.environ.get("TMPDIR", "/tmp")) / f"arl-model-{os.environ['MASTER_PORT']}.lock"
     with FileLock(str(lock)):
         return model_dir_for(cfg)
@@ -130,15 +209,12 @@ def shared_model_dir(cfg: TrainConfig) -> str:
 def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]:
     """This process's part of a torchrun / deepspeed launch; returns the run directory on the
     process that wrote it (trainer rank 0), None elsewhere."""
-    from .loop import expert_trajectories, rollout_process, trainer_rank
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     role = assign_role(cfg, rank, world, local_rank, local_world)
-    run_dir = Path(cfg.output_dir)
     if role.kind == "idle":
         return None
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -148,21 +224,21 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
         if cfg.layout.device == "cuda":  # the engine's workers see this node's rollout GPUs only
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, role.rollout_devices))
         batches, orders = connect_queues(host, port + 2, role.engine)
-        rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine)
+        rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine,
+                        hooks=rollout_hooks(cfg))
         return None
     # a trainer rank: DeepSpeed sees the trainer ranks only (their own group on port + 1); the
     # device stays LOCAL_RANK (rollout GPUs come first on every node)
     r = role.trainer_rank
     batches = orders = None
     if r == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        _write_config(cfg)
         batches, orders = serve_queues(port + 2, cfg.num_engines())
     os.environ.update(RANK=str(r), WORLD_SIZE=str(role.trainer_world), MASTER_PORT=str(port + 1),
                       LOCAL_WORLD_SIZE=str(cfg.layout.trainer_gpus or role.trainer_world))
     # torchrun's agent hosts the store of ITS world; this group's store is hosted by trainer rank 0
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    demos = expert_trajectories(cfg, model_dir, cfg.sft.episodes) if cfg.sft.enabled else []
+    demos = sft_demos(cfg, model_dir)
     trainer_rank(r, role.trainer_world, None, cfg.model_dump(), model_dir, demos, batches, orders, resume,
                  sync_addr=sync_addr)
-    return run_dir if r == 0 else None
+    return Path(cfg.output_dir) if r == 0 else None

@@ -1,15 +1,14 @@
-"""``StabilizerConfig``: one pydantic section per stabilizer, every one off by default.
-
-Meant to sit in the training config as ``TrainConfig.stabilizers``; standalone construction
-(``StabilizerConfig(**yaml_dict)``) raises one-line ValueErrors naming the dotted key.
+"""The ``stabilizers`` section: one sub-section per stabilizer (arl/stabilizers/), every one off by
+default.  Standalone construction (``StabilizerConfig(**yaml_dict)``) raises one-line ValueErrors
+naming the dotted key.
 """
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..loss.config import one_line_error
+from ..errors import OneLineErrors
 
 
 class _Section(BaseModel):
@@ -153,7 +152,7 @@ class MonitorConfig(_Section):
     max_rollbacks: int = Field(3, ge=0)  # past this a rollback alarm stops the run
 
 
-class StabilizerConfig(_Section):
+class StabilizerConfig(OneLineErrors, _Section):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     extreme: ExtremeTrajectoryConfig = ExtremeTrajectoryConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
@@ -170,8 +169,13 @@ class StabilizerConfig(_Section):
               "cannot be combined with ipa.enabled (the IPA loss splits chunks its own way)")
         return self
 
-    def __init__(self, **data):
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise ValueError(one_line_error(e, "StabilizerConfig")) from None
+
+def check_turn_credit_loss(stab: StabilizerConfig, loss) -> None:
+    """Turn credit scores each chunk as its own loss segment: exact only when the loss scores a chunk
+    by its own tokens (token or chunk ratios and mismatch, token-mean aggregation)."""
+    if not stab.turn_credit.enabled:
+        return
+    if loss.ratio_level == "sequence" or loss.mismatch_level == "sequence" or loss.loss_agg != "token-mean":
+        raise ValueError(
+            "stabilizers.turn_credit.enabled needs loss.ratio_level token or chunk, loss.mismatch_level none, token "
+            f"or chunk and loss.loss_agg token-mean (got {loss.ratio_level}, {loss.mismatch_level}, {loss.loss_agg})")

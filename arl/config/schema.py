@@ -1,19 +1,14 @@
-"""Training configuration: YAML + dotted CLI overrides, validated by pydantic.
-
-Every section forbids unknown keys; any error is one line naming the dotted key and, for an
-unknown key, the keys allowed there:  ``trainer.zero_stag: unknown key (allowed: ...)``.
+"""The training config schema: one pydantic section per YAML section, and the cross-checks
+between sections (in ``TrainConfig``, nowhere else).  Components take their section as is.
 """
 from __future__ import annotations
 
-import copy
-from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Optional
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .loss.config import LossConfig
-from .stabilizers.config import StabilizerConfig
+from ..loss.config import LossConfig
+from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
 
 class Section(BaseModel):
@@ -21,7 +16,7 @@ class Section(BaseModel):
 
 
 class TinyModelConfig(Section):
-    """A Qwen2-architecture model built locally (no download): the embedded default."""
+    """A Qwen2-architecture model built locally (no download; arl/model/tiny.py): the embedded default."""
 
     layers: int = Field(2, ge=1)
     hidden: int = Field(128, ge=8)
@@ -30,6 +25,15 @@ class TinyModelConfig(Section):
     intermediate: int = Field(384, ge=8)
     vocab_size: int = Field(1024, ge=300)
     max_position: int = Field(2048, ge=64)
+    rope_theta: float = Field(10000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TinyModelConfig":
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden: {self.hidden} must be divisible by heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: {self.kv_heads} must divide heads ({self.heads})")
+        return self
 
 
 class ArchConfig(Section):
@@ -73,7 +77,8 @@ class RolloutConfig(Section):
     max_total_tokens: int = Field(1024, ge=16)
     staleness: int = Field(1, ge=0)  # max policy versions between generation and training
     filter_cap: float = Field(0.5, ge=0, le=1)  # max filtered fraction per step (recoverable faults)
-    retries: int = Field(1, ge=0)
+    over_cap: Literal["keep", "mask"] = "keep"  # filtered trajectories past the cap: train with reward 0, or mask
+    retries: int = Field(1, ge=0)  # re-runs of an episode after a recoverable fault
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     tensor_parallel: int = Field(1, ge=1)
     # how new weights reach the engine: "file" = a safetensors file in /dev/shm that the engine
@@ -160,10 +165,7 @@ class TrainConfig(Section):
             raise ValueError("loss.kl_beta > 0 needs trainer.reference_model: true")
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
-        if self.stabilizers.turn_credit.enabled:  # per-chunk advantages go in as one segment per chunk
-            from .stabilizers.turn_credit import check_loss_config
-
-            check_loss_config(self.loss)
+        check_turn_credit_loss(self.stabilizers, self.loss)
         lay = self.layout
         if lay.device == "cuda":
             if lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:
@@ -200,95 +202,3 @@ class TrainConfig(Section):
         if self.layout.device == "cuda":
             return self.layout.nodes
         return self.rollout.engines or 1
-
-
-# ---------------------------------------------------------------- loading and errors
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names of the (nested) model section that a pydantic error location points into."""
-    cur: Any = model
-    for part in loc[:-1]:
-        if not (isinstance(cur, type) and issubclass(cur, BaseModel)) or part not in cur.model_fields:
-            return []
-        ann = cur.model_fields[part].annotation
-        if get_origin(ann) is Union:
-            ann = next((a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)
-        cur = ann
-    return sorted(cur.model_fields) if isinstance(cur, type) and issubclass(cur, BaseModel) else []
-
-
-def config_error(err: ValidationError) -> str:
-    e = err.errors()[0]
-    loc = tuple(e["loc"])
-    key = ".".join(str(p) for p in loc) or "config"
-    if e["type"] == "extra_forbidden":
-        return f"{key}: unknown key (allowed: {', '.join(_allowed_keys(TrainConfig, loc))})"
-    msg = e["msg"].removeprefix("Value error, ")
-    for prefix in ("LossConfig: ", "StabilizerConfig: "):  # sections raising their own one-line error
-        if msg.startswith(prefix):
-            msg = msg.removeprefix(prefix)
-            sub, _, rest = msg.partition(": ")
-            parts = tuple(sub.split("."))
-            if rest and all(p.isidentifier() or p.isdigit() for p in parts):
-                if rest == "unknown key":
-                    rest += f" (allowed: {', '.join(_allowed_keys(TrainConfig, loc + parts))})"
-                return f"{key}.{sub}: {rest}"
-    return f"{key}: {msg}" if loc else msg
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def _set_dotted(d: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    cur = d
-    for p in parts[:-1]:
-        nxt = cur.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"{dotted}: {p} is not a section")
-        cur = nxt
-    cur[parts[-1]] = value
-
-
-# The built-in default run (``python -m arl.train`` without --config): the README's main job, i.e.
-# exactly configs/tiny_cpu.yaml (tests/test_config.py keeps the two equal).  The model defaults above
-# stay generic; only this run's choices live here.
-BUILTIN_DEFAULT: dict = {
-    "output_dir": "runs/tiny_cpu",
-    "env": {"max_turns": 6, "pool_size": 32},
-    "rollout": {"temperature": 0.7, "max_turn_tokens": 48, "max_total_tokens": 768},
-    "trainer": {"steps": 200, "max_wall_s": 1200,
-                "optim": {"lr": 4.0e-4, "warmup_steps": 5, "schedule": "constant", "grad_clip": 1.0}},
-    "sft": {"episodes": 2048, "steps": 232},
-    "loss": {"ratio_level": "chunk", "surrogate": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28,
-             "adv_norm": "group_std", "gamma": 0.95, "mismatch_level": "chunk", "mismatch_mode": "mask",
-             "mismatch_low": 0.8, "mismatch_high": 5.0, "loss_agg": "token-mean"},
-    "stabilizers": {"turn_credit": {"enabled": True, "weight": 1.0, "process_reward": 0.1},
-                    "curriculum": {"enabled": True, "until_success": 0.6}},
-}
-
-
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
-    """YAML file (or ``BUILTIN_DEFAULT`` when None) plus ``key.sub=value`` overrides."""
-    data: dict = copy.deepcopy(BUILTIN_DEFAULT) if path is None else {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: no such file {path}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config: {path} must hold a mapping at the top level")
-    for ov in overrides or []:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r}: expected key.sub=value")
-        k, v = ov.split("=", 1)
-        _set_dotted(data, k.strip(), yaml.safe_load(v) if v.strip() else None)
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(config_error(e)) from None
-    except ValueError as e:  # LossConfig's own one-line error, raised from its __init__
-        raise ConfigError(str(e).splitlines()[0]) from None

@@ -15,9 +15,13 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
+
+import arl.env  # noqa: F401  (registers the built-in environments, whose texts make the corpus)
+
+from ..config import TinyModelConfig
+from ..env.registry import ENVIRONMENTS, make_env
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -50,33 +54,6 @@ _CACHE_VERSION = 1  # bump when the build recipe changes
 _BUILD_LOCK = threading.Lock()
 
 
-@dataclass(frozen=True)
-class TinyModelConfig:
-    vocab_size: int = 512  # BPE target (special and tag tokens included)
-    hidden_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    seed: int = 0
-    envs: tuple = field(default=None)  # env names for the corpus; None: every registered env
-    corpus_seeds: int = 16  # episodes per env sampled into the corpus
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"TinyModelConfig.{name}: must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("TinyModelConfig.hidden_size: must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("TinyModelConfig.num_key_value_heads: must divide num_attention_heads")
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS) + len(TAG_TOKENS):
-            raise ValueError("TinyModelConfig.vocab_size: must be >= 263 (256 bytes + special tokens)")
-
-
 def _run_coro(coro):
     """Run a coroutine from sync code, even when the caller's thread already runs a loop."""
     try:
@@ -91,8 +68,6 @@ def _run_coro(coro):
 
 
 async def _env_texts(name: str, seeds: int) -> list[str]:
-    from arl.env.registry import make_env
-
     env = make_env(name)
     texts = [env.system_prompt or ""]
     try:
@@ -106,9 +81,6 @@ async def _env_texts(name: str, seeds: int) -> list[str]:
 
 def build_corpus(envs: Sequence[str] | None = None, seeds: int = 16) -> list[str]:
     """Deterministic training text: registered environments' prompts, tasks, demonstrations."""
-    import arl.env  # noqa: F401  (registers the built-in environments)
-    from arl.env.registry import ENVIRONMENTS
-
     names = sorted(ENVIRONMENTS) if envs is None else list(envs)
     texts = [FALLBACK_TEXT]
     for name in names:
@@ -137,21 +109,21 @@ def _train_tokenizer(corpus: Iterable[str], vocab_size: int):
         unk_token=None, chat_template=CHAT_TEMPLATE, model_max_length=1 << 20)
 
 
-def _build_model(cfg: TinyModelConfig, tokenizer):
+def _build_model(cfg: TinyModelConfig, tokenizer, seed: int):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     mcfg = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_position,
         rope_theta=cfg.rope_theta, tie_word_embeddings=False, use_sliding_window=False,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), bos_token_id=None,
         torch_dtype="float32")
     gen = torch.random.fork_rng()
     with gen:
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)
         model = Qwen2ForCausalLM(mcfg)
     return model.float()
 
@@ -160,21 +132,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ARL_CACHE", Path.home() / ".cache" / "arl")) / "tiny"
 
 
-def build_tiny_model(out_dir: str | os.PathLike | None = None, config: TinyModelConfig | None = None,
+def build_tiny_model(out_dir: str | os.PathLike | None = None, config: TinyModelConfig | None = None, *,
+                     seed: int = 0, envs: Optional[Sequence[str]] = None, corpus_seeds: int = 16,
                      corpus: Sequence[str] | None = None) -> Path:
-    """Build (or reuse) the tiny model + tokenizer; return the HF-format directory.
+    """Build (or reuse) the tiny model + tokenizer of ``config`` (the ``model.tiny`` section); return
+    the HF-format directory.
 
-    ``out_dir``: where to put it (default: the cache, keyed by content hash).  ``corpus``: the
-    tokenizer's training text (default: ``build_corpus(config.envs, config.corpus_seeds)``).
+    ``out_dir``: where to put it (default: the cache, keyed by content hash).  ``seed``: the weights'
+    init seed.  ``corpus``: the tokenizer's training text (default: ``build_corpus(envs,
+    corpus_seeds)``, every registered environment when ``envs`` is None).
     """
     cfg = config or TinyModelConfig()
     if corpus is None:
-        corpus = build_corpus(cfg.envs, cfg.corpus_seeds)
+        corpus = build_corpus(envs, corpus_seeds)
     corpus = list(corpus)
     if not corpus or not all(isinstance(t, str) for t in corpus):
         raise ValueError("corpus: must be a non-empty list of strings")
     key = hashlib.sha256(json.dumps(
-        {"v": _CACHE_VERSION, "cfg": asdict(cfg), "corpus": corpus}, sort_keys=True, default=list
+        {"v": _CACHE_VERSION, "cfg": cfg.model_dump(), "seed": seed, "corpus": corpus}, sort_keys=True, default=list
     ).encode()).hexdigest()[:16]
     out = Path(out_dir) if out_dir is not None else default_cache_dir() / key
     marker = out / "arl_tiny.json"
@@ -186,10 +161,10 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, config: TinyModel
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             tokenizer = _train_tokenizer(corpus, cfg.vocab_size)
-            model = _build_model(cfg, tokenizer)
+            model = _build_model(cfg, tokenizer, seed)
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            (tmp / "arl_tiny.json").write_text(json.dumps({"key": key, "config": asdict(cfg)}, default=list))
+            (tmp / "arl_tiny.json").write_text(json.dumps({"key": key, "config": cfg.model_dump(), "seed": seed}, default=list))
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)

@@ -1,0 +1,40 @@
+"""Process helpers shared by every process of a run: free ports, and dying with the launcher."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+from contextlib import closing
+
+import psutil
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent(parent_pid: int, take_children: bool = False) -> None:
+    """Linux: have the kernel send SIGTERM to this process when its parent (the launcher) dies, so a
+    launcher killed with SIGKILL or SIGTERM leaves no trainer rank or rollout engine behind.  If the
+    parent is already gone (it died before this call), exit now.  ``take_children``: on SIGTERM, first
+    kill this process's own descendants (vLLM's engine-core process would outlive a plain exit)."""
+    if not sys.platform.startswith("linux"):
+        return
+    if take_children:
+        def _term(signum, frame):
+            for c in psutil.Process().children(recursive=True):
+                try:
+                    c.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            os._exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, _term)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,0 +1,95 @@
+"""The environment's expert, played through the rollout's own episode code: SFT demonstrations, and
+the expert prefixes IPA resampling starts groups from.
+
+The expert plays with the run-time faults off (a fault would make its fixed turns diverge from the
+episode), but with the task definition the rollout sees (``unsolvable_frac``: an unsolvable task has
+no expert prefix and starts fresh).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Protocol
+
+from ..config import TrainConfig
+from ..data.expert import expert_trajectory, start_state
+from ..env import make_env
+from ..env.expert import expert_transcript
+from .engine import Sample
+from .episode import ChatFormat, Episode, EpisodeConfig
+
+# env kwargs that inject run-time faults; the expert plays without them
+FAULT_KEYS = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "latency_median_s", "latency_p99_s",
+              "tool_timeout_s")
+
+
+def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool) -> dict:
+    """``env.kwargs`` without the fault keys (``unsolvable_frac`` kept when it defines the task)."""
+    keep = ("unsolvable_frac",) if keep_task_definition else ()
+    return {k: v for k, v in cfg.env.kwargs.items() if k not in FAULT_KEYS or k in keep}
+
+
+def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000) -> list:
+    """Up to ``n`` successful expert demonstrations (tasks from ``seed_base`` on), rendered exactly as
+    the rollout renders a model's turns: the SFT warm start's data."""
+    env = make_env(cfg.env.name, **expert_env_kwargs(cfg, keep_task_definition=False))
+    ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
+
+    async def one(seed):
+        ep = Episode(env, fmt, ep_cfg, seed)
+        await ep.start()
+        turns = env.expert_turns()
+        if turns is None:
+            return None
+        for text in turns:
+            if ep.done:
+                break
+            ids = fmt.encode(text)
+            await ep.apply(Sample(ids, [0.0] * len(ids), text, "stop"))
+        t = ep.trajectory()
+        return t if t.reward > 0 else None
+
+    async def all_():
+        out = []
+        for s in range(seed_base, seed_base + 4 * n):
+            t = await one(s)
+            if t is not None:
+                out.append(t)
+            if len(out) >= n:
+                break
+        return out
+
+    return asyncio.run(all_())
+
+
+class StartChooser(Protocol):
+    """The judge that picks the chunk an IPA group starts from (``arl.stabilizers.IPAResampler``);
+    its state comes from the trainer with every weight sync."""
+
+    def start_chunks(self, num_chunks: int) -> list: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def expert_start_hook(cfg: TrainConfig, fmt: ChatFormat, chooser: StartChooser) -> Callable:
+    """``start_for(seed)`` for ``RolloutManager``: the expert plays task ``seed`` and the group starts
+    at the chunk ``chooser`` picks (several anchors: one of them, by task seed); None when the env
+    has no demonstrator for the task, the expert failed, or it needs more turns than an episode may."""
+    kwargs = expert_env_kwargs(cfg, keep_task_definition=True)
+    max_turns = cfg.env.max_turns
+
+    async def start_for(seed: int):
+        env = make_env(cfg.env.name, **kwargs)
+        try:
+            res = await expert_transcript(env, seed)
+        finally:
+            await env.close()
+        if res is None:
+            return None
+        task, transcript = res
+        expert = expert_trajectory(fmt, env.system_prompt, task, transcript, task_seed=seed)
+        if expert.reward <= 0 or len(expert.turns) > max_turns:
+            return None
+        ks = chooser.start_chunks(len(expert.turns))
+        return start_state(expert, ks[seed % len(ks)])
+
+    return start_for
+

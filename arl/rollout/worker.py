@@ -1,0 +1,237 @@
+"""The rollout process: one vLLM engine, its environments and the async ``RolloutManager``, in one
+asyncio loop.
+
+It hands its share of every batch to trainer rank 0 on ``batches`` and takes orders on its own
+``orders`` queue (trainer rank 0's end is ``arl.trainer.link.RolloutLink``):
+
+  ``("join_sync", host, port, world, backend)``  the engine's workers join the weight-sync group;
+  ``("weights", source, version, chooser_state)`` new weights (a directory, or ``FromGroup``);
+  ``("eval", version, n)``                       greedy held-out evaluation on ``n`` tasks;
+  ``("stop",)``.
+
+It sends ``("batch", engine, RolloutBatch)``, ``("eval", version, success)``, ``("stopped", engine)``
+or ``("error", text)``.  Tasks start at the policy version of the trainer's first weight sync (a
+resumed run's step).  The stabilizers' judges reach this process as ``RolloutHooks`` built by the
+launcher; the rollout side only acts on what they decide.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue as queue_mod
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from ..config import TrainConfig
+from ..env import make_env
+from ..metrics import rollout_rates
+from ..procs import die_with_parent
+from .engine import SamplingConfig, make_engine
+from .episode import ChatFormat, EpisodeConfig, run_episode
+from .expert import StartChooser, expert_start_hook
+from .manager import RolloutManager, fill_batch
+
+EVAL_SEED_BASE = 1_000_000  # held-out task seeds (training tasks count up from 0)
+
+
+@dataclass
+class RolloutHooks:
+    """What the stabilizers decide for the rollout side (picklable: built by the launcher).
+    ``make_sampler(target_groups)``: dynamic sampling's judge (None: off); ``start_chooser``: IPA's
+    start-chunk schedule (None: off)."""
+
+    make_sampler: Optional[Callable] = None
+    start_chooser: Optional[StartChooser] = None
+
+
+def engine_kwargs(cfg: TrainConfig) -> dict:
+    """vLLM arguments of the GPU layout: a node's rollout GPUs as tensor parallel x data parallel."""
+    if cfg.layout.device != "cuda":
+        return {}
+    tp = cfg.rollout.tensor_parallel
+    return {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
+            "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
+
+
+def engine_workers(cfg: TrainConfig) -> int:
+    """Processes of ONE engine that hold weights (its receivers in the weight-sync group)."""
+    kw = engine_kwargs(cfg)
+    return kw.get("tensor_parallel_size", 1) * kw.get("data_parallel_size", 1)
+
+
+def episode_config(cfg: TrainConfig, greedy: bool = False) -> EpisodeConfig:
+    """Episode limits and per-turn sampling of the run (``greedy``: evaluation)."""
+    r = cfg.rollout
+    sampling = (SamplingConfig(max_tokens=r.max_turn_tokens, temperature=0.0) if greedy else
+                SamplingConfig(max_tokens=r.max_turn_tokens, temperature=r.temperature, top_p=r.top_p))
+    return EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling)
+
+
+def env_factory(cfg: TrainConfig) -> Callable:
+    name, kwargs = cfg.env.name, dict(cfg.env.kwargs)
+    return lambda: make_env(name, **kwargs)
+
+
+def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int):
+    """Task seeds of engine ``engine`` from batch ``step`` on: batch ``s`` of the whole run holds
+    the seeds ``s * tasks_per_step ...`` and engine ``e`` takes the ``e``-th equal share of them."""
+    share = tasks_per_step // engines
+    s = step
+    while True:
+        base = s * tasks_per_step + engine * share
+        yield from range(base, base + share)
+        s += 1
+
+
+async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int) -> float:
+    """Greedy success rate on the ``n`` held-out tasks (a success: positive reward, no fault)."""
+    factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
+    sem = asyncio.Semaphore(cfg.env.pool_size)
+
+    async def one(i):
+        async with sem:
+            env = factory()
+            try:
+                t = await run_episode(engine, env, fmt, EVAL_SEED_BASE + i, ep_cfg)
+            finally:
+                await env.close()
+            return float(t.reward > 0 and t.metadata.get("fault") == "none")
+
+    res = await asyncio.gather(*(one(i) for i in range(n)))
+    return float(np.mean(res)) if res else float("nan")
+
+
+def rollout_rate(engine, batch) -> dict:
+    """This engine's throughput since its previous batch (the first: since the first weights
+    arrived): all tokens and model-turn tokens per second, and the fraction of that time the engine
+    had no call in flight (evaluations count as busy).  Several engines' rates add up."""
+    st = engine.idle_stats(reset=True)
+    return {**rollout_rates(batch.trajectories, max(st["wall_s"], 1e-9)), "rollout/engine_idle_frac": st["idle_frac"]}
+
+
+def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid: Optional[int] = None,
+                    engine: int = 0, hooks: Optional[RolloutHooks] = None) -> None:
+    """Entry point of engine ``engine``'s rollout process (spawned, or a torchrun rank)."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid, take_children=True)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = TrainConfig.model_validate(cfg_dict)
+    try:
+        asyncio.run(RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks()).run())
+        batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
+    except BaseException as e:  # tell the trainer instead of leaving it waiting
+        where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
+        batches.put(("error", f"{where}{type(e).__name__}: {e}"))
+        raise
+
+
+class RolloutWorker:
+    def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks):
+        self.cfg, self.model_dir, self.batches, self.orders, self.index = cfg, model_dir, batches, orders, index
+        self.hooks = hooks
+        self.engine = self.fmt = self.manager = None
+        self.synced, self.stop = asyncio.Event(), asyncio.Event()
+        self.closing = threading.Event()  # the order-taking thread returns once this is set
+        self.evals: set = set()
+
+    async def run(self) -> None:
+        cfg, r = self.cfg, self.cfg.rollout
+        self.engine = make_engine(r.engine, model=self.model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
+                                  max_model_len=max(r.max_total_tokens + 64, 256), engine_kwargs=engine_kwargs(cfg))
+        self.fmt = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
+        try:
+            orders = asyncio.create_task(self._take_orders())
+            await self.synced.wait()  # the first weights (after SFT / from the checkpoint)
+            n_engines = cfg.num_engines()
+            # the trainer's version decides where the tasks resume (this node's own view of the
+            # checkpoint directory may not be the trainer's)
+            tasks = engine_task_seeds(self.engine.version, r.tasks_per_step, self.index, n_engines)
+            self.engine.idle_stats(reset=True)  # rates count from here, not from the engine's start
+            chooser = self.hooks.start_chooser
+            self.manager = RolloutManager(
+                self.engine, env_factory(cfg), self.fmt, tasks=tasks, config=r,
+                groups_per_step=r.tasks_per_step // n_engines, pool_size=cfg.env.pool_size,
+                episode=episode_config(cfg), seed=cfg.seed,
+                start_for=expert_start_hook(cfg, self.fmt, chooser) if chooser is not None else None,
+                imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group)
+            async with self.manager:
+                await self._produce(orders)
+        finally:
+            # on an error too: the order-taking thread returns, so asyncio.run's shutdown (which
+            # joins it) ends and the error is reported; and vLLM's engine core must not outlive us
+            self.closing.set()
+            for t in list(self.evals):
+                t.cancel()
+            await self.engine.close()
+
+    async def _produce(self, orders: asyncio.Task) -> None:
+        """Batches until the trainer says stop: each waits for the weights its step needs, is
+        filled up by dynamic sampling, and goes to trainer rank 0."""
+        loop = asyncio.get_running_loop()
+        while not self.stop.is_set():
+            step = asyncio.create_task(self._next_batch())
+            done, _ = await asyncio.wait({step, orders}, return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:  # stopped (or the order thread failed) while waiting
+                step.cancel()
+                if orders.done() and orders.exception() is not None:
+                    raise orders.exception()
+                return
+            batch = step.result()
+            batch.metrics.update(rollout_rate(self.engine, batch))
+            await loop.run_in_executor(None, self.batches.put, ("batch", self.index, batch))
+
+    async def _next_batch(self):
+        await self.manager.wait_for_weights()
+        batch = await self.manager.get_batch()
+        return await fill_batch(self.manager, batch, self.hooks.make_sampler)
+
+    def _next_order(self) -> Optional[tuple]:
+        """One order, or None after a short wait (run in a thread): the thread must come back by
+        itself, or asyncio's shutdown, which joins it, would hang on an error."""
+        while not self.closing.is_set():
+            try:
+                return self.orders.get(timeout=0.5)
+            except queue_mod.Empty:
+                continue
+        return None
+
+    async def _take_orders(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.stop.is_set():
+            msg = await loop.run_in_executor(None, self._next_order)
+            if msg is None:
+                return
+            kind = msg[0]
+            if kind == "stop":
+                self.stop.set()
+                return
+            if kind == "join_sync":
+                _, host, port, world, backend = msg
+                await self.engine.join_weight_sync(host, port, world, backend)
+            elif kind == "weights":
+                await self._load_weights(*msg[1:])
+            elif kind == "eval":
+                t = asyncio.create_task(self._evaluate(*msg[1:]))
+                self.evals.add(t)
+                t.add_done_callback(self.evals.discard)
+            else:
+                raise RuntimeError(f"rollout worker: unknown order {kind!r}")
+
+    async def _load_weights(self, source, version: int, chooser_state: Optional[dict]) -> None:
+        if self.hooks.start_chooser is not None and chooser_state is not None:
+            self.hooks.start_chooser.load_state_dict(chooser_state)
+        if self.manager is None:
+            await self.engine.update_weights(source, version)
+        else:  # opens the manager's generation gate by one step
+            await self.manager.update_weights(source, version)
+        self.synced.set()
+
+    async def _evaluate(self, version: int, n: int) -> None:
+        acc = await evaluate(self.engine, self.fmt, self.cfg, n)
+        await asyncio.get_running_loop().run_in_executor(None, self.batches.put, ("eval", version, acc))

@@ -1,0 +1,256 @@
+"""A trainer rank: set-up (model, SFT warm start, reference, resume), then the RL steps.
+
+One step, as ``TrainerRank.step`` reads:
+
+    batch -> prepare (the step's advantages) -> pack          trainer rank 0, then scattered
+    old / reference logprobs -> update                        every rank (DeepSpeed)
+    weight sync -> log -> checkpoint                          every rank joins; rank 0 sends and writes
+
+Trainer rank 0 also holds the stabilizers' state and the link to the rollout processes.
+Determinism: with ``rollout.staleness: 0`` and fixed seeds, step k is generated from version k on
+tasks [k*G, (k+1)*G) with per-sample seeds, so a resumed run reproduces an uninterrupted one.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from ..config import TrainConfig
+from ..data.packer import PackerConfig, pack_step
+from ..metrics import MetricsLogger, trajectory_metrics
+from ..procs import die_with_parent
+from ..stabilizers import Stabilizers
+from .dist import all_mean, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env, shutdown
+from .link import RolloutLink
+from .models import dtype_of, load_policy, reference_model
+from .policy import PolicyTrainer
+from .sft import run_sft
+from .step_log import OrderedLog
+from .sync import WeightSender
+
+
+def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, model_dir: str, demos: list, batches,
+                 orders, resume: bool, parent_pid: Optional[int] = None, sync_addr: Optional[tuple] = None) -> None:
+    """Entry point of one trainer rank.  ``port``: the trainers' rendezvous port on this machine (the
+    spawn launcher), or None when the environment is already set (torchrun / deepspeed launcher).
+    ``batches`` / ``orders`` (rank 0 only): the queue from the rollout processes and the list of
+    queues to them, one per engine.  ``sync_addr``: (host, port) of the weight-sync group."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    cfg = TrainConfig.model_validate(cfg_dict)
+    if port is not None:
+        set_rank_env(rank, world, port)
+    init_distributed(cfg.layout.device)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if cfg.trainer.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    run = TrainerRank(cfg, rank, world, model_dir, batches, orders)
+    try:
+        run.setup(demos, resume, sync_addr)
+        run.train()
+        run.finish()
+    except BaseException:
+        # the launcher reports only the first rank to fail, often a peer's "connection closed":
+        # each rank prints its own cause
+        print(f"arl.train: trainer rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    finally:
+        run.close()
+        shutdown()
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
+    f = ckpt_dir / "latest_step"
+    return int(f.read_text()) if f.exists() else None
+
+
+def engine_mismatch(mbs, old) -> dict:
+    """``logp_abs_diff_vs_rollout``: mean |trainer logprob - engine logprob| over the trained tokens
+    of this rank, before the update.  Precision mismatch plus the drift of stale samples; at
+    staleness 0 it checks that the engine runs the trainer's weights.  IPA micro-batches (replayed
+    expert tokens have no engine logprob) are left out."""
+    num, den = 0.0, 0.0
+    for mb, o in zip(mbs, old):
+        if o is None or mb.ipa is not None:
+            continue
+        mask = mb.loss_mask.to(o.device, torch.float32)
+        num += float(((o - mb.rollout_logp.to(o.device, o.dtype)).abs() * mask).sum())
+        den += float(mask.sum())
+    return {"logp_abs_diff_vs_rollout": num / den} if den > 0 else {}
+
+
+class TrainerRank:
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, model_dir: str, batches, orders):
+        self.cfg, self.rank, self.world, self.model_dir = cfg, rank, world, model_dir
+        self.run_dir = Path(cfg.output_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.t0, self.wall_offset = time.perf_counter(), 0.0  # reset once the model is loaded
+        self.steps = cfg.trainer.steps
+        self.evals = set()  # policy versions evaluated on the held-out tasks
+        if cfg.env.eval_tasks:
+            self.evals = {v for v in range(0, self.steps + 1) if v % cfg.trainer.eval_every == 0 or v == self.steps}
+        self.log = self.link = self.stab = self.tr = self.sync = None
+        self.batches, self.orders = batches, orders
+        self.start_step, self.success, self.finished = 0, None, False
+
+    # ------------------------------------------------------------ set-up
+    def setup(self, demos: list, resume: bool, sync_addr: Optional[tuple]) -> None:
+        cfg, rank = self.cfg, self.rank
+        resume_step = latest_checkpoint(self.ckpt_dir) if resume else None
+        if rank == 0:
+            lg = cfg.logging
+            logger = MetricsLogger(self.run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
+                                   total_steps=self.steps, resume_step=resume_step)
+            self.log = OrderedLog(logger, self.evals)
+            self.link = RolloutLink(self.batches, self.orders, on_eval=self.log.eval_result)
+        model = load_policy(cfg, self.model_dir)
+        self.t0 = time.perf_counter()  # the run's clock (SFT included) starts with the model loaded
+        sft_metrics = {}
+        if cfg.sft.enabled and resume_step is None and cfg.sft.steps > 0:
+            sft_out, sft_state = run_sft(cfg, model, demos, rank, self.world)
+            sft_metrics = {f"sft/{k}": v for k, v in sft_out.items()}
+            sft_metrics["sft/wall_s"] = time.perf_counter() - self.t0
+            if sft_state is not None:  # ZeRO-3 partitioned the SFT model: RL starts from a whole copy
+                model = load_policy(cfg, self.model_dir)
+                model.load_state_dict(sft_state)
+        ref = reference_model(cfg, model, self.model_dir, rank, fresh=resume_step is None, sft_done=bool(sft_metrics))
+        self.tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage,
+                                total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
+                                temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation)
+        if rank == 0:
+            self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode)
+        if resume_step is not None:
+            self._restore(resume_step, restore_clock=True)
+        self.sync = WeightSender(cfg, self.tr, rank, self.link, sync_addr)
+        self.sync_weights(self.start_step)
+        if rank == 0 and resume_step is None and (sft_metrics or 0 in self.evals):
+            self.log.add(0, dict(sft_metrics), self.wall())
+
+    def _restore(self, step: int, restore_clock: bool) -> None:
+        """Model, optimizer and stabilizer state of checkpoint ``step`` (resume, or an alarm's rollback)."""
+        state = self.tr.load_checkpoint(str(self.ckpt_dir), tag=f"step{step}")
+        if restore_clock:
+            self.start_step, self.wall_offset = int(state["step"]), float(state.get("wall_s", 0.0))
+        if self.stab is not None and state.get("stabilizers"):
+            self.stab.load_state_dict(state["stabilizers"])
+
+    def wall(self) -> float:
+        return self.wall_offset + time.perf_counter() - self.t0
+
+    # ------------------------------------------------------------ the RL steps
+    def train(self) -> None:
+        for step in range(self.start_step, self.steps):
+            action, out_of_time = self.step(step)
+            version = step + 1
+            if action == "stop":
+                break
+            if action == "rollback":
+                last = latest_checkpoint(self.ckpt_dir)
+                if last is not None:  # model + optimizer back to the last checkpoint; versions keep counting
+                    self._restore(last, restore_clock=False)
+                    self.sync_weights(version)
+            if out_of_time:
+                break
+
+    def step(self, step: int):
+        """One RL step; returns ``(alarm action, out of time)``, the same on every rank."""
+        ts = time.perf_counter()
+        mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
+        wait_s = time.perf_counter() - ts
+        old = self.tr.old_logprobs(mbs)
+        ref = self.tr.ref_logprobs(mbs) if loss_cfg.kl_beta > 0 else None
+        m = {}
+        for _ in range(self.cfg.trainer.updates_per_batch):
+            m = self.tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
+        m.update(engine_mismatch(mbs, old))
+        m = all_mean(m)
+        version = step + 1
+        # one decision for every rank (each has its own clock: ranks that disagree would hang)
+        max_wall = self.cfg.trainer.max_wall_s
+        out_of_time = broadcast_from_rank0(max_wall is not None and self.wall() > max_wall, self.rank)
+        if out_of_time and self.cfg.env.eval_tasks:
+            self.evals.add(version)  # the policy the run ends with is evaluated too
+        self.sync_weights(version)
+        decision = None
+        if self.rank == 0:
+            step_s = time.perf_counter() - ts
+            tokens = float(sum(mb.num_tokens for mb in mbs))
+            rec = {"time/step_s": step_s, "time/wait_rollout_s": wait_s,
+                   "perf/train_tokens_per_s": tokens * self.world / max(step_s - wait_s, 1e-9),
+                   **{f"train/{k}": v for k, v in m.items()}, **extra}
+            decision = self.stab.after_step(version, rec, self.success)
+            rec.update(self.stab.stab_metrics())
+            self.log.add(version, rec, self.wall())
+            if decision.action == "stop":
+                print(f"arl.train: stopped by the behaviour alarm at step {version}: {decision.reason}")
+        action = broadcast_from_rank0(decision.action if decision is not None else "continue", self.rank)
+        if version % self.cfg.trainer.checkpoint_every == 0 or version == self.steps or out_of_time:
+            self.checkpoint(version)
+        return action, out_of_time
+
+    def next_batch(self, step: int):
+        """This rank's micro-batches of the step, the step's loss config, and (rank 0) the batch's
+        metrics.  Rank 0 takes the batch, computes the step's advantages once and packs for all ranks."""
+        parts = loss_cfg = extra = None
+        if self.rank == 0:
+            batch = self.link.next_batch()
+            loss_cfg = self.stab.loss_config(step, self.success)
+            prep = self.stab.prepare(batch.trainable(), loss_cfg)
+            packer = PackerConfig(token_budget=self.cfg.trainer.micro_batch_tokens, num_ranks=self.world,
+                                  seed=self.cfg.seed + step)
+            packed = pack_step(prep.trajectories, packer, loss_cfg, advantages=prep.advantages)
+            self.stab.apply(packed, prep, loss_cfg)  # turn credit segments, IPA loss roles
+            parts = packed.ranks
+            extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(batch.trajectories)}
+            self.success = extra.get("success/train")
+        return scatter_from_rank0(parts, self.rank), broadcast_from_rank0(loss_cfg, self.rank), extra
+
+    def sync_weights(self, version: int) -> None:
+        """The new policy into every engine; then the held-out evaluation of this version, when due
+        (one engine evaluates: the held-out tasks are not split)."""
+        chooser = self.stab.ipa.state_dict() if self.rank == 0 and self.cfg.stabilizers.ipa.enabled else None
+        self.sync(version, chooser)
+        if self.rank == 0 and version in self.evals:
+            self.link.send(0, ("eval", version, self.cfg.env.eval_tasks))
+
+    def checkpoint(self, version: int) -> None:
+        client = {"step": version, "wall_s": self.wall(),
+                  "stabilizers": self.stab.state_dict() if self.stab is not None else None}
+        self.tr.save_checkpoint(str(self.ckpt_dir), tag=f"step{version}",
+                                client_state=broadcast_from_rank0(client, self.rank))
+        if self.rank == 0:
+            (self.ckpt_dir / "latest_step").write_text(str(version))
+
+    # ------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Every record written (after the outstanding evaluations), the HF export."""
+        if self.rank == 0:
+            deadline = time.time() + 900
+            while self.log.waiting() and time.time() < deadline:
+                self.link.poll(5.0)
+            self.log.flush(force=True)
+            self.log.logger.close()
+        self.tr.export_hf(str(self.run_dir / "hf"), tokenizer=self.tokenizer if self.rank == 0 else None)
+        self.finished = True
+
+    def close(self) -> None:
+        if self.rank != 0 or self.link is None:
+            return
+        self.link.broadcast(("stop",))
+        if self.finished:  # under torchrun this rank serves the queues: stay until the rollout side is done
+            self.link.wait_stopped(timeout_s=120)
+        if self.sync is not None:
+            self.sync.close()

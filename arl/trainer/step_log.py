@@ -1,0 +1,31 @@
+"""Step records in step order, each with the held-out evaluation of its policy version."""
+from __future__ import annotations
+
+
+class OrderedLog:
+    """Step records wait for the held-out evaluation of their policy version (which runs in the
+    rollout process, concurrently with training) and are written in step order."""
+
+    def __init__(self, logger, eval_versions: set):
+        self.logger, self.eval_versions, self.pending, self.evals = logger, eval_versions, [], {}
+
+    def add(self, step: int, record: dict, wall_s: float) -> None:
+        self.pending.append((step, record, wall_s))
+        self.flush()
+
+    def eval_result(self, version: int, success: float) -> None:
+        self.evals[version] = success
+        self.flush()
+
+    def waiting(self) -> bool:
+        return any(s in self.eval_versions and s not in self.evals for s, _, _ in self.pending)
+
+    def flush(self, force: bool = False) -> None:
+        while self.pending:
+            step, rec, wall = self.pending[0]
+            if step in self.eval_versions and step not in self.evals and not force:
+                return
+            if step in self.evals:
+                rec["success/heldout"] = self.evals[step]
+            self.logger.log(step, rec, wall_s=wall)
+            self.pending.pop(0)

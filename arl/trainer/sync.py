@@ -1,0 +1,54 @@
+"""The trainer's side of the weight sync: after every update, the new policy reaches every engine.
+
+``file`` (the CPU default): trainer rank 0 writes the weights to shared memory and orders each
+engine to reload them.  ``group`` (the GPU default): trainer rank 0 broadcasts every tensor over a
+process group straight into the engines' workers (arl/rollout/weight_sync.py), the first sync
+having them join it.  Either way the order carries the new policy version and the IPA start
+chooser's state (it advances with the trainer's steps).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..config import TrainConfig
+from ..rollout.engine import write_sync_weights
+from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
+from ..rollout.worker import engine_workers
+from .link import RolloutLink
+from .policy import PolicyTrainer
+
+
+class WeightSender:
+    def __init__(self, cfg: TrainConfig, trainer: PolicyTrainer, rank: int, link: Optional[RolloutLink],
+                 sync_addr: Optional[tuple]):
+        self.cfg, self.tr, self.rank, self.link, self.addr = cfg, trainer, rank, link, sync_addr
+        self.mode = cfg.rollout.sync_mode(cfg.layout.device)
+        if self.mode == "group" and sync_addr is None:
+            raise ValueError("rollout.weight_sync: 'group' needs the launcher's weight-sync address")
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
+        self.group = None
+
+    def __call__(self, version: int, chooser_state: Optional[dict]) -> None:
+        """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
+        For NCCL the tensors stay on the GPU."""
+        state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda")
+        if self.rank != 0:
+            return
+        if self.mode == "file":
+            write_sync_weights(state, self.weights_dir)
+            self.link.broadcast(("weights", str(self.weights_dir), version, chooser_state))
+            return
+        if self.group is None:  # first sync: the engines' workers join, then every sync is broadcasts
+            n, backend = 1 + self.link.engines * engine_workers(self.cfg), sender_backend(self.tr.device)
+            self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend))  # rank 0 is the source
+            self.group = make_group(self.addr[0], self.addr[1], 0, n, backend)
+        self.link.broadcast(("weights", FromGroup(tensor_meta(state)), version, chooser_state))
+        send(self.group, state, self.tr.device)  # returns once every engine has received every tensor
+
+    def close(self) -> None:
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
