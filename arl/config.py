@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .loss.config import LossConfig
+from .ops.policy_loss.config import LossConfig
 from .stabilizers.config import StabilizerConfig
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from arl import LossConfig, available_backends, policy_loss
-from arl.loss import METRIC_KEYS
-from arl.loss.api import _auto
-from arl.loss.types import LossInputs
+from arl.ops.policy_loss import METRIC_KEYS
+from arl.ops.policy_loss.api import _auto
+from arl.ops.policy_loss.types import LossInputs
 from loss_utils import CONFIG_IDS, CONFIGS, make_batch
 
 pytestmark = pytest.mark.skipif("cpu" not in available_backends(), reason="arl._C policy_loss op not built")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from arl import LossConfig, available_backends, policy_loss
-from arl.loss import METRIC_KEYS
-from arl.loss.api import _auto
-from arl.loss.types import LossInputs
+from arl.ops.policy_loss import METRIC_KEYS
+from arl.ops.policy_loss.api import _auto
+from arl.ops.policy_loss.types import LossInputs
 from loss_utils import CONFIG_IDS, CONFIGS, make_batch
 
 GPU_BACKENDS = [b for b in ("cuda", "triton") if torch.cuda.is_available() and b in available_backends()]

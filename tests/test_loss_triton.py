@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from arl import LossConfig, policy_loss
-from arl.kernels import triton_available
-from arl.loss.reference import METRIC_KEYS, reference_policy_loss
-from arl.loss.types import LossInputs
+from arl.ops._triton import triton_available
+from arl.ops.policy_loss.spec import METRIC_KEYS, reference_policy_loss
+from arl.ops.policy_loss.types import LossInputs
 from loss_utils import CONFIG_IDS, CONFIGS, make_batch
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton needs a GPU or TRITON_INTERPRET=1")
@@ -75,7 +75,7 @@ _BLOCK_CFGS = [
 @pytest.mark.parametrize("cfg", _BLOCK_CFGS, ids=range(len(_BLOCK_CFGS)))
 def test_small_blocks_cross_block_edges(cfg):
     """Chunks, carries and the group loop spanning several blocks (a GPU uses 1024-token blocks)."""
-    from arl.kernels.policy_loss import fused_policy_loss
+    from arl.ops.policy_loss.triton_launch import triton_launch
 
     b = _batch(seed=5, n_seq=10, max_len=70, group_size=3)
     inp = LossInputs(logp=b.logp.clone().requires_grad_(True), old_logp=b.old_logp, rewards=b.rewards,
@@ -83,13 +83,16 @@ def test_small_blocks_cross_block_edges(cfg):
                      rollout_logp=b.rollout_logp, ref_logp=b.ref_logp, entropy=b.entropy.clone().requires_grad_(True))
     ref = reference_policy_loss(inp, cfg)
     ref.loss.backward()
-    loss, g_logp, g_ent, D, metrics = fused_policy_loss(
-        b.logp, b.old_logp, b.rewards, b.group_ids, b.cu_seqlens, b.chunk_ids, cfg, rollout_logp=b.rollout_logp,
-        ref_logp=b.ref_logp, entropy=b.entropy, block=16, block_n=4)
-    torch.testing.assert_close(loss, ref.loss.detach(), **TOL)
-    torch.testing.assert_close(g_logp / D, inp.logp.grad, **TOL)
+    inp0 = LossInputs(logp=b.logp, old_logp=b.old_logp, rewards=b.rewards, group_ids=b.group_ids,
+                      cu_seqlens=b.cu_seqlens, chunk_ids=b.chunk_ids, rollout_logp=b.rollout_logp,
+                      ref_logp=b.ref_logp, entropy=b.entropy)
+    out = triton_launch(inp0, cfg, None, True, block=16, block_n=4)
+    inv_d = out.stats[-1]
+    metrics = dict(zip(METRIC_KEYS, out.stats.unbind(0)))
+    torch.testing.assert_close(out.loss, ref.loss.detach(), **TOL)
+    torch.testing.assert_close(out.grad_logp * inv_d, inp.logp.grad, **TOL)
     if cfg.entropy_coef:
-        torch.testing.assert_close(g_ent / D, inp.entropy.grad, **TOL)
+        torch.testing.assert_close(out.entropy_grad(inv_d), inp.entropy.grad, **TOL)
     for k in METRIC_KEYS:
         torch.testing.assert_close(metrics[k], ref.metrics[k], **TOL, msg=lambda m, k=k: f"metric {k}: {m}")
 

@@ -7,7 +7,7 @@ import torch
 
 from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus as S
-from arl.loss import LossConfig, policy_loss
+from arl.ops.policy_loss import LossConfig, policy_loss
 from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSampler, IPAResampler, StabilizerConfig,
                              Stabilizers, behaviour_metrics, entropy_coef, expert_trajectory, filter_zero_variance_groups,
                              ipa_mixed_loss, ipa_normalizers, shape_rewards, split_chunk_roles, start_state,
@@ -489,7 +489,7 @@ def test_turn_credit_segments_equal_the_plain_loss_at_zero_weight(level, mismatc
     old = -torch.rand(mb.num_tokens, generator=g, dtype=torch.float64) - 0.5
     new0 = old + 0.3 * torch.randn(mb.num_tokens, generator=g, dtype=torch.float64)
     mb.rollout_logp = (old + 0.1 * torch.randn(mb.num_tokens, generator=g, dtype=torch.float64)).float()
-    from arl.loss import available_backends
+    from arl.ops.policy_loss import available_backends
 
     for backend in available_backends():  # reference, C++; Triton under the interpreter; CUDA on a GPU
         grads = []

@@ -48,8 +48,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from ..loss.config import LossConfig, one_line_error
-from ..loss.reference import group_advantages
+from ..errors import one_line_error
+from ..ops.policy_loss.config import LossConfig
+from ..ops.policy_loss.spec import group_advantages
 from .partition import fill_bins, karmarkar_karp
 from .trajectory import Trajectory, TrajectoryStatus
 

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from arl.data.trajectory import Trajectory, TrajectoryStatus
-from arl.loss.config import AdvNorm
+from arl.ops.policy_loss.config import AdvNorm
+from arl.ops.policy_loss.spec import group_advantages
 
 QUANTILES = (10, 25, 50, 75, 90)
 ADV_NORMS = get_args(AdvNorm)
@@ -68,8 +69,6 @@ def advantage_stats(rewards: Sequence[float], group_ids: Sequence[int], adv_norm
                     adv_eps: float = 1e-6) -> dict:
     """Nonzero-advantage and negative-advantage shares (per trajectory) and the zero-variance group
     fraction, with the loss's own ``group_advantages``."""
-    from arl.loss.reference import group_advantages
-
     if len(rewards) == 0:
         return {"adv/nonzero_frac": 0.0, "adv/negative_frac": 0.0, "adv/zero_var_group_frac": 0.0}
     if len(rewards) != len(group_ids):

@@ -1,5 +1,5 @@
 """arl.model: packed (varlen) forward of Hugging Face causal LMs and the fused lm_head -> logprob op."""
-from .logprob import available_logprob_backends, fused_logprobs, naive_logprobs, register_logprob_backend
+from ..ops.logprob import available_logprob_backends, fused_logprobs, naive_logprobs, register_logprob_backend
 from .packed import packed_hidden_states, packed_logprobs, position_ids_from_cu_seqlens
 
 __all__ = [

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from ..loss.config import LossConfig
-from ..loss.reference import group_advantages
+from ..ops.policy_loss.config import LossConfig
+from ..ops.policy_loss.spec import group_advantages
 
 
 def trajectory_advantages(trajs: Sequence[Trajectory], rewards: np.ndarray, loss_cfg: LossConfig) -> np.ndarray:

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..loss.config import one_line_error
+from ..errors import one_line_error
 
 
 class _Section(BaseModel):

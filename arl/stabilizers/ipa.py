@@ -31,7 +31,8 @@ import torch
 
 from ..data.packer import step_normalizer
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from ..loss.config import LossConfig
+from ..ops.policy_loss import policy_loss
+from ..ops.policy_loss.config import LossConfig
 from .config import IPAResampleConfig
 
 
@@ -213,8 +214,6 @@ def ipa_mixed_loss(logp: torch.Tensor, old_logp: torch.Tensor, *, mb, il_mask: t
                    entropy: Optional[torch.Tensor] = None, ref_logp: Optional[torch.Tensor] = None,
                    backend: str = "reference"):
     """``(loss, metrics)``: lambda_il * imitation NLL + lambda_rl * chunk-level RL loss (see module doc)."""
-    from ..loss import policy_loss
-
     if il_mask.shape != logp.shape or rl_chunk_ids.shape != logp.shape:
         raise ValueError(f"il_mask/rl_chunk_ids: shapes {tuple(il_mask.shape)}/{tuple(rl_chunk_ids.shape)} "
                          f"do not match logp {tuple(logp.shape)}")

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..data.trajectory import Trajectory
-from ..loss.config import LossConfig
+from ..ops.policy_loss.config import LossConfig
 from .advantages import advantage_metrics, apply_advantages, trajectory_advantages
 from .config import StabilizerConfig
 from .curriculum import PositiveOnlyCurriculum

@@ -17,7 +17,7 @@ import torch
 
 from ..config import OptimConfig
 from ..data.packer import MicroBatch
-from ..loss import LossConfig, policy_loss
+from ..ops.policy_loss import LossConfig, policy_loss
 from ..model.packed import packed_logprobs
 from .dist import world_size
 

@@ -2,13 +2,15 @@
 
 One config describes PPO/GRPO (token ratio), GSPO (sequence ratio), IPA (chunk ratio), DAPO
 clip-higher, dual-clip, TOPR, Dr.GRPO aggregation, mismatch correction, KL and entropy terms.
-The semantics are written down once, in ``arl/loss/reference.py``; every kernel matches it.
+The semantics are written down once, in ``spec.py``; every kernel matches it.
 """
 from __future__ import annotations
 
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from ...errors import one_line_error
 
 RatioLevel = Literal["token", "sequence", "chunk"]
 Surrogate = Literal["ppo_clip", "topr"]
@@ -17,18 +19,6 @@ MismatchLevel = Literal["none", "token", "sequence", "chunk"]
 MismatchMode = Literal["mask", "truncate"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-
-
-def one_line_error(err: ValidationError, where: str) -> str:
-    """Pydantic's multi-line report squeezed into one line naming the key and what is allowed."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown key"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return f"{where}: " + "; ".join(parts)
 
 
 class LossConfig(BaseModel):

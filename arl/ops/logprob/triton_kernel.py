@@ -1,5 +1,5 @@
-"""Triton kernels for the fused lm_head -> logprob (+ entropy) op (see arl/model/logprob.py for
-the math).  Installed as ``arl.kernels.logprob``; import it by that name.
+"""Triton kernels for the fused lm_head -> logprob (+ entropy) op (see arl/ops/logprob/api.py for
+the math).
 
 Three kernels, each over [BLOCK_T, BLOCK_V] logit tiles computed by looping tl.dot over BLOCK_H
 slices of the hidden size, so no [T, V] tensor ever exists:
