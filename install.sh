@@ -59,8 +59,8 @@ EOF
 fi
 
 # arl itself: editable install once, then an incremental (ninja) in-place build of the C++ ops.
-if ! (cd / && "$PY" -c "import arl.kernels, sys; sys.exit(0 if arl.kernels.__file__.startswith('$HERE/') else 1)") 2>/dev/null; then
+if ! (cd / && "$PY" -c "import arl, sys; sys.exit(0 if arl.__file__.startswith('$HERE/') else 1)") 2>/dev/null; then
   "$PY" -m pip install -q --progress-bar off -e . --no-build-isolation --no-deps
 fi
 "$PY" setup.py -q build_ext --inplace >/tmp/arl-build.log 2>&1 || { cat /tmp/arl-build.log; exit 1; }
-(cd / && "$PY" -c "import arl, arl.kernels, arl._C; from arl import policy_loss, LossConfig; print('[install] arl ready:', arl.available_backends())")
+(cd / && "$PY" -c "import arl, arl._C; from arl import policy_loss, LossConfig; print('[install] arl ready:', arl.available_backends())")

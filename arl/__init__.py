@@ -1,5 +1,5 @@
 """arl: agentic reinforcement learning for LLMs with fused chunk-level policy-loss kernels."""
-from .loss import LossConfig, LossOutput, available_backends, policy_loss
+from .ops.policy_loss import LossConfig, LossOutput, available_backends, policy_loss
 
 __version__ = "0.1.0"
 __all__ = ["LossConfig", "LossOutput", "available_backends", "policy_loss", "__version__"]

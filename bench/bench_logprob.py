@@ -5,7 +5,7 @@ backward of sum(logp * g) to BOTH hidden and weight:
 
 * ``naive``    : matmul -> [T, V] logits -> log_softmax -> gather (eager torch)
 * ``compiled`` : torch.compile(naive) (inductor; on CPU its C++ backend) -- the best plain torch
-* ``arl``      : arl.model.fused_logprobs, backend "auto" (CPU: chunked torch; GPU: Triton)
+* ``arl``      : arl.ops.logprob.fused_logprobs, backend "auto" (CPU: chunked torch; GPU: Triton)
 * ``arl_entropy``: the same with entropy computed too (extra figure; naive has no entropy)
 * ``liger``    : Liger-Kernel 0.8.5's chunked selective-logprob autograd function (the path its
                  PPO/GRPO chunked losses use), when liger_kernel imports; else skipped with the
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from arl.model import fused_logprobs, naive_logprobs
+from arl.ops.logprob import fused_logprobs, naive_logprobs
 
 FULL_CASES = [(8192, 1024, 32768), (2048, 1024, 151936)]
 QUICK_CASES = [(1024, 128, 8192)]

@@ -42,7 +42,7 @@ import time
 import torch
 
 from arl import LossConfig, available_backends, policy_loss
-from arl.loss import LossInputs, reference_policy_loss
+from arl.ops.policy_loss import LossInputs, reference_policy_loss
 
 N_SEQ, GROUP, CHUNKS = 512, 8, 8
 

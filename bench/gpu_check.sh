@@ -32,8 +32,6 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# arl.kernels is kernels/ (setup.py package_dir); without a pip install, link it into place
-[ -e arl/kernels ] || ln -s ../kernels arl/kernels
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc; } > "$OUT/env.txt" 2>&1
@@ -41,14 +39,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 stage build 240 env MAX_JOBS=16 python3 setup.py build_ext --inplace
 stage smoke 60 python3 -c "
 import torch, arl
-from arl.model import available_logprob_backends
+from arl.ops.logprob import available_logprob_backends
 print('backends', arl.available_backends(), 'logprob', available_logprob_backends())
 assert 'cuda' in arl.available_backends() and 'triton' in arl.available_backends()"
 # tests: xdist (when there) spreads the per-config Triton compiles over the cores
 XDIST=$(python3 -c "import xdist; print('-n 12')" 2>/dev/null)
 stage tests 190 env ARL_FUZZ_EXAMPLES=1500 ARL_FUZZ_TRITON_EXAMPLES=30 python3 -m pytest -p no:cacheprovider -q \
   $XDIST --timeout 200 -rfE --junitxml="$OUT/junit.xml" \
-  tests/test_loss_gpu.py tests/test_loss_triton.py tests/test_fused_logprob.py \
+  tests/test_policy_loss_backends.py tests/test_policy_loss_options.py tests/test_fused_logprob.py \
   "tests/test_loss_fuzz.py::test_fuzz_backend_matches_reference[cuda]" \
   "tests/test_loss_fuzz.py::test_fuzz_backend_matches_reference[triton]"
 stage bench_logprob 80 python3 bench/bench_logprob.py --dtype bfloat16

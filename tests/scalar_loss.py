@@ -1,5 +1,5 @@
 """An independent, loop-by-loop Python implementation of the policy loss (plain floats, the math
-module, and the definitions at the top of arl/loss/reference.py).  Tests check the vectorized
+module, and the definitions at the top of arl/ops/policy_loss/spec.py).  Tests check the vectorized
 reference against it, so the spec is written down twice, differently."""
 from __future__ import annotations
 

@@ -4,9 +4,10 @@ import sys
 
 
 def test_public_imports_from_outside_the_checkout(tmp_path):
-    code = "import arl, arl.kernels; from arl import policy_loss, LossConfig; print(arl.kernels.__name__)"
+    code = ("import arl, arl.ops.policy_loss, arl.ops.logprob; from arl import policy_loss, LossConfig, LossOutput, "
+            "available_backends; print(arl.ops.policy_loss.__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "arl.kernels"
+    assert out.stdout.strip() == "arl.ops.policy_loss"
 
 
 def test_kernels_is_not_a_top_level_module(tmp_path):
@@ -16,13 +17,29 @@ def test_kernels_is_not_a_top_level_module(tmp_path):
     assert "/arl" not in out.stdout and "main/kernels" not in out.stdout, out.stdout
 
 
-def test_cpp_op_library_loads():
+def test_cpp_policy_loss_op_matches_the_reference():
+    """arl._C registers torch.ops.arl.policy_loss, and the raw op (no autograd wrapper) gives the
+    reference's loss and 1/D on a small batch."""
     import torch
 
     import arl._C  # noqa: F401  registers torch.ops.arl.*
+    from arl.ops.policy_loss import LossConfig, LossInputs, reference_policy_loss
+    from arl.ops.policy_loss.options import kernel_options, kernel_tensors
+    from loss_utils import make_batch
 
-    assert hasattr(torch.ops, "arl")
-    assert len(list(torch.ops.arl.__dir__())) > 0
+    assert hasattr(torch.ops.arl, "policy_loss") and hasattr(torch.ops.arl, "policy_loss_entropy_grad")
+    b = make_batch(n_seq=6, max_len=30, seed=0)
+    inp = LossInputs(logp=b.logp, old_logp=b.old_logp, **b.kwargs())
+    cfg = LossConfig(ratio_level="chunk", kl_beta=0.1, entropy_coef=0.01)
+    toks, idx = kernel_tensors(inp, cfg)
+    loss, grad, stats, _ = torch.ops.arl.policy_loss(
+        toks["logp"], toks["old_logp"], toks.get("rollout_logp"), toks.get("ref_logp"), toks.get("entropy"),
+        idx["rewards"], idx["group_ids"], idx["cu_seqlens"], idx["chunk_ids"], *kernel_options(cfg, None), True)
+    assert grad.shape == b.logp.shape
+    ref = reference_policy_loss(inp, cfg)
+    torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=1e-5)
+    n_tr = float((b.chunk_ids >= 0).sum())
+    torch.testing.assert_close(stats[-1], torch.tensor(1.0 / n_tr), atol=0, rtol=1e-6)
 
 
 def test_install_script_is_idempotent():

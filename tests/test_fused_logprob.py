@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from arl.model import available_logprob_backends, fused_logprobs, naive_logprobs
+from arl.ops.logprob import available_logprob_backends, fused_logprobs, naive_logprobs
 
 # small tiles / blocks so every loop runs several partial iterations on these odd sizes
 BACKENDS = {

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arl import LossConfig, available_backends, policy_loss
-from arl.loss import METRIC_KEYS
+from arl.ops.policy_loss import METRIC_KEYS
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "200"))
 # the interpreter costs about a second an example; compiled on a GPU the Triton kernel takes the full count

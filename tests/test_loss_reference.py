@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arl import LossConfig, policy_loss
-from arl.loss import METRIC_KEYS, PackLayout
+from arl.ops.policy_loss import METRIC_KEYS, PackLayout
 from loss_utils import CONFIG_IDS, CONFIGS, make_batch
 from scalar_loss import scalar_policy_loss
 
@@ -410,7 +410,7 @@ def test_bad_config_is_one_line(kw, msg):
 
 @pytest.mark.parametrize("level", ["token", "chunk"])
 def test_step_advantages_override_lets_groups_split_across_micro_batches(level):
-    from arl.loss import step_advantages
+    from arl.ops.policy_loss import step_advantages
 
     b = make_batch(n_seq=12, max_len=30, group_size=4, seed=11, dtype=torch.float64)
     cfg = LossConfig(ratio_level=level, gamma=0.9, positive_only=False)

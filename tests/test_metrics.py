@@ -12,8 +12,8 @@ import torch
 
 from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus
-from arl.loss.config import LossConfig
-from arl.loss.reference import group_advantages
+from arl.ops.policy_loss.config import LossConfig
+from arl.ops.policy_loss.spec import group_advantages
 from arl.metrics import per_turn_mean, per_turn_sums, success_logprob_mean, success_rate, trajectory_metrics, turn_means
 from arl.metrics.logger import MetricsLogger, read_metrics
 from arl.plot import main as plot_main

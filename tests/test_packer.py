@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from arl import LossConfig, policy_loss
 from arl.data import (PackerConfig, Trajectory, TrajectoryStatus, estimated_compute, fill_bins, karmarkar_karp,
                       pack_step)
-from arl.loss.reference import group_advantages
+from arl.ops.policy_loss.spec import group_advantages
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -10,7 +10,7 @@ from arl.data.batch import RolloutBatch
 from arl.data.expert import expert_trajectory, start_state, tag_resampled
 from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus as S
-from arl.loss import LossConfig, policy_loss
+from arl.ops.policy_loss import LossConfig, available_backends, policy_loss
 from arl.rollout.manager import fill_batch
 from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSampler, IPAResampler, StabilizerConfig,
                              Stabilizers, behaviour_metrics, entropy_coef, filter_zero_variance_groups,
@@ -491,8 +491,6 @@ def test_turn_credit_segments_equal_the_plain_loss_at_zero_weight(level, mismatc
     old = -torch.rand(mb.num_tokens, generator=g, dtype=torch.float64) - 0.5
     new0 = old + 0.3 * torch.randn(mb.num_tokens, generator=g, dtype=torch.float64)
     mb.rollout_logp = (old + 0.1 * torch.randn(mb.num_tokens, generator=g, dtype=torch.float64)).float()
-    from arl.loss import available_backends
-
     for backend in available_backends():  # reference, C++; Triton under the interpreter; CUDA on a GPU
         grads = []
         for seg in (False, True):

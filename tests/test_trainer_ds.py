@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from arl.config import OptimConfig
 from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
-from arl.loss import LossConfig, policy_loss
+from arl.ops.policy_loss import LossConfig, policy_loss
 from arl.stabilizers.advantages import step_advantages
 
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..loss.config import LossConfig
+from ..ops.policy_loss.config import LossConfig
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
 

@@ -26,7 +26,7 @@ dropped by the rollout filter and are skipped (``PackedStep.skipped``); MASKED p
 (they keep the batch size) with every chunk id forced to -1, so they add nothing to the normalizer.
 
 Loss normalizer: every micro-batch carries the step's global denominator D of ``loss_agg`` (all
-ranks, all micro-batches; see arl/loss/reference.py), so that the sum over ranks and micro-batches of
+ranks, all micro-batches; see arl/ops/policy_loss/spec.py), so that the sum over ranks and micro-batches of
 ``policy_loss(..., normalizer=mb.normalizer)`` is the whole step's loss.  With DeepSpeed, which divides
 by the accumulation steps and averages over ranks, scale each micro-batch loss by GAS * world size.
 
@@ -48,7 +48,7 @@ import torch
 from pydantic import ConfigDict, model_validator
 
 from ..errors import OneLineErrors
-from ..loss.config import LossConfig
+from ..ops.policy_loss.config import LossConfig
 from .partition import fill_bins, karmarkar_karp
 from .trajectory import Trajectory, TrajectoryStatus
 
@@ -161,7 +161,7 @@ def estimated_compute(lengths, attn_coef: float) -> np.ndarray:
 
 
 def step_normalizer(trained_per_seq: Sequence[int], cfg: LossConfig) -> float:
-    """The whole step's denominator D of ``cfg.loss_agg`` (arl/loss/reference.py), from the number of
+    """The whole step's denominator D of ``cfg.loss_agg`` (arl/ops/policy_loss/spec.py), from the number of
     trained tokens of every sequence.  A step with nothing to train gets 1 (every term is 0 anyway)."""
     n = np.asarray(trained_per_seq, dtype=np.int64)
     S = int((n > 0).sum())

@@ -1,8 +1,6 @@
-"""arl.model: packed (varlen) forward of Hugging Face causal LMs and the fused lm_head -> logprob op."""
-from .logprob import available_logprob_backends, fused_logprobs, naive_logprobs, register_logprob_backend
+"""arl.model: the packed (varlen) forward of Hugging Face causal LMs (packed.py) and the tiny model
+built locally for the toy runs and tests (tiny.py).  The fused lm_head -> logprob op lives in
+arl.ops.logprob."""
 from .packed import packed_hidden_states, packed_logprobs, position_ids_from_cu_seqlens
 
-__all__ = [
-    "available_logprob_backends", "fused_logprobs", "naive_logprobs", "register_logprob_backend",
-    "packed_hidden_states", "packed_logprobs", "position_ids_from_cu_seqlens",
-]
+__all__ = ["packed_hidden_states", "packed_logprobs", "position_ids_from_cu_seqlens"]

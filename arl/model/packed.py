@@ -34,7 +34,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from .logprob import fused_logprobs
+from ..ops.logprob import fused_logprobs
 
 ARL_VARLEN_SDPA = "arl_varlen_sdpa"  # name under which arl's attention is registered in transformers
 

@@ -22,8 +22,8 @@ import torch
 
 from ..config.stabilizers import StabilizerConfig
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from ..loss.config import LossConfig
-from ..loss.reference import group_advantages
+from ..ops.policy_loss.config import LossConfig
+from ..ops.policy_loss.spec import group_advantages
 from .extreme import control_extremes, reweight_negatives
 from .shaping import shape_rewards
 from .turn_credit import turn_advantages

@@ -28,8 +28,8 @@ import torch
 from ..data.expert import start_state
 from ..data.packer import step_normalizer
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from ..loss import policy_loss
-from ..loss.config import LossConfig
+from ..ops.policy_loss import policy_loss
+from ..ops.policy_loss.config import LossConfig
 from ..config import IPAResampleConfig
 
 

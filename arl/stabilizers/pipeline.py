@@ -8,7 +8,7 @@ import numpy as np
 
 from ..config.stabilizers import StabilizerConfig, check_turn_credit_loss
 from ..data.trajectory import Trajectory
-from ..loss.config import LossConfig
+from ..ops.policy_loss.config import LossConfig
 from .advantages import step_advantages
 from .curriculum import PositiveOnlyCurriculum
 from .extreme import length_metrics

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
-from ..loss.config import LossConfig
+from ..ops.policy_loss.config import LossConfig
 
 
 def chunk_starts(t: Trajectory) -> np.ndarray:

@@ -17,7 +17,7 @@ import torch
 
 from ..config import OptimConfig
 from ..data.packer import MicroBatch
-from ..loss import LossConfig, policy_loss
+from ..ops.policy_loss import LossConfig, policy_loss
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
 from ..stabilizers.ipa import ipa_mixed_loss

@@ -1,6 +1,7 @@
 """Fused policy loss in Triton: one launch computes loss, metrics, dL/dlogp and dL/dentropy.
 
-The math is ``arl/loss/reference.py`` (the spec); this module only changes *how* it is computed.
+The math is ``spec.py`` (the specification); this module only changes *how* it is computed.
+The launch (options, scratch buffers, the host-side reduction) is ``triton_launch.py``.
 
 Design (one program per packed sequence, tokens walked in blocks of ``BLOCK``):
 
@@ -43,24 +44,27 @@ dtype, so fp64 runs see the options in fp64 as the reference does.
 """
 from __future__ import annotations
 
-import math
-import os
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
+
+from .options import ADV_NORM, KL, LEVEL, LOSS_AGG, SURROGATE
 
 NPART = 16  # metric partials per program, columns in the order of _PARTS
 _PARTS = ("loss", "ntok", "clip", "dual", "altered", "approx_kl", "ratio_sum", "ratio_max", "adv_nonzero",
           "kept", "pg", "kl", "ent", "first", "zero_var")
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-_RATIO = {"token": 0, "sequence": 1, "chunk": 2}
-_MIS = {"none": 0, "token": 1, "sequence": 2, "chunk": 3}
-_ADV = {"group_std": 0, "group_mean": 1, "none": 2}
-_AGG = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
-_KL = {"k1": 1, "k2": 2, "k3": 3}
+# option codes of the one table (options.py), as constants the kernel's constexpr branches compare to
+_TOKEN = tl.constexpr(LEVEL["token"])
+_SEQUENCE = tl.constexpr(LEVEL["sequence"])
+_CHUNK = tl.constexpr(LEVEL["chunk"])
+_NO_LEVEL = tl.constexpr(LEVEL["none"])
+_PPO = tl.constexpr(SURROGATE["ppo_clip"])
+_ADV_STD = tl.constexpr(ADV_NORM["group_std"])
+_ADV_NONE = tl.constexpr(ADV_NORM["none"])
+_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG["seq-mean-token-mean"])
+_KL_OFF = tl.constexpr(KL["off"])
+_K1 = tl.constexpr(KL["k1"])
+_K2 = tl.constexpr(KL["k2"])
 
 
 # Reductions go through tl.reduce / tl.associative_scan with the standard combine functions: the
@@ -134,10 +138,10 @@ def _policy_loss_kernel(
         earlier += tl.reduce((eq & (j < s)).to(tl.int32), 0, _ADD)
     zero_var = rmax_g == rmin_g
     adv_s = rew_s
-    if ADV != 2:
+    if ADV != _ADV_NONE:
         mean = tot / cnt
         adv_s = rew_s - mean
-        if ADV == 0:
+        if ADV == _ADV_STD:
             ss = tl.full([], 0.0, CDT)
             for j0 in range(0, N, BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
@@ -168,9 +172,9 @@ def _policy_loss_kernel(
             tri = tr.to(tl.int32)
             old = tl.load(old_ptr + offs, mask=tr, other=0).to(CDT)
             dd = (tl.load(logp_ptr + offs, mask=tr, other=0).to(CDT) - old).to(tl.float64)
-            if MIS != 0:
+            if MIS != _NO_LEVEL:
                 mq = old - tl.load(roll_ptr + offs, mask=tr, other=0).to(CDT)
-                if MIS == 1:  # the token weight itself: chunk/sequence ratios need its sums
+                if MIS == _TOKEN:  # the token weight itself: chunk/sequence ratios need its sums
                     mt = tl.exp(tl.minimum(tl.maximum(mq, -lrc), lrc))
                     if TRUNC:
                         mq = tl.minimum(mt, m_hi)
@@ -203,13 +207,13 @@ def _policy_loss_kernel(
 
     # ---- sequence-level PPO: sum_t w_t * dpg_t/dr, reduced over the chunk table ------------------
     seq_gfac = tl.full([], 0.0, CDT)
-    if RATIO == 1:
-        if SURR == 0:
+    if RATIO == _SEQUENCE:
+        if SURR == _PPO:
             x_seq = tl.minimum(tl.maximum(mean_d_seq, -lrc), lrc)
             r_seq = tl.exp(x_seq)
             r_seq_clip = tl.minimum(tl.maximum(r_seq, clip_lo), clip_hi)
             w_seq = tl.full([], 1.0, CDT)
-            if MIS == 2:
+            if MIS == _SEQUENCE:
                 ms = tl.exp(tl.minimum(tl.maximum(mean_q_seq, -lrc), lrc))
                 if TRUNC:
                     w_seq = tl.minimum(ms, m_hi)
@@ -223,10 +227,10 @@ def _policy_loss_kernel(
                     nxt = cv & (ci + 1 < nch)
                     lo_k = tl.load(sk_ptr + start + ci, mask=cv, other=0)
                     n_c = (tl.where(nxt, tl.load(sk_ptr + start + ci + 1, mask=nxt, other=0), n_s) - lo_k).to(tl.float64)
-                    if MIS == 1 or MIS == 3:
+                    if MIS == _TOKEN or MIS == _CHUNK:
                         lo_q = tl.load(sq_ptr + start + ci, mask=cv, other=0)
                         W = tl.where(nxt, tl.load(sq_ptr + start + ci + 1, mask=nxt, other=0), tot_q) - lo_q
-                        if MIS == 3:  # W = w_c * n_c with w_c from the chunk's mean of old - rollout
+                        if MIS == _CHUNK:  # W = w_c * n_c with w_c from the chunk's mean of old - rollout
                             mc = tl.exp(tl.minimum(tl.maximum((W / tl.maximum(n_c, 1.0)).to(CDT), -lrc), lrc))
                             if TRUNC:
                                 W = tl.minimum(mc, m_hi).to(tl.float64) * n_c
@@ -246,7 +250,7 @@ def _policy_loss_kernel(
                     acc += tl.reduce(tl.where(keep, (-A_c).to(tl.float64) * W, 0.0), 0, _ADD)
                 seq_gfac = acc.to(CDT)
             else:  # gamma == 1: one advantage for the whole sequence
-                if MIS == 1:
+                if MIS == _TOKEN:
                     W1 = tot_q.to(CDT)
                 else:
                     W1 = w_seq * n_s.to(CDT)
@@ -294,14 +298,14 @@ def _policy_loss_kernel(
             K2 += tl.reduce(tri, 0, _ADD)
             slot = start + R - 1
             has_next = tr & (R < nch)
-            if RATIO == 2 or MIS == 3:  # this chunk's trained-token count from the table
+            if RATIO == _CHUNK or MIS == _CHUNK:  # this chunk's trained-token count from the table
                 lo_k = tl.load(sk_ptr + slot, mask=tr, other=0)
                 hi_k = tl.where(has_next, tl.load(sk_ptr + slot + 1, mask=has_next, other=0), n_s)
                 n_c = tl.maximum(hi_k - lo_k, 1).to(tl.float64)
         # policy ratio at the configured level
-        if RATIO == 0:
+        if RATIO == _TOKEN:
             x = d
-        elif RATIO == 1:
+        elif RATIO == _SEQUENCE:
             x = mean_d_seq + d * 0
         else:
             lo_d = tl.load(sd_ptr + slot, mask=tr, other=0)
@@ -309,13 +313,13 @@ def _policy_loss_kernel(
             x = ((hi_d - lo_d) / n_c).to(CDT)
         r = tl.exp(tl.minimum(tl.maximum(x, -lrc), lrc))
         # rollout/trainer mismatch weight (no gradient)
-        if MIS == 0:
+        if MIS == _NO_LEVEL:
             w = d * 0 + 1
             alt = cid < -1
         else:
-            if MIS == 1:
+            if MIS == _TOKEN:
                 mx = old - tl.load(roll_ptr + offs, mask=tr, other=0).to(CDT)
-            elif MIS == 2:
+            elif MIS == _SEQUENCE:
                 mx = mean_q_seq + d * 0
             else:
                 lo_q = tl.load(sq_ptr + slot, mask=tr, other=0)
@@ -337,7 +341,7 @@ def _policy_loss_kernel(
         else:
             A = adv_pos + d * 0
         # surrogate, and its gradient w.r.t. logp before the aggregation coefficient
-        if SURR == 0:
+        if SURR == _PPO:
             pg1 = -A * r
             pg2 = -A * tl.minimum(tl.maximum(r, clip_lo), clip_hi)
             clipped = pg2 > pg1  # torch.where tie semantics: pg2 only if strictly larger
@@ -348,11 +352,11 @@ def _policy_loss_kernel(
                 pg = tl.where(dual, pg3, pg)
             else:
                 dual = clipped & (cid < -1)
-            if RATIO == 1:
+            if RATIO == _SEQUENCE:
                 g = seq_gfac + d * 0
             else:
                 wbar = w
-                if RATIO == 2 and MIS == 1:  # chunk ratio with token weights: the chunk's mean weight
+                if RATIO == _CHUNK and MIS == _TOKEN:  # chunk ratio with token weights: the chunk's mean weight
                     lo_w = tl.load(sq_ptr + slot, mask=tr, other=0)
                     hi_w = tl.where(has_next, tl.load(sq_ptr + slot + 1, mask=has_next, other=0), tot_q)
                     wbar = ((hi_w - lo_w) / n_c).to(CDT)
@@ -366,12 +370,12 @@ def _policy_loss_kernel(
             g = -A * v * w
         tok = w * pg
         kl = d * 0
-        if KL != 0:
+        if KL != _KL_OFF:
             ref = tl.load(ref_ptr + offs, mask=tr, other=0).to(CDT)
-            if KL == 1:
+            if KL == _K1:
                 kl = lp - ref
                 g += kl_beta
-            elif KL == 2:
+            elif KL == _K2:
                 kl = 0.5 * (lp - ref) * (lp - ref)
                 g += kl_beta * (lp - ref)
             else:
@@ -386,7 +390,7 @@ def _policy_loss_kernel(
             if ENT_GRAD:
                 tok = tok - ent_coef * ent
         g_ent = d * 0 - ent_coef
-        if AGG == 1:  # seq-mean-token-mean: coefficient 1/n_s
+        if AGG == _SEQ_MEAN_TOKEN_MEAN:  # seq-mean-token-mean: coefficient 1/n_s
             tok = tok / n_s_c
             g = g / n_s_c
             g_ent = g_ent / n_s_c
@@ -424,113 +428,3 @@ def _policy_loss_kernel(
     tl.store(p + 12, acc_ent)
     tl.store(p + 13, first.to(tl.float64))
     tl.store(p + 14, (first & zero_var).to(tl.float64))
-
-
-_PARAM_CACHE: dict = {}
-
-
-def _params(cfg, cdt: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The scalar options as one small tensor of the compute dtype (cached: no copy per call)."""
-    key = (cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.adv_eps, cfg.gamma, cfg.mismatch_low, cfg.mismatch_high,
-           cfg.kl_beta, cfg.entropy_coef, cfg.log_ratio_clamp, cdt, str(device))
-    t = _PARAM_CACHE.get(key)
-    if t is None:
-        vals = [1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.dual_clip or 0.0, cfg.adv_eps, math.log2(cfg.gamma),
-                cfg.mismatch_low, cfg.mismatch_high, cfg.kl_beta, cfg.entropy_coef,
-                math.inf if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp]
-        t = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=cdt, device=device)
-        if len(_PARAM_CACHE) > 256:
-            _PARAM_CACHE.clear()
-        _PARAM_CACHE[key] = t
-    return t
-
-
-def _launch_sizes(T: int, N: int, cu: torch.Tensor, block: Optional[int], block_n: Optional[int]) -> tuple[int, int, int]:
-    """(BLOCK, BLOCK_N, num_warps).  The interpreter pays per op, not per element: one big block
-    covering the longest sequence; on a GPU 1024-token blocks over 4 warps."""
-    if block is not None or block_n is not None:  # tests force small blocks to cross block edges
-        return block or 1024, block_n or 256, 4
-    if _INTERPRET:
-        longest = int((cu[1:] - cu[:-1]).max().item()) if N else 1
-        block = min(max(triton.next_power_of_2(max(longest, 1)), 16), 4096)
-        return block, min(max(triton.next_power_of_2(N), 16), 4096), 1
-    return 1024, 256, 4
-
-
-def fused_policy_loss(logp, old_logp, rewards, group_ids, cu_seqlens, chunk_ids, cfg, rollout_logp=None,
-                      ref_logp=None, entropy=None, normalizer: Optional[float] = None,
-                      block: Optional[int] = None, block_n: Optional[int] = None):
-    """Run the kernel.  Returns (loss, grad_logp, grad_entropy or None, D, metrics): loss is the
-    aggregated loss (0-dim, compute dtype, no graph); grad_* are dL/d(.) times D (compute dtype),
-    so the backward is ``grad * (grad_out / D)``; metrics are 0-dim tensors keyed like the reference."""
-    cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    dev = logp.device
-    T, N = logp.numel(), rewards.numel()
-    c = lambda x: x.contiguous() if x is not None else logp  # noqa: E731 - absent inputs are never read
-    cid = chunk_ids if chunk_ids.dtype == torch.int32 else chunk_ids.to(torch.int32)
-    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    cid, cu = cid.contiguous(), cu.contiguous()
-
-    ratio, mis = _RATIO[cfg.ratio_level], _MIS[cfg.mismatch_level]
-    use_gamma = cfg.gamma != 1.0
-    need_rank = use_gamma or ratio == 2 or mis == 3
-    need_pass1 = need_rank or ratio == 1 or mis == 2 or cfg.loss_agg == "seq-mean-token-mean"
-    store_q = need_rank and mis in (1, 3)
-    ent_grad = entropy is not None and cfg.entropy_coef != 0
-
-    glogp = torch.empty(T, dtype=cdt, device=dev)
-    gent = torch.empty(T, dtype=cdt, device=dev) if ent_grad else glogp
-    parts = torch.empty((N, NPART), dtype=torch.float64, device=dev)
-    if need_rank:  # per-sequence chunk tables (see module docstring)
-        comp = torch.empty(T, dtype=torch.int32, device=dev)
-        sd = torch.empty(T, dtype=torch.float64, device=dev)
-        sk = torch.empty(T, dtype=torch.int32, device=dev)
-        sq = torch.empty(T, dtype=torch.float64, device=dev) if store_q else sd
-    else:
-        comp, sd, sk, sq = cid, parts, cid, parts
-    block, block_n, warps = _launch_sizes(T, N, cu, block, block_n)
-    _policy_loss_kernel[(N,)](
-        c(logp), c(old_logp), c(rollout_logp), c(ref_logp), c(entropy), cid, cu, c(rewards), c(group_ids),
-        _params(cfg, cdt, dev), glogp, gent, parts, comp, sd, sq, sk, N,
-        CDT=tl.float64 if cdt == torch.float64 else tl.float32, RATIO=ratio,
-        SURR=0 if cfg.surrogate == "ppo_clip" else 1, DUAL=cfg.dual_clip is not None, ADV=_ADV[cfg.adv_norm],
-        POS_ONLY=cfg.positive_only, USE_GAMMA=use_gamma, MIS=mis, TRUNC=cfg.mismatch_mode == "truncate",
-        KL=_KL[cfg.kl_estimator] if cfg.kl_beta > 0 else 0, HAS_ENT=entropy is not None, ENT_GRAD=ent_grad,
-        AGG=_AGG[cfg.loss_agg], NEED_PASS1=need_pass1,
-        NEED_RANK=need_rank, STORE_Q=store_q, BLOCK=block, BLOCK_N=block_n, NPART_C=NPART, num_warps=warps,
-    )
-
-    # deterministic host-side reduction of the [N, 16] partials (no device->host sync)
-    tot = parts.sum(0)
-    ntok = parts[:, 1]
-    n_tr = tot[1]
-    if normalizer is not None:
-        D = torch.full((), float(normalizer), dtype=torch.float64, device=dev)  # a fill, not a host copy
-    elif cfg.loss_agg == "token-mean":
-        D = n_tr
-    else:
-        S = (ntok > 0).sum().to(torch.float64)
-        if cfg.loss_agg == "seq-mean-token-sum-norm":
-            Lc = ntok.max() if cfg.agg_constant is None else torch.full((), float(cfg.agg_constant), dtype=torch.float64, device=dev)
-            D = S * Lc
-        else:
-            D = S
-    D = D.clamp_min(1e-30)
-    loss = (tot[0] / D).to(cdt)
-    nf = n_tr.clamp_min(1.0)
-    m = {
-        "clip_frac": tot[2] / nf,
-        "dual_clip_frac": tot[3] / nf,
-        "mismatch_masked_frac": tot[4] / nf,
-        "approx_kl": tot[5] / nf,
-        "ratio_mean": tot[6] / nf,
-        "ratio_max": torch.where(n_tr > 0, parts[:, 7].max(), torch.zeros_like(n_tr)),
-        "adv_nonzero_frac": tot[8] / nf,
-        "zero_var_group_frac": tot[14] / tot[13],
-        "tokens_kept": tot[9],
-        "pg_loss": tot[10] / nf,
-        "kl_mean": tot[11] / nf if cfg.kl_beta > 0 else torch.zeros_like(n_tr),
-        "entropy_mean": tot[12] / nf if entropy is not None else torch.zeros_like(n_tr),
-    }
-    metrics = {k: v.to(cdt).reshape(()) for k, v in m.items()}
-    return loss, glogp, (gent if ent_grad else None), D.to(cdt), metrics

@@ -4,29 +4,15 @@
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <Python.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #include <cuda_runtime.h>
 
-#include "common/policy_loss_core.h"
-#include "cuda/policy_loss_cuda.h"
+#include "policy_loss/core.h"
+#include "policy_loss/cuda.h"
 
 namespace arl {
-cudaError_t scale_launch(const float* x, float* y, float s, int64_t n, cudaStream_t stream);
-
-at::Tensor scale_cuda(const at::Tensor& x, double s) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat, "arl::scale_cuda: expected a float32 CUDA tensor");
-  auto xc = x.contiguous();
-  auto y = at::empty_like(xc);
-  auto err = scale_launch(xc.data_ptr<float>(), y.data_ptr<float>(), static_cast<float>(s), xc.numel(),
-                          c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "arl::scale_cuda: ", cudaGetErrorString(err));
-  return y;
-}
-
 namespace {
 const char* kOp = "arl::policy_loss_cuda";
 
@@ -135,10 +121,6 @@ TORCH_LIBRARY_FRAGMENT(arl, m) {
   m.def("policy_loss_entropy_grad_cuda(Tensor chunk_ids, Tensor cu_seqlens, Tensor seq_coef, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(arl, CUDA, m) {
-  m.impl("scale", &arl::scale_cuda);
   m.impl("policy_loss_cuda", &arl::policy_loss_cuda);
   m.impl("policy_loss_entropy_grad_cuda", &arl::policy_loss_entropy_grad_cuda);
 }
-
-static struct PyModuleDef arl_cuda_module = {PyModuleDef_HEAD_INIT, "_C_cuda", "arl CUDA ops", -1, nullptr};
-PyMODINIT_FUNC PyInit__C_cuda(void) { return PyModule_Create(&arl_cuda_module); }

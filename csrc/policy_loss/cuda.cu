@@ -1,5 +1,5 @@
 // The fused policy loss on CUDA: raw pointers, stream passed in, no torch headers (bound as
-// torch.ops.arl.policy_loss_cuda in bindings.cpp).  The math is csrc/common/policy_loss_core.h,
+// torch.ops.arl.policy_loss_cuda in bindings_cuda.cpp).  The math is csrc/policy_loss/core.h,
 // the same functions the C++ CPU op runs; only the traversal is parallel:
 //
 //   1. advantages: one thread per trajectory scans the N group ids (O(N) each; N is the number of
@@ -14,8 +14,8 @@
 
 #include <cstdint>
 
-#include "common/policy_loss_core.h"
-#include "cuda/policy_loss_cuda.h"
+#include "policy_loss/core.h"
+#include "policy_loss/cuda.h"
 
 namespace arl {
 namespace {

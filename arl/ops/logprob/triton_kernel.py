@@ -1,5 +1,5 @@
-"""Triton kernels for the fused lm_head -> logprob (+ entropy) op (see arl/model/logprob.py for
-the math).  Installed as ``arl.kernels.logprob``; import it by that name.
+"""Triton kernels for the fused lm_head -> logprob (+ entropy) op (see arl/ops/logprob/api.py for
+the math).
 
 Three kernels, each over [BLOCK_T, BLOCK_V] logit tiles computed by looping tl.dot over BLOCK_H
 slices of the hidden size, so no [T, V] tensor ever exists:
@@ -196,7 +196,7 @@ class _TritonLogprob(torch.autograd.Function):
 
 
 def triton_fused_logprobs(hidden, weight, targets, temperature=1.0, with_entropy=False, blocks=None):
-    """Inputs as in ``arl.model.logprob.fused_logprobs`` (validated there)."""
+    """Inputs as in ``arl.ops.logprob.fused_logprobs`` (validated there)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if hidden.device.type == "cpu" and not interpret:
         raise ValueError("hidden: the Triton logprob kernel needs a GPU tensor (or TRITON_INTERPRET=1)")

@@ -100,7 +100,8 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         i = _first(low)
         raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
     trained = cid >= 0
-    _finite("rewards", inp.rewards)
+    if inp.advantages is None:  # given advantages replace the rewards (validate_advantages)
+        _finite("rewards", inp.rewards)
     for name in ("logp", "old_logp") + _TOKEN_FLOATS:
         x = getattr(inp, name)
         if x is not None:
@@ -142,3 +143,13 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         v = float(normalizer)
         if not math.isfinite(v) or v <= 0:
             raise ValueError(f"normalizer: must be a positive finite number, got {v}")
+
+
+def validate_advantages(advantages, rewards: torch.Tensor, check_finite: bool) -> None:
+    """Per-trajectory advantages given to policy_loss: 1-D floating [N], finite."""
+    if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1 or not advantages.is_floating_point():
+        raise ValueError("advantages: expected a 1-D floating tensor [N]")
+    if advantages.numel() != rewards.numel():
+        raise ValueError(f"advantages: {advantages.numel()} entries, but rewards has {rewards.numel()} sequences")
+    if check_finite:
+        _finite("advantages", advantages)

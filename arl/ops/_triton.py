@@ -1,12 +1,13 @@
-"""arl.kernels: Triton kernels (installed from kernels/ as arl.kernels, never as top-level
-``kernels``, a name that belongs to a Hugging Face package).
+"""Whether the Triton kernels of arl.ops can run here (shared by every op with a Triton kernel).
 
-Triton is optional: on a machine without it (or without a GPU and without TRITON_INTERPRET=1)
-the kernels report themselves unavailable and arl falls back to the C++ or reference path.
+Triton is optional: without it (or without a GPU and without TRITON_INTERPRET=1) the kernels
+report themselves unavailable and the ops fall back to the C++ or torch paths.
 """
 from __future__ import annotations
 
 import os
+
+import torch
 
 
 def triton_available() -> bool:
@@ -17,6 +18,4 @@ def triton_available() -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
-    import torch
-
     return torch.cuda.is_available()

@@ -1,5 +1,5 @@
 // Python module stub for arl._C: importing it runs the TORCH_LIBRARY registrations of every
-// csrc/cpu/*.cpp in this shared object; the ops are then torch.ops.arl.<name>.
+// csrc/<op>/*.cpp (CPU) in this shared object; the ops are then torch.ops.arl.<name>.
 #include <Python.h>
 
 static struct PyModuleDef arl_c_module = {PyModuleDef_HEAD_INIT, "_C", "arl C++ CPU ops", -1, nullptr};

@@ -1,6 +1,6 @@
 // The fused policy loss, per sequence, on raw pointers: the one algorithm that the C++ CPU op
-// (csrc/cpu/policy_loss.cpp) and the CUDA kernel (csrc/cuda/policy_loss.cu) both run.
-// The specification is arl/loss/reference.py; names below follow its notation (A, r, w, pg, D).
+// (cpu.cpp) and the CUDA kernel (cuda.cu) both run.
+// The specification is arl/ops/policy_loss/spec.py; names below follow its notation (A, r, w, pg, D).
 //
 // No torch headers here: plain C++17 that nvcc also compiles for the device (ARL_HD).
 // Gradients come out UNNORMALIZED (d sum_t coef_t l_t / d logp_t): D is only known after every
@@ -20,7 +20,7 @@
 namespace arl {
 namespace ploss {
 
-// ---- option codes (the Python wrapper maps LossConfig strings onto these) ----
+// ---- option codes: arl/ops/policy_loss/options.py maps LossConfig onto these (a test compares) ----
 enum Level : int { kToken = 0, kSequence = 1, kChunk = 2, kNoLevel = 3 };
 enum Surrogate : int { kPPOClip = 0, kTOPR = 1 };
 enum AdvNorm : int { kGroupStd = 0, kGroupMean = 1, kAdvNone = 2 };
@@ -44,7 +44,7 @@ enum Partial : int {
   kPClip, kPDual, kPAltered, kPApproxKL, kPRatioSum, kPRatioMax, kPAdvNonzero, kPKept, kPPg, kPKL, kPEnt,
   kPLoss, kPNTrained, kNumPartials
 };
-// The op's `stats` output: METRIC_KEYS order of arl/loss/reference.py, then 1/D.
+// The op's `stats` output: METRIC_KEYS order of arl/ops/policy_loss/spec.py, then 1/D.
 enum Stat : int {
   kSClipFrac, kSDualClipFrac, kSMismatchFrac, kSApproxKL, kSRatioMean, kSRatioMax, kSAdvNonzeroFrac,
   kSZeroVarGroupFrac, kSTokensKept, kSPgLoss, kSKLMean, kSEntropyMean, kSInvD, kNumStats

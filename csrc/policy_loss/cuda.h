@@ -1,4 +1,4 @@
-// Launch interface of csrc/cuda/policy_loss.cu, shared with bindings.cpp (no torch headers).
+// Launch interface of cuda.cu, shared with bindings_cuda.cpp (no torch headers).
 #pragma once
 
 #include <cuda_runtime.h>

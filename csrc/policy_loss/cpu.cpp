@@ -1,5 +1,5 @@
 // arl::policy_loss — the fused policy loss on CPU: one pass over the packed tokens gives the loss,
-// the (unnormalized) dL/dlogp and every metric; arl/loss/cpu_backend.py wraps it in an
+// the (unnormalized) dL/dlogp and every metric; arl/ops/policy_loss/fused.py wraps it in an
 // autograd.Function whose backward only scales the saved gradient.
 //
 // OpenMP over sequences; each sequence writes its own partial sums, reduced afterwards in
@@ -18,7 +18,7 @@
 #include <numeric>
 #include <vector>
 
-#include "common/policy_loss_core.h"
+#include "policy_loss/core.h"
 
 namespace arl {
 namespace {

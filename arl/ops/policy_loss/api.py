@@ -2,7 +2,7 @@
 
 A backend is ``fn(inputs: LossInputs, config: LossConfig, normalizer) -> LossOutput`` whose loss is
 differentiable w.r.t. ``inputs.logp`` (and ``inputs.entropy``).  Kernels register themselves with
-``register_backend``; ``reference`` is the specification they are tested against.
+``register_backend`` (fused.py); ``reference`` is the specification they are tested against.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .config import LossConfig
-from .reference import group_advantages, reference_policy_loss
+from .spec import group_advantages, reference_policy_loss
 from .types import LossInputs, LossOutput
-from .validate import validate_inputs
+from .validate import validate_advantages, validate_inputs
 
 Backend = Callable[[LossInputs, LossConfig, Optional[float]], LossOutput]
 _BACKENDS: Dict[str, Backend] = {}
@@ -61,7 +61,7 @@ def policy_loss(
     advantages: Optional[torch.Tensor] = None,
     backend: str = "reference",
 ) -> LossOutput:
-    """Clipped / TOPR policy loss over a packed batch; see ``arl/loss/reference.py`` for the math.
+    """Clipped / TOPR policy loss over a packed batch; see ``spec.py`` for the math.
 
     ``advantages`` ([N], optional) overrides the in-batch group normalization with per-trajectory
     advantages computed over the whole step (``step_advantages``) — needed when a group is split
@@ -70,20 +70,10 @@ def policy_loss(
     """
     cfg = config if config is not None else LossConfig()
     if advantages is not None:
-        if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1 or not advantages.is_floating_point():
-            raise ValueError("advantages: expected a 1-D floating tensor [N]")
-        if advantages.numel() != rewards.numel():
-            raise ValueError(f"advantages: {advantages.numel()} entries, but rewards has {rewards.numel()} sequences")
-        if cfg.validate_inputs and not bool(torch.isfinite(advantages).all()):
-            i = int((~torch.isfinite(advantages)).nonzero()[0, 0])
-            raise ValueError(f"advantages: non-finite value {advantages[i].item()} at index {i}")
-        # each trajectory its own group with adv_norm=none makes every backend use A_i = advantages_i
-        rewards = advantages.to(rewards.dtype)
-        group_ids = torch.arange(advantages.numel(), device=advantages.device)
-        cfg = cfg.model_copy(update={"adv_norm": "none"})
+        validate_advantages(advantages, rewards, cfg.validate_inputs)
     inp = LossInputs(
         logp=logp, old_logp=old_logp, rewards=rewards, group_ids=group_ids, cu_seqlens=cu_seqlens,
-        chunk_ids=chunk_ids, rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy,
+        chunk_ids=chunk_ids, rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy, advantages=advantages,
     )
     if isinstance(normalizer, torch.Tensor):
         normalizer = float(normalizer.item())
@@ -95,7 +85,7 @@ def policy_loss(
     if not _AVAILABLE[name]():
         raise ValueError(f"backend: {name!r} is not available here; available: {available_backends()}")
     out = _BACKENDS[name](inp, cfg, normalizer)
-    if advantages is not None:
+    if advantages is not None:  # a step-level figure then: step_advantages reports it
         out.metrics.pop("zero_var_group_frac", None)
     return out
 

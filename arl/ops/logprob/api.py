@@ -23,6 +23,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .._triton import triton_available
+
 LogprobFn = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
 _BACKENDS: Dict[str, LogprobFn] = {}
 _AVAILABLE: Dict[str, Callable[[], bool]] = {}
@@ -240,17 +242,9 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, with_entropy=Fals
     return _ChunkedLogprob.apply(hidden, weight, targets, 1.0 / temperature, with_entropy, tile_t, tile_v)
 
 
-def _triton_available() -> bool:
-    try:
-        from arl.kernels import triton_available
-    except Exception:
-        return False
-    return triton_available()
-
-
-@register_logprob_backend("triton", available=_triton_available)
+@register_logprob_backend("triton", available=triton_available)
 def triton_logprobs(hidden, weight, targets, temperature=1.0, with_entropy=False, **tiles):
     """Tiled Triton kernels (GPU; on CPU tensors only under TRITON_INTERPRET=1, for tests)."""
-    from arl.kernels.logprob import triton_fused_logprobs  # imported lazily: Triton is optional
+    from .triton_kernel import triton_fused_logprobs  # imported lazily: Triton is optional
 
     return triton_fused_logprobs(hidden, weight, targets, temperature, with_entropy, **tiles)

@@ -141,8 +141,14 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
     logp = inp.logp.to(cdt)[tidx]
     old = inp.old_logp.to(cdt)[tidx]
 
-    # advantages: per trajectory, discounted per chunk, broadcast to trained tokens
-    adv_seq, n_zero_var, n_groups = group_advantages(inp.rewards.to(cdt), inp.group_ids, cfg)
+    # advantages: per trajectory (given, or from the rewards' groups), discounted per chunk,
+    # broadcast to trained tokens
+    if inp.advantages is not None:
+        adv_seq = inp.advantages.to(inp.rewards.dtype).to(cdt)
+        zero_var_frac = None  # no groups here: a step-level figure (step_advantages)
+    else:
+        adv_seq, n_zero_var, n_groups = group_advantages(inp.rewards.to(cdt), inp.group_ids, cfg)
+        zero_var_frac = n_zero_var / n_groups
     disc = torch.pow(torch.tensor(cfg.gamma, dtype=cdt, device=logp.device), lay.chunks_after.to(cdt))
     A = adv_seq[lay.seq_of_tok[tidx]] * disc[lay.chunk_of_trained]
     if cfg.positive_only:
@@ -228,11 +234,13 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
             "ratio_mean": r.sum() / nf,
             "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt, device=inp.logp.device),
             "adv_nonzero_frac": (A != 0).sum().to(cdt) / nf,
-            "zero_var_group_frac": torch.tensor(n_zero_var / n_groups, dtype=cdt, device=inp.logp.device),
+            "zero_var_group_frac": torch.tensor(zero_var_frac or 0.0, dtype=cdt, device=inp.logp.device),
             "tokens_kept": (w > 0).sum().to(cdt),
             "pg_loss": (w * pg).sum() / nf,
             "kl_mean": kl.sum() / nf if kl is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
             "entropy_mean": ent.sum() / nf if ent is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
         }
         metrics = {k: v.detach().to(cdt).reshape(()) for k, v in metrics.items()}
+        if zero_var_frac is None:
+            del metrics["zero_var_group_frac"]
     return LossOutput(loss=loss, metrics=metrics)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -18,9 +18,23 @@ class LossInputs:
     rollout_logp: Optional[torch.Tensor] = None  # [T] logprobs reported by the rollout engine
     ref_logp: Optional[torch.Tensor] = None  # [T] frozen reference policy, for KL
     entropy: Optional[torch.Tensor] = None  # [T] per-token entropy (differentiable)
+    # [N] per-trajectory advantages over the whole step (step_advantages); replace the in-batch
+    # group normalization of rewards by group_ids when given
+    advantages: Optional[torch.Tensor] = None
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar
     metrics: dict = field(default_factory=dict)  # name -> 0-dim detached tensor
+
+
+@dataclass
+class KernelLaunch:
+    """What a kernel backend's forward launch hands to the shared autograd wrapper (fused.py)."""
+
+    loss: torch.Tensor  # 0-dim, compute dtype
+    grad_logp: Optional[torch.Tensor]  # [T] unnormalized dL/dlogp (times D), compute dtype; None: not wanted
+    stats: torch.Tensor  # METRIC_KEYS values in order, then 1/D (compute dtype)
+    # scale (grad_out / D, 0-dim) -> dL/dentropy [T], compute dtype; None without an entropy term
+    entropy_grad: Optional[Callable[[torch.Tensor], torch.Tensor]] = None

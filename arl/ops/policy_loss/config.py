@@ -2,13 +2,15 @@
 
 One config describes PPO/GRPO (token ratio), GSPO (sequence ratio), IPA (chunk ratio), DAPO
 clip-higher, dual-clip, TOPR, Dr.GRPO aggregation, mismatch correction, KL and entropy terms.
-The semantics are written down once, in ``arl/loss/reference.py``; every kernel matches it.
+The semantics are written down once, in ``spec.py``; every kernel matches it.
 """
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import ConfigDict, model_validator
+
+from ...errors import OneLineErrors
 
 RatioLevel = Literal["token", "sequence", "chunk"]
 Surrogate = Literal["ppo_clip", "topr"]
@@ -19,19 +21,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
-def one_line_error(err: ValidationError, where: str) -> str:
-    """Pydantic's multi-line report squeezed into one line naming the key and what is allowed."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown key"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return f"{where}: " + "; ".join(parts)
-
-
-class LossConfig(BaseModel):
+class LossConfig(OneLineErrors):
     """Options of ``arl.policy_loss``; defaults are plain GRPO (token ratio, symmetric clip 0.2)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,12 +51,6 @@ class LossConfig(BaseModel):
     entropy_coef: float = 0.0
     log_ratio_clamp: Optional[float] = 20.0  # log-ratios clamped to +-this before exp (None: off)
     validate_inputs: bool = True
-
-    def __init__(self, **data):
-        try:
-            super().__init__(**data)
-        except ValidationError as e:  # one line, naming the key
-            raise ValueError(one_line_error(e, "LossConfig")) from None
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "LossConfig":

@@ -1,0 +1,85 @@
+"""THE option table of the policy-loss kernels, and the input preparation every kernel shares.
+
+Every backend (C++, CUDA, Triton) reads its options from ``kernel_options`` and its tensors from
+``kernel_tensors``; nothing else maps LossConfig strings to numbers.  The codes are the enums of
+csrc/policy_loss/core.h (tests/test_policy_loss_options.py parses the header and compares).
+
+Given per-trajectory advantages (``LossInputs.advantages``) are encoded here, not by rewriting the
+LossConfig: they travel in the kernels' rewards slot with adv_norm "none", which makes every
+kernel use A_i = advantages_i (each trajectory its own group, so group statistics are never read).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import LossConfig
+from .types import LossInputs
+
+# LossConfig value -> code (enums Level, Surrogate, AdvNorm, MismatchMode, LossAgg, KL of core.h)
+LEVEL = {"token": 0, "sequence": 1, "chunk": 2, "none": 3}
+SURROGATE = {"ppo_clip": 0, "topr": 1}
+ADV_NORM = {"group_std": 0, "group_mean": 1, "none": 2}
+MISMATCH_MODE = {"mask": 0, "truncate": 1}
+LOSS_AGG = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
+KL = {"off": 0, "k1": 1, "k2": 2, "k3": 3}
+
+# order of the ops' `int[] iopts` / `float[] fopts` (enums IOpt / FOpt of core.h)
+IOPTS = ("ratio_level", "surrogate", "adv_norm", "positive_only", "mismatch_level", "mismatch_mode", "loss_agg",
+         "kl", "entropy_term", "has_dual", "has_clamp", "has_agg_constant", "has_normalizer")
+FOPTS = ("clip_low", "clip_high", "dual_clip", "adv_eps", "gamma", "mismatch_low", "mismatch_high", "agg_constant",
+         "kl_beta", "entropy_coef", "log_ratio_clamp", "normalizer")
+
+KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def kernel_options(cfg: LossConfig, normalizer: Optional[float], advantages_given: bool = False
+                   ) -> tuple[list[int], list[float]]:
+    """LossConfig -> (iopts, fopts) in IOPTS / FOPTS order."""
+    i = dict(
+        ratio_level=LEVEL[cfg.ratio_level], surrogate=SURROGATE[cfg.surrogate],
+        adv_norm=ADV_NORM["none" if advantages_given else cfg.adv_norm], positive_only=int(cfg.positive_only),
+        mismatch_level=LEVEL[cfg.mismatch_level], mismatch_mode=MISMATCH_MODE[cfg.mismatch_mode],
+        loss_agg=LOSS_AGG[cfg.loss_agg], kl=KL[cfg.kl_estimator] if cfg.kl_beta > 0 else KL["off"],
+        entropy_term=int(cfg.entropy_coef != 0), has_dual=int(cfg.dual_clip is not None),
+        has_clamp=int(cfg.log_ratio_clamp is not None), has_agg_constant=int(cfg.agg_constant is not None),
+        has_normalizer=int(normalizer is not None),
+    )
+    f = dict(
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0, adv_eps=cfg.adv_eps,
+        gamma=cfg.gamma, mismatch_low=cfg.mismatch_low, mismatch_high=cfg.mismatch_high,
+        agg_constant=cfg.agg_constant or 0.0, kl_beta=cfg.kl_beta, entropy_coef=cfg.entropy_coef,
+        log_ratio_clamp=cfg.log_ratio_clamp or 0.0, normalizer=float(normalizer) if normalizer is not None else 0.0,
+    )
+    return [i[k] for k in IOPTS], [float(f[k]) for k in FOPTS]
+
+
+def compute_dtype(inp: LossInputs) -> torch.dtype:
+    """The reference's compute dtype: float64 for float64 logp, float32 otherwise."""
+    return torch.float64 if inp.logp.dtype == torch.float64 else torch.float32
+
+
+def kernel_tensors(inp: LossInputs, cfg: LossConfig):
+    """Token tensors in one dtype the kernels read (fp32, fp64 or bf16; mixed or fp16 inputs are
+    converted to the reference's compute dtype), and the per-sequence / index tensors: rewards of
+    the compute dtype (the given advantages when there are some), int64 group ids and cu_seqlens,
+    int32/int64 chunk ids."""
+    cdt = compute_dtype(inp)
+    names = ("logp", "old_logp", "rollout_logp", "ref_logp", "entropy")
+    need = {"rollout_logp": cfg.mismatch_level != "none", "ref_logp": cfg.kl_beta > 0}
+    toks = {n: getattr(inp, n) for n in names if need.get(n, True) and getattr(inp, n) is not None}
+    dtypes = {t.dtype for t in toks.values()}
+    kdt = inp.logp.dtype if len(dtypes) == 1 and inp.logp.dtype in KERNEL_DTYPES else cdt
+    toks = {n: t.to(kdt).contiguous() for n, t in toks.items()}
+    cid = inp.chunk_ids if inp.chunk_ids.dtype in (torch.int32, torch.int64) else inp.chunk_ids.to(torch.int64)
+    if inp.advantages is not None:  # rounded through the rewards' dtype, as the reference reads them
+        rewards = inp.advantages.to(inp.rewards.dtype)
+        group_ids = torch.arange(rewards.numel(), device=rewards.device)
+    else:
+        rewards, group_ids = inp.rewards, inp.group_ids
+    idx = dict(
+        rewards=rewards.to(cdt).contiguous(), group_ids=group_ids.to(torch.int64).contiguous(),
+        cu_seqlens=inp.cu_seqlens.to(torch.int64).contiguous(), chunk_ids=cid.contiguous(),
+    )
+    return toks, idx
