@@ -38,6 +38,7 @@ from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import List, Optional
 
+import torch.multiprocessing as mp
 from filelock import FileLock
 from transformers import AutoTokenizer
 
@@ -86,8 +87,6 @@ def _write_config(cfg: TrainConfig) -> Path:
 def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     """Run SFT + RL with ``cfg`` on this machine; returns the run directory (metrics.jsonl,
     checkpoints, hf/)."""
-    import torch.multiprocessing as mp
-
     if cfg.layout.device != "cpu":
         raise ValueError("layout.device: 'cuda' configs run one process per GPU: launch them with torchrun or "
                          "deepspeed (see README), not plain python")

@@ -41,6 +41,31 @@ def _finite(name: str, x: torch.Tensor, where: torch.Tensor | None = None) -> No
 
 
 def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
+    T, N = _check_shapes(inp, cfg)
+    cu = _check_cu_seqlens(inp.cu_seqlens.long(), N, T)
+    cid = inp.chunk_ids.long()
+    low = cid < -1
+    if bool(low.any()):
+        i = _first(low)
+        raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
+    trained = cid >= 0
+    if inp.advantages is None:  # given advantages replace the rewards (validate_advantages)
+        _finite("rewards", inp.rewards)
+    for name in ("logp", "old_logp") + _TOKEN_FLOATS:
+        x = getattr(inp, name)
+        if x is not None:
+            _finite(name, x, trained)  # untrained positions (prompt, observation) may hold anything
+    _check_chunk_order(cid, trained, cu, N)
+    if cfg.log_ratio_clamp is None:
+        _check_unclamped_ratios(inp, cfg, trained)
+    if normalizer is not None:
+        v = float(normalizer)
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"normalizer: must be a positive finite number, got {v}")
+
+
+def _check_shapes(inp: LossInputs, cfg: LossConfig) -> tuple[int, int]:
+    """Types, shapes, devices, and the optional inputs the config needs; returns (T, N)."""
     _need_1d("logp", inp.logp, True)
     T = inp.logp.numel()
     if T == 0:
@@ -83,8 +108,10 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         raise ValueError(f"group_ids: {inp.group_ids.numel()} entries, but rewards has {N} sequences")
     if inp.cu_seqlens.numel() != N + 1:
         raise ValueError(f"cu_seqlens: {inp.cu_seqlens.numel()} entries, expected N+1 = {N + 1} (N = len(rewards))")
+    return T, N
 
-    cu = inp.cu_seqlens.long()
+
+def _check_cu_seqlens(cu: torch.Tensor, N: int, T: int) -> torch.Tensor:
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens: must start at 0, got {int(cu[0])} at index 0")
     dec = cu[1:] < cu[:-1]
@@ -93,56 +120,45 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         raise ValueError(f"cu_seqlens: decreases at index {i} ({int(cu[i])} after {int(cu[i - 1])})")
     if int(cu[-1]) != T:
         raise ValueError(f"cu_seqlens: last entry {int(cu[-1])} at index {N} must equal the token count {T}")
+    return cu
 
-    cid = inp.chunk_ids.long()
-    low = cid < -1
-    if bool(low.any()):
-        i = _first(low)
-        raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
-    trained = cid >= 0
-    if inp.advantages is None:  # given advantages replace the rewards (validate_advantages)
-        _finite("rewards", inp.rewards)
-    for name in ("logp", "old_logp") + _TOKEN_FLOATS:
-        x = getattr(inp, name)
-        if x is not None:
-            _finite(name, x, trained)  # untrained positions (prompt, observation) may hold anything
 
+def _check_chunk_order(cid: torch.Tensor, trained: torch.Tensor, cu: torch.Tensor, N: int) -> None:
+    """Trained chunk ids never go backwards and no chunk spans two sequences."""
     tidx = trained.nonzero().squeeze(1)
-    if tidx.numel() > 1:
-        c = cid[tidx]
-        seq = torch.repeat_interleave(torch.arange(N, device=dev), cu[1:] - cu[:-1])[tidx]
-        back = c[1:] < c[:-1]
-        if bool(back.any()):
-            j = _first(back) + 1
-            raise ValueError(
-                f"chunk_ids: goes backwards at token index {int(tidx[j])} ({int(c[j])} after {int(c[j - 1])})"
-            )
-        cross = (seq[1:] != seq[:-1]) & (c[1:] == c[:-1])
-        if bool(cross.any()):
-            j = _first(cross) + 1
-            raise ValueError(
-                f"chunk_ids: chunk {int(c[j])} crosses from sequence {int(seq[j - 1])} into sequence "
-                f"{int(seq[j])} at token index {int(tidx[j])}"
-            )
+    if tidx.numel() <= 1:
+        return
+    c = cid[tidx]
+    seq = torch.repeat_interleave(torch.arange(N, device=cid.device), cu[1:] - cu[:-1])[tidx]
+    back = c[1:] < c[:-1]
+    if bool(back.any()):
+        j = _first(back) + 1
+        raise ValueError(
+            f"chunk_ids: goes backwards at token index {int(tidx[j])} ({int(c[j])} after {int(c[j - 1])})"
+        )
+    cross = (seq[1:] != seq[:-1]) & (c[1:] == c[:-1])
+    if bool(cross.any()):
+        j = _first(cross) + 1
+        raise ValueError(
+            f"chunk_ids: chunk {int(c[j])} crosses from sequence {int(seq[j - 1])} into sequence "
+            f"{int(seq[j])} at token index {int(tidx[j])}"
+        )
 
-    if cfg.log_ratio_clamp is None:  # exp() of an unclamped log-ratio must stay finite in fp32
-        pairs = [("logp", inp.logp, inp.old_logp, "old_logp")]
-        if cfg.mismatch_level != "none":
-            pairs.append(("rollout_logp", inp.rollout_logp, inp.old_logp, "old_logp"))
-        if cfg.kl_beta > 0 and cfg.kl_estimator == "k3":
-            pairs.append(("ref_logp", inp.ref_logp, inp.logp, "logp"))
-        for name, a, b, other in pairs:
-            d = (a.double() - b.double()).abs()
-            bad = (d > MAX_UNCLAMPED_LOG_RATIO) & trained
-            if bool(bad.any()):
-                i = _first(bad)
-                raise ValueError(f"{name}: |{name} - {other}| = {d[i].item():.4g} at index {i} would overflow exp() "
-                                 f"with log_ratio_clamp=None (limit {MAX_UNCLAMPED_LOG_RATIO}); set a clamp")
 
-    if normalizer is not None:
-        v = float(normalizer)
-        if not math.isfinite(v) or v <= 0:
-            raise ValueError(f"normalizer: must be a positive finite number, got {v}")
+def _check_unclamped_ratios(inp: LossInputs, cfg: LossConfig, trained: torch.Tensor) -> None:
+    """Without log_ratio_clamp, exp() of every log-ratio on a trained token must stay finite in fp32."""
+    pairs = [("logp", inp.logp, inp.old_logp, "old_logp")]
+    if cfg.mismatch_level != "none":
+        pairs.append(("rollout_logp", inp.rollout_logp, inp.old_logp, "old_logp"))
+    if cfg.kl_beta > 0 and cfg.kl_estimator == "k3":
+        pairs.append(("ref_logp", inp.ref_logp, inp.logp, "logp"))
+    for name, a, b, other in pairs:
+        d = (a.double() - b.double()).abs()
+        bad = (d > MAX_UNCLAMPED_LOG_RATIO) & trained
+        if bool(bad.any()):
+            i = _first(bad)
+            raise ValueError(f"{name}: |{name} - {other}| = {d[i].item():.4g} at index {i} would overflow exp() "
+                             f"with log_ratio_clamp=None (limit {MAX_UNCLAMPED_LOG_RATIO}); set a clamp")
 
 
 def validate_advantages(advantages, rewards: torch.Tensor, check_finite: bool) -> None:
