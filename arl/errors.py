@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union, get_args, get_origin
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
 
@@ -61,3 +62,15 @@ class OneLineErrors(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise ValueError(one_line_error(e, type(self).__name__)) from None
+
+
+def finite_vector(name: str, values, n: int) -> np.ndarray:
+    """``values`` as a float64 array of shape ``(n,)``; a wrong shape or a non-finite entry is a
+    one-line ValueError naming ``name`` and the first bad index."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.shape != (n,):
+        raise ValueError(f"{name}: shape {a.shape} does not match {n} trajectories")
+    if not np.isfinite(a).all():
+        i = int(np.flatnonzero(~np.isfinite(a))[0])
+        raise ValueError(f"{name}: non-finite value {a[i]} at index {i}")
+    return a

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arl import LossConfig, policy_loss
-from arl.ops.policy_loss import METRIC_KEYS, PackLayout
+from arl.ops.policy_loss import METRIC_KEYS, PackLayout, group_advantages
 from loss_utils import CONFIG_IDS, CONFIGS, make_batch
 from scalar_loss import scalar_policy_loss
 
@@ -410,15 +410,14 @@ def test_bad_config_is_one_line(kw, msg):
 
 @pytest.mark.parametrize("level", ["token", "chunk"])
 def test_step_advantages_override_lets_groups_split_across_micro_batches(level):
-    from arl.ops.policy_loss import step_advantages
-
     b = make_batch(n_seq=12, max_len=30, group_size=4, seed=11, dtype=torch.float64)
     cfg = LossConfig(ratio_level=level, gamma=0.9, positive_only=False)
     logp = b.logp.clone().requires_grad_()
     full = policy_loss(logp, b.old_logp, config=cfg, **b.kwargs())
     (g_full,) = torch.autograd.grad(full.loss, logp)
-    adv, zero_frac = step_advantages(b.rewards, b.group_ids, cfg)
-    assert zero_frac == pytest.approx(full.metrics["zero_var_group_frac"].item())
+    adv, n_zero, n_groups = group_advantages(b.rewards.double(), b.group_ids, cfg)  # over the whole step
+    adv = adv.to(b.rewards.dtype)
+    assert n_zero / n_groups == pytest.approx(full.metrics["zero_var_group_frac"].item())
     lay = PackLayout(b.cu_seqlens, b.chunk_ids, 12)
     D = lay.tidx.numel()
     cu = b.cu_seqlens.long()

@@ -53,7 +53,6 @@ def batch():
 def test_trajectory_metrics_exact(batch):
     m = trajectory_metrics(batch, rollout_s=2.0)
     r = np.array([1.0, 0.0, 0.0, 0.5])  # the OK trajectories
-    g0 = 0.5 / (math.sqrt(0.5) + 1e-6)  # group 0: rewards (1, 0), unbiased std sqrt(0.5)
     expected = {
         "status/ok": 4, "status/masked": 1, "status/filtered": 1, "status/truncated": 1, "status/faults": 2,
         "reward/mean": 0.375, "reward/std": math.sqrt(0.171875), "reward/min": 0.0, "reward/max": 1.0,

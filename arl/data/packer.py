@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, model_validator
 
-from ..errors import OneLineErrors
+from ..errors import OneLineErrors, finite_vector
 from ..ops.policy_loss.config import LossConfig
 from .partition import fill_bins, karmarkar_karp
 from .trajectory import Trajectory, TrajectoryStatus
@@ -278,12 +278,7 @@ def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optio
     ``advantages``: [len(trajectories)] the step's advantages, carried into the micro-batches."""
     loss = loss if loss is not None else LossConfig()
     if advantages is not None:
-        advantages = np.asarray(advantages, dtype=np.float64)
-        if advantages.shape != (len(trajectories),):
-            raise ValueError(f"advantages: shape {advantages.shape} does not match {len(trajectories)} trajectories")
-        if not np.isfinite(advantages).all():
-            i = int(np.flatnonzero(~np.isfinite(advantages))[0])
-            raise ValueError(f"advantages: non-finite value {advantages[i]} at index {i}")
+        advantages = finite_vector("advantages", advantages, len(trajectories))
     seqs, truncated, skipped = _prepare(trajectories, cfg)
     R, B = cfg.num_ranks, cfg.token_budget
     lengths = np.array([len(s.tokens) for s in seqs], dtype=np.int64)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..config.stabilizers import StabilizerConfig
+from ..errors import finite_vector
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
 from ..ops.policy_loss.spec import group_advantages
@@ -42,12 +43,7 @@ def group_step_advantages(trajs: Sequence[Trajectory], rewards, loss_cfg: LossCo
     """``(A [N] float64, zero-variance groups, groups)``: group-normalized advantages over the whole
     step (``loss_cfg.adv_norm`` / ``adv_eps``) in the loss spec's arithmetic.  FILTERED trajectories
     are not packed: they get 0 and take no part in any group."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    if rewards.shape != (len(trajs),):
-        raise ValueError(f"rewards: shape {rewards.shape} does not match {len(trajs)} trajectories")
-    if not np.isfinite(rewards).all():
-        i = int(np.flatnonzero(~np.isfinite(rewards))[0])
-        raise ValueError(f"rewards: non-finite value {rewards[i]} at index {i}")
+    rewards = finite_vector("rewards", rewards, len(trajs))
     keep = np.array([t.status is not TrajectoryStatus.FILTERED for t in trajs], dtype=bool)
     adv = np.zeros(len(trajs), dtype=np.float64)
     if not keep.any():

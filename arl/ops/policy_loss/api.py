@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .config import LossConfig
-from .spec import group_advantages, reference_policy_loss
+from .spec import reference_policy_loss
 from .types import LossInputs, LossOutput
 from .validate import validate_advantages, validate_inputs
 
@@ -64,9 +64,11 @@ def policy_loss(
     """Clipped / TOPR policy loss over a packed batch; see ``spec.py`` for the math.
 
     ``advantages`` ([N], optional) overrides the in-batch group normalization with per-trajectory
-    advantages computed over the whole step (``step_advantages``) — needed when a group is split
-    across micro-batches or ranks.  gamma discounting and positive_only still apply per chunk;
-    the step-level ``zero_var_group_frac`` then comes from ``step_advantages``, not from here.
+    advantages computed over the whole step (the trainer's come from
+    ``arl.stabilizers.advantages``; ``spec.group_advantages`` over the step's rewards is the plain
+    case) — needed when a group is split across micro-batches or ranks.  gamma discounting and
+    positive_only still apply per chunk; ``zero_var_group_frac`` is then a step-level figure,
+    reported with the step's advantages, not here.
     """
     cfg = config if config is not None else LossConfig()
     if advantages is not None:
@@ -85,14 +87,7 @@ def policy_loss(
     if not _AVAILABLE[name]():
         raise ValueError(f"backend: {name!r} is not available here; available: {available_backends()}")
     out = _BACKENDS[name](inp, cfg, normalizer)
-    if advantages is not None:  # a step-level figure then: step_advantages reports it
+    if advantages is not None:  # a step-level figure then, reported with the step's advantages
         out.metrics.pop("zero_var_group_frac", None)
     return out
 
-
-def step_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: Optional[LossConfig] = None):
-    """Per-trajectory advantages over a whole step (all micro-batches and ranks), for the
-    ``advantages=`` override, and the step's zero-variance group fraction."""
-    cfg = config if config is not None else LossConfig()
-    adv, n_zero, n_groups = group_advantages(rewards.to(torch.float64), group_ids, cfg)
-    return adv.to(rewards.dtype), n_zero / n_groups

@@ -145,7 +145,7 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
     # broadcast to trained tokens
     if inp.advantages is not None:
         adv_seq = inp.advantages.to(inp.rewards.dtype).to(cdt)
-        zero_var_frac = None  # no groups here: a step-level figure (step_advantages)
+        zero_var_frac = None  # no groups here: a step-level figure, reported with the advantages
     else:
         adv_seq, n_zero_var, n_groups = group_advantages(inp.rewards.to(cdt), inp.group_ids, cfg)
         zero_var_frac = n_zero_var / n_groups

@@ -18,7 +18,7 @@ class LossInputs:
     rollout_logp: Optional[torch.Tensor] = None  # [T] logprobs reported by the rollout engine
     ref_logp: Optional[torch.Tensor] = None  # [T] frozen reference policy, for KL
     entropy: Optional[torch.Tensor] = None  # [T] per-token entropy (differentiable)
-    # [N] per-trajectory advantages over the whole step (step_advantages); replace the in-batch
+    # [N] per-trajectory advantages over the whole step; replace the in-batch
     # group normalization of rewards by group_ids when given
     advantages: Optional[torch.Tensor] = None
 
