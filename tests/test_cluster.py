@@ -63,3 +63,23 @@ def test_engine_count_config_errors():
     with pytest.raises(ConfigError, match="rollout.weight_sync: 'file' writes to trainer rank 0's /dev/shm"):
         _cfg("qwen2.5-7b_2x8gpu.yaml", "rollout.weight_sync=file")
     assert _cfg("tiny_cpu.yaml").num_engines() == 1 and _cfg("qwen2.5-7b_8gpu.yaml").num_engines() == 1
+
+
+def test_rollout_hooks_carry_the_stabilizers_judges_across_spawn():
+    """The launcher hands the rollout process the stabilizers' judges (the rollout package imports no
+    stabilizer): none when off; when on, picklable (spawn) and built from the run's config."""
+    import pickle
+
+    from arl.config import load_config
+    from arl.launch import rollout_hooks
+    from arl.stabilizers import DynamicSampler, IPAResampler
+
+    off = rollout_hooks(load_config(None))
+    assert off.make_sampler is None and off.start_chooser is None
+    cfg = load_config(None, ["stabilizers.dynamic_sampling.enabled=true", "stabilizers.dynamic_sampling.max_rounds=2",
+                             "stabilizers.ipa.enabled=true", "stabilizers.turn_credit.enabled=false",
+                             "stabilizers.ipa.mode=parallel"])
+    hooks = pickle.loads(pickle.dumps(rollout_hooks(cfg)))
+    sampler = hooks.make_sampler(3)
+    assert isinstance(sampler, DynamicSampler) and sampler.target == 3 and sampler.cfg.max_rounds == 2
+    assert isinstance(hooks.start_chooser, IPAResampler) and hooks.start_chooser.start_chunks(4) == [1, 2, 3]

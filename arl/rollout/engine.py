@@ -275,7 +275,14 @@ class VLLMEngine(RolloutEngine):
         await self.llm.reset_prefix_cache()
 
     async def close(self):
+        if self.llm is None:
+            return
         self.llm.shutdown()
+        # vLLM's finalizer shuts down once more, and at interpreter exit (its module globals gone)
+        # that prints a TypeError traceback after every successful run: the engine is shut down
+        # already, so the finalizer's call is made a no-op
+        self.llm.shutdown = lambda *args, **kwargs: None
+        self.llm = None
 
 
 def write_sync_weights(state_dict: Mapping, weights_dir: str | os.PathLike) -> Path:
