@@ -12,6 +12,9 @@ if not _has_gpu:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# collectives refuse tensors not placed on the communication device (NCCL's rule, checked on gloo);
+# inherited by the trainer ranks the tests spawn
+os.environ.setdefault("ARL_CHECK_COLLECTIVES", "1")
 
 # session-scoped vLLM engine + tiny model fixtures (rollout tests)
 from vllm_fixture import arun, engine_loop, tiny_model_dir, tiny_tokenizer, vllm_engine  # noqa: E402,F401

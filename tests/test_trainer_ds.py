@@ -107,9 +107,18 @@ def _worker(rank, world, port, stage, result_dir):
             "complete": sum(mb.complete_groups and not mb.is_empty for mb in mbz)}
     # the loop's metric averaging: a key reported by one rank only (empty micro-batches, IPA without RL
     # tokens) is averaged over the ranks that have it, not a collective of mismatched sizes
-    from arl.trainer.dist import all_mean
+    from arl.trainer.dist import CHECK_ENV, all_mean, all_reduce
 
-    skip["all_mean"] = all_mean({"a": float(rank + 1), **({"b": 5.0} if rank == 1 else {})})
+    skip["all_mean"] = all_mean({"a": float(rank + 1), **({"b": 5.0} if rank == 1 else {})}, tr.device)
+    # NCCL's device rule, checked here on gloo (the suite runs with ARL_CHECK_COLLECTIVES=1): a
+    # tensor that did not come through to_comm is refused -- e.g. the CPU float64 tensor the
+    # metric mean once all-reduced, which an NCCL group rejects
+    assert os.environ.get(CHECK_ENV) == "1"
+    try:
+        all_reduce(torch.tensor([float(rank)], dtype=torch.float64))
+        skip["raw_refused"] = False
+    except RuntimeError as e:
+        skip["raw_refused"] = "to_comm" in str(e)
     if rank == 0:
         torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs), "skip": skip},
                    os.path.join(result_dir, "ds.pt"))
@@ -160,6 +169,7 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     assert skip["m1"]["skipped_no_signal"] == 0.0 and skip["moved"] and skip["m1"]["lr"] == OPTIM.lr
     assert skip["complete"] > 0 and skip["mz"]["skipped_no_signal"] == 1.0, "rl_step ignored mb.advantages"
     assert skip["all_mean"] == {"a": 1.5, "b": 5.0}
+    assert skip["raw_refused"]
     assert skip["ref_equal"] and skip["ref_still"] and skip["full_ok"]
     loss, gn, grads, ref_state, turn = single_process_reference()
     # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,

@@ -176,7 +176,7 @@ class TrainerRank:
         for _ in range(self.cfg.trainer.updates_per_batch):
             m = self.tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
         m.update(engine_mismatch(mbs, old))
-        m = all_mean(m)
+        m = all_mean(m, self.tr.device)
         version = step + 1
         # one decision for every rank (each has its own clock: ranks that disagree would hang)
         max_wall = self.cfg.trainer.max_wall_s
