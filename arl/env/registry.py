@@ -1,6 +1,11 @@
-"""Name -> environment class, so configs can say ``env: toy_lookup``."""
+"""Environments by name: a registered one (``env.name: toy_lookup``) or the user's own class by
+import path (``env.name: "my_pkg.envs:MyEnv"``, an ``Environment`` subclass, imported in every
+process that makes one)."""
 from __future__ import annotations
 
+import asyncio
+import importlib
+import inspect
 from typing import Callable, Dict, Type
 
 from .base import Environment
@@ -16,7 +21,46 @@ def register_env(name: str) -> Callable[[Type[Environment]], Type[Environment]]:
     return deco
 
 
+def env_class(name: str) -> Type[Environment]:
+    """The class ``name`` stands for; a one-line ValueError naming what is wrong otherwise."""
+    if ":" not in name:
+        if name not in ENVIRONMENTS:
+            raise ValueError(f"env: unknown {name!r}; choose from {sorted(ENVIRONMENTS)} or give 'module:Class'")
+        return ENVIRONMENTS[name]
+    module, _, attr = name.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # the user's module: any import-time error is theirs to see, in one line
+        raise ValueError(f"env.name: cannot import {module!r} ({type(e).__name__}: {e})") from None
+    cls = getattr(mod, attr, None)
+    if cls is None:
+        raise ValueError(f"env.name: module {module!r} has no {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"env.name: {name!r} is not an arl.env.Environment subclass")
+    return cls
+
+
 def make_env(name: str, **kwargs) -> Environment:
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"env: unknown {name!r}; choose from {sorted(ENVIRONMENTS)}")
-    return ENVIRONMENTS[name](**kwargs)
+    cls = env_class(name)
+    try:  # unknown or missing kwargs: say so before the constructor runs
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"env.kwargs: {e} ({cls.__name__})") from None
+    return cls(**kwargs)
+
+
+def check_env(name: str, kwargs: dict) -> None:
+    """Make the environment and reset its first task (what ``--dry-run`` does, so a bad env.name,
+    env.kwargs or environment fails before any process starts)."""
+    env = make_env(name, **kwargs)
+
+    async def first_task():
+        try:
+            await env.reset(0)
+        finally:
+            await env.close()
+
+    try:
+        asyncio.run(first_task())
+    except Exception as e:
+        raise ValueError(f"env: {name!r} failed to reset task 0 ({type(e).__name__}: {e})") from None
