@@ -81,7 +81,7 @@ def test_step_advantage_figures_exact(batch):
     adv = step_advantages(batch, LossConfig())
     # non-FILTERED: g0 (1, 0) -> +-g0; g1 (0, 0 masked) and g2 (0.5 alone) have zero variance;
     # the FILTERED trajectory is not packed: 0, in no group
-    np.testing.assert_allclose(adv.per_trajectory, [g0, -g0, 0, 0, 0, 0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(adv.advantages, [g0, -g0, 0, 0, 0, 0], rtol=0, atol=1e-12)
     expected = {"adv/nonzero_frac": 2 / 5, "adv/negative_frac": 1 / 5, "adv/zero_var_group_frac": 2 / 3,
                 "stab/neg_adv_share": 1 / 4, "stab/adv_mean": 0.0, "stab/adv_abs_mean": 2 * g0 / 4}
     for k, v in expected.items():
@@ -90,7 +90,7 @@ def test_step_advantage_figures_exact(batch):
     kept = [t for t in batch if t.status is not FILTERED]
     ref, nz, G = group_advantages(torch.tensor([t.reward for t in kept], dtype=torch.float64),
                                   torch.tensor([t.group_id for t in kept]), LossConfig())
-    assert adv.per_trajectory[0] == pytest.approx(ref[0].item(), abs=0) and (nz, G) == (2, 3)
+    assert adv.advantages[0] == pytest.approx(ref[0].item(), abs=0) and (nz, G) == (2, 3)
 
 
 def test_metrics_optional_keys_and_empty_sets():
@@ -131,7 +131,7 @@ def test_step_advantages_match_loss(adv_norm):
     adv, nz, G = group_advantages(torch.tensor(rewards), torch.tensor(groups), cfg)
     trajs = [traj(4, [(1, 4)], float(r), int(g)) for r, g in zip(rewards, groups)]
     s = step_advantages(trajs, cfg)
-    np.testing.assert_array_equal(s.per_trajectory, adv.numpy())
+    np.testing.assert_array_equal(s.advantages, adv.numpy())
     assert s.metrics["adv/nonzero_frac"] == pytest.approx(float((adv != 0).double().mean()))
     assert s.metrics["adv/negative_frac"] == pytest.approx(float((adv < 0).double().mean()))
     assert s.metrics["adv/zero_var_group_frac"] == pytest.approx(nz / G)

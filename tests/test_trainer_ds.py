@@ -46,7 +46,7 @@ def trajectories(n=12, group=4, seed=0):
 
 def pack(trajs, world):
     """As trainer rank 0 packs: with the step's advantages, computed once over the whole step."""
-    adv = step_advantages(trajs, LOSS).per_trajectory
+    adv = step_advantages(trajs, LOSS).advantages
     return pack_step(trajs, PackerConfig(token_budget=160, num_ranks=world), LOSS, advantages=adv)
 
 

@@ -14,7 +14,7 @@ the advantage metrics below are computed from the same numbers.  ``gamma`` disco
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -32,11 +32,11 @@ from .turn_credit import turn_advantages
 
 @dataclass
 class StepAdvantages:
-    trajectories: list  # the step's trajectories as packed (long failures may have become MASKED copies)
+    trajectories: list  # give these to pack_step (long failures may have become MASKED copies)
     rewards: np.ndarray  # [N] float64 rewards the advantages come from (shaped when shaping is on)
-    per_trajectory: np.ndarray  # [N] float64 A_i, aligned with ``trajectories`` (0 for FILTERED)
-    per_chunk: Optional[list] = None  # turn credit: [K_i] float64 A_{i,k} per trajectory
-    metrics: Optional[dict] = None
+    advantages: np.ndarray  # [N] float64 A_i, aligned with ``trajectories`` (0 for FILTERED)
+    metrics: dict = field(default_factory=dict)
+    chunk_advantages: Optional[list] = None  # turn credit: [K_i] float64 A_{i,k} per trajectory
 
 
 def group_step_advantages(trajs: Sequence[Trajectory], rewards, loss_cfg: LossConfig):
@@ -83,4 +83,4 @@ def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
         tc = cfg.turn_credit
         per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward)
         metrics.update(m)
-    return StepAdvantages(out, rewards, adv, per_chunk, metrics)
+    return StepAdvantages(out, rewards, adv, metrics, per_chunk)

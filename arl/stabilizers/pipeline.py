@@ -1,15 +1,12 @@
 """``Stabilizers``: the few calls per step trainer rank 0 makes; holds every stabilizer's state."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
-
-import numpy as np
 
 from ..config.stabilizers import StabilizerConfig, check_turn_credit_loss
 from ..data.trajectory import Trajectory
 from ..ops.policy_loss.config import LossConfig
-from .advantages import step_advantages
+from .advantages import StepAdvantages, step_advantages
 from .curriculum import PositiveOnlyCurriculum
 from .extreme import length_metrics
 from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
@@ -18,13 +15,7 @@ from .schedules import AdaptiveKLController, entropy_coef
 from .turn_credit import chunk_segments
 
 
-@dataclass
-class PreparedBatch:
-    trajectories: list  # give these to pack_step (long failures may have become MASKED copies)
-    rewards: np.ndarray  # [N] shaped rewards (outcome + capped bonus)
-    advantages: np.ndarray  # [N] float64 the step's advantages, aligned with trajectories
-    metrics: dict = field(default_factory=dict)
-    chunk_advantages: Optional[list] = None  # turn credit: [K_i] per-chunk advantages per trajectory
+PreparedBatch = StepAdvantages  # what prepare() returns: the step's advantages and every stabilizer metric
 
 
 class Stabilizers:
@@ -63,10 +54,10 @@ class Stabilizers:
         loss_cfg = loss_cfg if loss_cfg is not None else self.loss_cfg
         metrics = length_metrics(trajs, self.cfg.extreme)  # early-warning signals, always on
         adv = step_advantages(trajs, loss_cfg, self.cfg)
-        metrics.update(adv.metrics)
+        adv.metrics = {**metrics, **adv.metrics}
         if self.cfg.monitors.enabled:
-            metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
-        return PreparedBatch(adv.trajectories, adv.rewards, adv.per_trajectory, metrics, adv.per_chunk)
+            adv.metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
+        return adv
 
     def apply(self, packed, prep: PreparedBatch, loss_cfg: Optional[LossConfig] = None) -> None:
         """What the loss needs beyond the packed advantages: turn credit's per-chunk segments, and with
