@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..ops.policy_loss.config import LossConfig
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
@@ -59,12 +59,34 @@ class ModelConfig(Section):
     attn_implementation: Literal["auto", "flash_attention_2", "varlen_sdpa", "hf_sdpa_packed"] = "auto"
 
 
+class DatasetConfig(Section):
+    """Tasks from a file, one per row (arl/data/tasks.py): JSONL, JSON, parquet, or a directory
+    written by HF ``datasets``' ``save_to_disk``.  A row holds ``prompt`` or ``messages``; its
+    other keys (ground truth, metadata) reach the environment and the reward function as is."""
+
+    path: str = Field(min_length=1)
+    eval_path: Optional[str] = Field(None, min_length=1)  # held-out rows from this file; eval_fraction is then ignored
+    eval_fraction: float = Field(0.1, ge=0, lt=1)  # else this share of path's rows, seeded
+    bad_rows: Literal["fail", "skip"] = "fail"  # skip: counted and reported, never silent
+    shuffle: bool = True  # a seeded new order every epoch (False: file order)
+
+
 class EnvConfig(Section):
     name: str = "toy_lookup"
     kwargs: dict[str, Any] = {}
     pool_size: int = Field(16, ge=1)  # concurrent environment instances (tool calls in flight)
     max_turns: int = Field(8, ge=1)
     eval_tasks: int = Field(64, ge=0)  # held-out episodes for the success rate
+    dataset: Optional[DatasetConfig] = None  # tasks from data; None: the env makes tasks from seeds
+
+    @field_validator("dataset", mode="before")
+    @classmethod
+    def _path_alone(cls, v: Any) -> Any:
+        if isinstance(v, str):  # `dataset: tasks.jsonl`, the common case
+            return {"path": v}
+        if v is not None and not isinstance(v, (dict, DatasetConfig)):
+            raise ValueError(f"expected a path or a mapping {{path: ..., eval_path: ...}}, got {type(v).__name__}")
+        return v
 
 
 class RolloutConfig(Section):
