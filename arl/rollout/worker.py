@@ -27,6 +27,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from ..config import TrainConfig
+from ..data import EVAL_SEED_BASE
 from ..env import make_env
 from ..metrics import rollout_rates
 from ..procs import die_with_parent
@@ -34,8 +35,6 @@ from .engine import SamplingConfig, make_engine
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .expert import StartChooser, expert_start_hook
 from .manager import RolloutManager, fill_batch
-
-EVAL_SEED_BASE = 1_000_000  # held-out task seeds (training tasks count up from 0)
 
 
 @dataclass
