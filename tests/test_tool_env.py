@@ -13,12 +13,13 @@ from typing import Literal, Optional
 import pytest
 from transformers import AutoTokenizer
 
-from arl.env import ENVIRONMENTS, Fault, make_env
+from arl.env import ENVIRONMENTS, Fault, check_env, make_env
 from arl.env.reward import EpisodeRecord, RewardError, load_reward_fn, normalize, score
 from arl.env.tool_env import ToolEnv
 from arl.env.tool_parsers import get_parser, register_parser
 from arl.env.tools import load_tools, tool_from_callable, tool_from_schema
 from arl.rollout import ChatFormat, Episode, EpisodeConfig, Sample, SamplingConfig
+from arl.rollout.episode import demonstration
 
 
 # --------------------------------------------------------------------------------------- tools
@@ -282,11 +283,15 @@ def test_load_tools_and_reward_by_import_path(plugin):
             call()
         assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert "tools" in ENVIRONMENTS
+    kw = {"tools": [f"{plugin}:search"], "reward_fn": f"{plugin}:reward"}
+    check_env("tools", kw, task={"prompt": "hi"})  # --dry-run with the first dataset row
+    with pytest.raises(ValueError, match="failed to reset task 0 .ValueError: the tools env needs env.dataset"):
+        check_env("tools", kw)
 
 
 # ------------------------------------------------------------------------------- chat template
-# Qwen2.5's template, trimmed: tools in the system message, consecutive tool messages merged into
-# one user turn of <tool_response> blocks.
+# Qwen2.5's template, trimmed: tools in the system message, assistant tool_calls in hermes text,
+# consecutive tool messages merged into one user turn of <tool_response> blocks.
 QWEN_LIKE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are helpful.' }}{%- endif %}"
@@ -295,8 +300,14 @@ QWEN_LIKE = (
     "{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tc in message.tool_calls %}{%- if tc.function is defined %}{%- set tc = tc.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tc.name + '\", \"arguments\": ' + tc.arguments | tojson + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
@@ -504,3 +515,30 @@ def test_legacy_envs_keep_the_configured_stop_strings(qwen_tok):
     assert ep.sampling().stop == ()  # toy_lookup's reset takes no task: not passed
     asyncio.run(ep.start())
     assert not ep.done and ep.fmt.decode(ep.tokens).endswith("assistant\n")
+
+
+def test_demonstration_renders_like_the_template_and_the_rollout(qwen_tok):
+    fmt = ChatFormat(qwen_tok)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find k1 and k2."},
+            {"role": "assistant", "content": "Both.", "tool_calls": [
+                {"type": "function", "function": {"name": "lookup", "arguments": {"key": "k1"}}},
+                {"type": "function", "function": {"name": "lookup", "arguments": {"key": "k2"}}}]},
+            {"role": "tool", "content": "v7"}, {"role": "tool", "content": "v9"},
+            {"role": "assistant", "content": "v7 v9"}]
+    d = demonstration(fmt, chat, tools=SCHEMAS)
+    full = qwen_tok.apply_chat_template(chat, tools=SCHEMAS, tokenize=False)
+    assert qwen_tok.decode(d.tokens.tolist()) == full.removesuffix("\n")  # format_calls == the template's calls
+    assert len(d.turns) == 2 and d.num_chunks == 2 and (d.rollout_logp == 0).all()
+    (s0, e0), (s1, e1) = d.turns
+    assert (d.chunk_ids[:s0] == -1).all() and (d.chunk_ids[e0:s1] == -1).all() and e1 == len(d.tokens)
+    assert d.tokens[e0 - 1] == fmt.eos_token_id and d.tokens[-1] == fmt.eos_token_id
+    # the same turns played through the tools env give the same tokens
+    env = ToolEnv(tools=[lookup], reward_fn=reward_sync)
+    turn0 = get_parser("hermes").format_calls("Both.", chat[2]["tool_calls"])
+    t = asyncio.run(_play(Episode(env, fmt, EpisodeConfig(max_total_tokens=4096), 0, task={"messages": chat[:2]}),
+                          [turn0, "v7 v9"]))
+    assert t.tokens.tolist() == d.tokens.tolist() and t.chunk_ids.tolist() == d.chunk_ids.tolist()
+    for bad, msg in [(chat[:2], "at least one assistant message"), (chat[:5], "must be the final assistant answer"),
+                     (chat[:3] + chat[5:], r"messages\[2\]: an assistant turn before the last needs its tool messages")]:
+        with pytest.raises(ValueError, match=msg):
+            demonstration(fmt, bad, tools=SCHEMAS)

@@ -14,14 +14,13 @@ train the model quietly.
 """
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .tools import import_object
+from .tools import call_maybe_async, import_object
 
 
 class RewardError(ValueError):
@@ -75,11 +74,6 @@ def normalize(value: Any, name: str = "reward_fn") -> Tuple[float, Dict[str, flo
 async def score(fn: Callable, task: Any, episode: EpisodeRecord) -> Tuple[float, Dict[str, float]]:
     """Call ``fn(task=task, episode=episode)`` (sync in a thread, or async) and normalize its result.
     The function's own exceptions propagate; a bad result is a ``RewardError``."""
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-        out = await fn(task=task, episode=episode)
-    else:
-        out = await asyncio.to_thread(fn, task=task, episode=episode)
-        if inspect.isawaitable(out):
-            out = await out
+    out = await call_maybe_async(fn, task=task, episode=episode)
     name = getattr(fn, "__qualname__", None) or "reward_fn"
     return normalize(out, name)

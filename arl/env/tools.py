@@ -18,11 +18,13 @@ unions of those.  ``tool_from_schema(schema, fn)`` takes a hand-written OpenAI s
 
 Arguments the model writes are checked against the schema (``jsonschema``); a missing, unknown or
 mistyped argument is an error message for the model, never an exception.  Sync tools run in a
-thread (a timed-out sync tool keeps its thread until it returns: Python cannot kill threads).
+thread pool (a timed-out sync tool keeps its thread until it returns: Python cannot kill threads).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import importlib
 import inspect
@@ -53,8 +55,7 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None))
+        return is_async_callable(self.fn)
 
     def check_arguments(self, arguments: Any) -> Optional[str]:
         """None when ``arguments`` fit the schema, else a one-line message for the model."""
@@ -76,13 +77,26 @@ class Tool:
 
     async def call(self, arguments: Dict[str, Any]) -> str:
         """Run the tool (a sync one in a thread); its result as the text the model reads."""
-        if self.is_async:
-            out = await self.fn(**arguments)
-        else:
-            out = await asyncio.to_thread(self.fn, **arguments)
-            if inspect.isawaitable(out):
-                out = await out
-        return result_text(out)
+        return result_text(await call_maybe_async(self.fn, **arguments))
+
+
+# Sync tools and reward functions run here, not in asyncio's default pool (a handful of threads on
+# a small machine, shared by every pooled env).  A sync call that hangs holds its thread until it
+# returns -- give network calls their own timeouts.
+_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="arl-tool")
+
+
+def is_async_callable(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+async def call_maybe_async(fn: Callable, **kwargs) -> Any:
+    """``await fn(**kwargs)`` for an async ``fn``; a sync one in a thread (its awaitable result awaited)."""
+    if is_async_callable(fn):
+        return await fn(**kwargs)
+    ctx = contextvars.copy_context()
+    out = await asyncio.get_running_loop().run_in_executor(_THREADS, functools.partial(ctx.run, fn, **kwargs))
+    return await out if inspect.isawaitable(out) else out
 
 
 def result_text(out: Any) -> str:

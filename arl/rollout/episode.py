@@ -153,7 +153,54 @@ class ChatFormat:
         return self.encode(text + after)
 
 
-def _turn_info(info: dict, observation: str) -> dict:
+def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "", parser: str = "hermes",
+                  group_id: int = 0) -> Trajectory:
+    """A demonstration chat as the rollout would have played it (SFT data): ``messages`` in
+    OpenAI shape -- system/user messages, then assistant messages (``content`` and/or
+    ``tool_calls``, written in ``parser``'s native text) each followed by its tool messages, the last
+    one the final answer.  Assistant turns are chunks 0..K-1, each closed by EOS as a model closes
+    its turn; the prompt and the tool messages are -1.  One-line ValueError naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("demonstration: expected a non-empty list of chat messages")
+    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("demonstration: needs the prompt (system/user messages) then at least one assistant message")
+    if messages[-1].get("role") != "assistant":
+        raise ValueError(f"demonstration: messages[{len(messages) - 1}] must be the final assistant answer, "
+                         f"got role {messages[-1].get('role')!r}")
+    fmt_calls = get_parser(parser).format_calls
+    tokens = list(fmt.prompt_ids(system, messages[:first], tools=tools) if tools
+                  else fmt.prompt_ids(system, messages[:first]))
+    chunks, turns, i = [-1] * len(tokens), [], first
+    while i < len(messages):
+        m = messages[i]
+        if m.get("role") != "assistant":
+            raise ValueError(f"demonstration: messages[{i}] must be an assistant message, got role {m.get('role')!r}")
+        content = m.get("content") or ""
+        try:
+            text = fmt_calls(content, m["tool_calls"]) if m.get("tool_calls") else content
+        except ValueError as e:
+            raise ValueError(f"demonstration: messages[{i}]: {e}") from None
+        ids = fmt.encode(text) + [fmt.eos_token_id]
+        turns.append((len(tokens), len(tokens) + len(ids)))
+        tokens += ids
+        chunks += [len(turns) - 1] * len(ids)
+        i += 1
+        obs = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            obs.append(str(messages[i].get("content", "")))
+            i += 1
+        if obs:
+            ids = fmt.observation_ids(obs, turn_ended_with_eos=True)
+            tokens += ids
+            chunks += [-1] * len(ids)
+        elif i < len(messages):
+            raise ValueError(f"demonstration: messages[{i - 1}]: an assistant turn before the last needs its tool messages")
+    return Trajectory(tokens=tokens, chunk_ids=chunks, rollout_logp=np.zeros(len(tokens), np.float32), reward=1.0,
+                      group_id=group_id, turns=turns, metadata={"demonstration": True})
+
+
+def _turn_info(info: dict, observation) -> dict:
     """Per model turn, what process-reward shaping and the monitors read (arl/stabilizers/shaping.py):
     the tool, whether the call was an error, the env's own ``new_state`` verdict when it gives one,
     and a digest of the observation (equal observations, equal digests; no long text in queues)."""
