@@ -1,10 +1,17 @@
 """The environment contract every rollout relies on.
 
-An episode: ``obs = await env.reset(seed)`` (deterministic for a seed) gives the task as the first
-user message; then the model writes a turn, ``await env.step(action_text)`` parses it (a tool call
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` or a final ``<answer>...</answer>``)
-and returns the observation (tool output, or a tool-error message for a malformed call — never an
-exception), the reward (the outcome reward when ``done``), and ``info["fault"]``.
+An episode: ``obs = await env.reset(seed)`` (deterministic for a seed) gives the task: the first
+user message (a str) or the chat messages (system/user) that start the conversation.  An env whose
+``reset`` takes a ``task`` parameter gets the dataset row too (``reset(seed, task=row)``) when a
+dataset is configured.  Then the model writes a turn, ``await env.step(action_text)`` parses it
+(today's envs: one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` or a final
+``<answer>...</answer>``; the generic ``tools`` env: any number of calls, no call = the answer)
+and returns the observation (tool output -- one str, or one str per tool call -- or a tool-error
+message for a malformed call, never an exception), the reward (the outcome reward when ``done``,
+optionally with ``info["reward_components"]``), and ``info["fault"]``.
+
+``tools`` (OpenAI function schemas) go to the chat template with the prompt; ``stop`` are the
+strings that end one model turn (``()``: end of sequence only).
 """
 from __future__ import annotations
 
@@ -25,10 +32,12 @@ class Fault(str, enum.Enum):
 
 @dataclass
 class StepResult:
-    observation: str
+    observation: str | list  # one message, or a list of str: one tool message per call, in order
     reward: float = 0.0
     done: bool = False
-    info: dict = field(default_factory=dict)  # "fault": Fault, "tool": str|None, "tool_error": bool, ...
+    # "fault": Fault, "tool": str|None, "tool_error": bool, "args", "calls": [per-call dicts],
+    # "reward_components": {name: float} (when done) ...
+    info: dict = field(default_factory=dict)
 
     @property
     def fault(self) -> Fault:
@@ -42,10 +51,16 @@ class Environment(abc.ABC):
     system_prompt: str = ""
     #: hard cap on model turns; the rollout ends the episode with reward 0 past it
     max_turns: int = 8
+    #: OpenAI function schemas ``{"type": "function", "function": {name, description, parameters}}``
+    #: rendered into the prompt by the chat template (None: the system prompt describes the tools)
+    tools: list | None = None
+    #: strings that end one model turn (kept in its text); ``()``: the end-of-sequence token only
+    stop: tuple = STOP_STRINGS
 
     @abc.abstractmethod
-    async def reset(self, seed: int) -> str:
-        """Start an episode; return the first user message (the task)."""
+    async def reset(self, seed: int) -> str | list:
+        """Start an episode; return the first user message (the task) or the chat messages that
+        start it.  A subclass may take ``task: dict | None = None`` (the dataset row)."""
 
     @abc.abstractmethod
     async def step(self, action_text: str) -> StepResult:

@@ -95,7 +95,7 @@ def format_run(res: SandboxResult, max_chars: int) -> str:
 
 @register_env("code_exec")
 class CodeExecEnv(Environment):
-    tools = (RUN_PYTHON,)
+    tool_specs = (RUN_PYTHON,)
 
     def __init__(self, limits: Union[SandboxLimits, dict, None] = None, python: Optional[str] = None,
                  obs_chars: int = 400, max_turns: int = 6, tasks: Optional[Sequence[str]] = None):
@@ -112,7 +112,7 @@ class CodeExecEnv(Environment):
         self.tasks = tuple(by_name[n] for n in tasks) if tasks else TASKS
         self.obs_chars, self.max_turns = obs_chars, max_turns
         self.system_prompt = (
-            "Write the Python function asked for. Tool:\n" + describe_tools(self.tools) + "\n"
+            "Write the Python function asked for. Tool:\n" + describe_tools(self.tool_specs) + "\n"
             "Answer with the code of the function.\n"
             + format_tool_call("run_python", {"code": "print(1 + 1)"}) + "\n"
             + format_answer("def f(x):\n    return x"))
@@ -141,7 +141,7 @@ class CodeExecEnv(Environment):
         if not self._active:
             raise ValueError("step: no episode in progress; call reset(seed) first")
         self.turns += 1
-        turn = parse_turn(action_text, self.tools)
+        turn = parse_turn(action_text, self.tool_specs)
         info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
                 "turn": self.turns, "sandbox": None}
         if turn.kind == "error":

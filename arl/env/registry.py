@@ -49,14 +49,16 @@ def make_env(name: str, **kwargs) -> Environment:
     return cls(**kwargs)
 
 
-def check_env(name: str, kwargs: dict) -> None:
+def check_env(name: str, kwargs: dict, task: dict | None = None) -> None:
     """Make the environment and reset its first task (what ``--dry-run`` does, so a bad env.name,
-    env.kwargs or environment fails before any process starts)."""
+    env.kwargs or environment fails before any process starts).  ``task``: the first dataset row,
+    passed to an env whose reset takes one."""
     env = make_env(name, **kwargs)
+    extra = {"task": task} if task is not None and "task" in inspect.signature(env.reset).parameters else {}
 
     async def first_task():
         try:
-            await env.reset(0)
+            await env.reset(0, **extra)
         finally:
             await env.close()
 

@@ -29,7 +29,7 @@ NOT_FOUND = "none"
 
 @register_env("toy_lookup")
 class ToyLookupEnv(Environment):
-    tools = (LOOKUP,)
+    tool_specs = (LOOKUP,)  # described in the system prompt (``tools`` would go to the template)
 
     def __init__(self, min_hops: int = 2, max_hops: int = 5, num_keys: int = 100,
                  latency_median_s: float = 0.0, latency_p99_s: float = 0.0,
@@ -53,7 +53,7 @@ class ToyLookupEnv(Environment):
             raise ValueError(f"max_turns: need >= max_hops + 1 ({max_hops + 1}), got {self.max_turns}")
         self._width = len(str(num_keys - 1))
         self.system_prompt = (
-            "Find the value for a key. Tool:\n" + describe_tools(self.tools) + "\n"
+            "Find the value for a key. Tool:\n" + describe_tools(self.tool_specs) + "\n"
             "Look keys up until you get a value, then answer it.\n"
             + format_tool_call("lookup", {"key": self._key(17 % num_keys)}) + "\n"
             + format_answer(self._val(42 % num_keys)))
@@ -94,7 +94,7 @@ class ToyLookupEnv(Environment):
         if not self._active:
             raise ValueError("step: no episode in progress; call reset(seed) first")
         self.turns += 1
-        turn = parse_turn(action_text, self.tools)
+        turn = parse_turn(action_text, self.tool_specs)
         info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
                 "turn": self.turns}
         if turn.kind == "answer":

@@ -1,11 +1,22 @@
 """One multi-turn episode, token in / token out.
 
-The chat template is rendered once, for the prompt (system + task).  Each model turn then appends
-exactly the ids the engine sampled (no decode/re-encode round trip, so no tokenization drift) and
-gets chunk id k (k-th model turn).  The environment's answer is appended as the template's
-"turn end + tool message + assistant header" tokens, all masked (-1): observations and tool errors
-are never trained on.  ``Episode`` exposes the steps so other drivers (lock-step, sequential
-baselines) reuse the exact same token handling; ``run_episode`` is the plain loop.
+The chat template is rendered once, for the prompt (system + task, and the env's ``tools``).  Each
+model turn then appends exactly the ids the engine sampled (no decode/re-encode round trip, so no
+tokenization drift) and gets chunk id k (k-th model turn).  The environment's answer is appended as
+the template's "turn end + tool message(s) + assistant header" tokens, all masked (-1):
+observations and tool errors are never trained on.  An observation may be a list (one tool message
+per call); the template's own layout of k consecutive tool messages is used (Qwen2.5 merges them
+into one user block of ``<tool_response>``s).  ``Episode`` exposes the steps so other drivers
+(lock-step, sequential baselines) reuse the exact same token handling; ``run_episode`` is the
+plain loop.
+
+Tools in the prompt: when the env has ``tools`` (OpenAI function schemas), the prompt is rendered
+with ``apply_chat_template(messages, tools=tools)`` if the template renders tools (found by
+rendering a probe tool).  Otherwise (a template without tool support) the tools go in the system
+message, Hermes style: the system prompt, a blank line, then the ``hermes`` parser's
+``tools_prompt`` -- "# Tools", the schemas one JSON per line inside ``<tools></tools>``, and the
+instruction to answer each call as ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``
+(a system message holding only that block when there is no system prompt).
 """
 from __future__ import annotations
 
@@ -18,15 +29,43 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from arl.data.trajectory import Trajectory, TrajectoryStatus
-from arl.env.base import Environment, Fault, StepResult
+from arl.env.base import STOP_STRINGS, Environment, Fault, StepResult
+from arl.env.tool_parsers import get_parser
 
 from .engine import RolloutEngine, Sample, SamplingConfig
 
 _SENTINEL = "\x00ARL_SPLIT\x00"
+_PROBE_TOOL = {"type": "function", "function": {"name": "arl_probe_tool_7f3a", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, add_generation_prompt: bool, **kw) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+
+
+def _check_tools(tools) -> list:
+    """``env.tools`` as a list of OpenAI function schemas; a one-line ValueError otherwise."""
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"env.tools: expected a list of OpenAI function schemas, got {type(tools).__name__}")
+    for i, t in enumerate(tools):
+        if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]):
+            raise ValueError(f"env.tools[{i}]: expected an OpenAI function schema {{'type': 'function', "
+                             f"'function': {{'name', 'description', 'parameters'}}}}, got {type(t).__name__}")
+    return list(tools)
+
+
+def _messages(system: str, task) -> list:
+    """The chat a prompt starts with: ``task`` (the first user message, or the messages), after
+    ``system`` unless the messages bring their own system message."""
+    if isinstance(task, str):
+        msgs = [{"role": "user", "content": task}]
+    elif isinstance(task, (list, tuple)) and task and all(isinstance(m, dict) and "role" in m for m in task):
+        msgs = [dict(m) for m in task]
+    else:
+        raise ValueError(f"reset: must return the task (str) or a non-empty list of chat messages, got {task!r:.80}")
+    if system and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": system})
+    return msgs
 
 
 class ChatFormat:
@@ -35,16 +74,44 @@ class ChatFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
-        # What the template puts between an assistant message's content and the next turn's
-        # content, found by rendering a conversation around sentinels (works for any template
-        # that renders a "tool" role).
-        text = _render(tokenizer, [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL},
-                                   {"role": "tool", "content": _SENTINEL + "1"}], add_generation_prompt=True)
-        head, mid = text.split(_SENTINEL, 1)
-        between, after = mid.split(_SENTINEL + "1", 1)
-        self._between, self._after = between, after  # "<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"
-        eos = tokenizer.eos_token or ""
-        self._between_after_eos = between[len(eos):] if eos and between.startswith(eos) else between
+        self._pieces: dict = {}  # k tool messages -> the text around them
+        self._supports_tools = None
+        self._observation_pieces(1)  # a template that cannot render tool messages fails here
+
+    def _observation_pieces(self, k: int) -> tuple:
+        """What the template puts between an assistant message's content and the first of k tool
+        messages, between consecutive ones, and after the last (through the next assistant header),
+        found by rendering a conversation around sentinels (any template that renders a "tool" role)."""
+        if k not in self._pieces:
+            marks = [f"{_SENTINEL}{i}{_SENTINEL}" for i in range(k + 1)]
+            msgs = ([{"role": "user", "content": "u"}, {"role": "assistant", "content": marks[0]}]
+                    + [{"role": "tool", "content": m} for m in marks[1:]])
+            text = _render(self.tokenizer, msgs, add_generation_prompt=True)
+            if any(text.count(m) != 1 for m in marks):
+                raise ValueError("chat template: cannot tell where tool messages go (does it render the 'tool' role?)")
+            rest = text.split(marks[0], 1)[1]
+            pieces = []
+            for m in marks[1:]:
+                piece, rest = rest.split(m, 1)
+                pieces.append(piece)
+            between = pieces[0]
+            eos = self.tokenizer.eos_token or ""
+            self._pieces[k] = (between, pieces[1:], rest,
+                               between[len(eos):] if eos and between.startswith(eos) else between)
+        return self._pieces[k]
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders ``tools=`` itself (else: the Hermes-style fallback)."""
+        if self._supports_tools is None:
+            msgs = [{"role": "user", "content": "u"}]
+            try:
+                with_tools = _render(self.tokenizer, msgs, True, tools=[_PROBE_TOOL])
+            except Exception:  # a template that chokes on tools does not support them
+                with_tools = ""
+            name = _PROBE_TOOL["function"]["name"]
+            self._supports_tools = name in with_tools and with_tools != _render(self.tokenizer, msgs, True)
+        return self._supports_tools
 
     def encode(self, text: str) -> list:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -54,16 +121,86 @@ class ChatFormat:
         which holds back an unfinished UTF-8 tail)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def prompt_ids(self, system: str, task: str) -> list:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": task}]
-        return self.encode(_render(self.tokenizer, messages, add_generation_prompt=True))
+    def render_prompt(self, system: str, task, tools=None) -> str:
+        """The prompt text: ``task`` (a str: the first user message; or chat messages) after
+        ``system``, with ``tools`` (OpenAI schemas) rendered by the template or in the system
+        message (see the module docstring); ends with the assistant header."""
+        messages = _messages(system, task)
+        if not tools:
+            return _render(self.tokenizer, messages, add_generation_prompt=True)
+        tools = _check_tools(tools)
+        if self.supports_tools:
+            return _render(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+        block = get_parser("hermes").tools_prompt(tools)
+        if messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{block}" if messages[0]["content"] else block
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+        return _render(self.tokenizer, messages, add_generation_prompt=True)
 
-    def observation_ids(self, observation: str, turn_ended_with_eos: bool = False) -> list:
-        between = self._between_after_eos if turn_ended_with_eos else self._between
-        return self.encode(between + observation + self._after)
+    def prompt_ids(self, system: str, task, tools=None) -> list:
+        return self.encode(self.render_prompt(system, task, tools))
+
+    def observation_ids(self, observation, turn_ended_with_eos: bool = False) -> list:
+        """The masked ids after a model turn: one tool message (a str) or one per call (a list)."""
+        obs = [observation] if isinstance(observation, str) else list(observation)
+        if not obs or not all(isinstance(o, str) for o in obs):
+            raise ValueError(f"observation: expected a str or a non-empty list of str, got {observation!r:.80}")
+        between, seps, after, between_after_eos = self._observation_pieces(len(obs))
+        text = between_after_eos if turn_ended_with_eos else between
+        for i, o in enumerate(obs):
+            text += (seps[i - 1] if i else "") + o
+        return self.encode(text + after)
 
 
-def _turn_info(info: dict, observation: str) -> dict:
+def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "", parser: str = "hermes",
+                  group_id: int = 0) -> Trajectory:
+    """A demonstration chat as the rollout would have played it (SFT data): ``messages`` in
+    OpenAI shape -- system/user messages, then assistant messages (``content`` and/or
+    ``tool_calls``, written in ``parser``'s native text) each followed by its tool messages, the last
+    one the final answer.  Assistant turns are chunks 0..K-1, each closed by EOS as a model closes
+    its turn; the prompt and the tool messages are -1.  One-line ValueError naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("demonstration: expected a non-empty list of chat messages")
+    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("demonstration: needs the prompt (system/user messages) then at least one assistant message")
+    if messages[-1].get("role") != "assistant":
+        raise ValueError(f"demonstration: messages[{len(messages) - 1}] must be the final assistant answer, "
+                         f"got role {messages[-1].get('role')!r}")
+    fmt_calls = get_parser(parser).format_calls
+    tokens = list(fmt.prompt_ids(system, messages[:first], tools=tools) if tools
+                  else fmt.prompt_ids(system, messages[:first]))
+    chunks, turns, i = [-1] * len(tokens), [], first
+    while i < len(messages):
+        m = messages[i]
+        if m.get("role") != "assistant":
+            raise ValueError(f"demonstration: messages[{i}] must be an assistant message, got role {m.get('role')!r}")
+        content = m.get("content") or ""
+        try:
+            text = fmt_calls(content, m["tool_calls"]) if m.get("tool_calls") else content
+        except ValueError as e:
+            raise ValueError(f"demonstration: messages[{i}]: {e}") from None
+        ids = fmt.encode(text) + [fmt.eos_token_id]
+        turns.append((len(tokens), len(tokens) + len(ids)))
+        tokens += ids
+        chunks += [len(turns) - 1] * len(ids)
+        i += 1
+        obs = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            obs.append(str(messages[i].get("content", "")))
+            i += 1
+        if obs:
+            ids = fmt.observation_ids(obs, turn_ended_with_eos=True)
+            tokens += ids
+            chunks += [-1] * len(ids)
+        elif i < len(messages):
+            raise ValueError(f"demonstration: messages[{i - 1}]: an assistant turn before the last needs its tool messages")
+    return Trajectory(tokens=tokens, chunk_ids=chunks, rollout_logp=np.zeros(len(tokens), np.float32), reward=1.0,
+                      group_id=group_id, turns=turns, metadata={"demonstration": True})
+
+
+def _turn_info(info: dict, observation) -> dict:
     """Per model turn, what process-reward shaping and the monitors read (arl/stabilizers/shaping.py):
     the tool, whether the call was an error, the env's own ``new_state`` verdict when it gives one,
     and a digest of the observation (equal observations, equal digests; no long text in queues)."""
@@ -93,9 +230,10 @@ class Episode:
     """State of one episode; drive it with ``start`` / ``prompt`` / ``apply`` (or ``run_episode``)."""
 
     def __init__(self, env: Environment, fmt: ChatFormat, config: EpisodeConfig, seed: int,
-                 sample: int = 0, group_id: int = 0, sample_seed: int | None = None):
+                 sample: int = 0, group_id: int = 0, sample_seed: int | None = None, task: dict | None = None):
         self.env, self.fmt, self.cfg = env, fmt, config
         self.seed, self.sample, self.group_id, self.sample_seed = seed, sample, group_id, sample_seed
+        self.task = task  # the dataset row, for an env whose reset takes ``task``
         self.tokens: list = []
         self.chunk_ids: list = []
         self.logp: list = []
@@ -113,14 +251,18 @@ class Episode:
         return self.cfg.max_turns if self.cfg.max_turns is not None else self.env.max_turns
 
     async def start(self) -> None:
+        params = inspect.signature(self.env.reset).parameters
+        kwargs = {"sample": self.sample} if "sample" in params else {}
+        if self.task is not None and "task" in params:
+            kwargs["task"] = self.task
         try:
-            if "sample" in inspect.signature(self.env.reset).parameters:
-                task = await self.env.reset(self.seed, sample=self.sample)
-            else:
-                task = await self.env.reset(self.seed)
+            task = await self.env.reset(self.seed, **kwargs)
         except Exception as e:  # the env could not start: nothing to train on, mask it
             return self._fail(Fault.UNRECOVERABLE, f"reset: {type(e).__name__}: {e}")
-        ids = self.fmt.prompt_ids(self.env.system_prompt, task)
+        tools = getattr(self.env, "tools", None)
+        # (only with tools: drivers' minimal formats take (system, task))
+        ids = (self.fmt.prompt_ids(self.env.system_prompt, task, tools=tools) if tools
+               else self.fmt.prompt_ids(self.env.system_prompt, task))
         self._append(ids, -1)
         if len(self.tokens) >= self.cfg.max_total_tokens:
             self._end(0.0, truncated="prompt_too_long")
@@ -156,11 +298,15 @@ class Episode:
         self.meta.update(tool_calls=0, tool_errors=0, tools={}, calls=[])
 
     def sampling(self) -> SamplingConfig:
-        """Sampling for the next model turn (per-turn token budget, per-turn seed)."""
+        """Sampling for the next model turn (per-turn token budget, per-turn seed, the env's stop
+        strings).  An env on the legacy default stop strings keeps the config's (tests and benches
+        pin ``stop=()`` for fixed-length turns)."""
         room = self.cfg.max_total_tokens - len(self.tokens)
         s = self.cfg.sampling
         seed = None if self.sample_seed is None else (self.sample_seed * 7919 + len(self.turns)) % (1 << 31)
-        return replace(s, n=1, max_tokens=max(1, min(s.max_tokens, room)), seed=seed)
+        stop = tuple(getattr(self.env, "stop", STOP_STRINGS))
+        return replace(s, n=1, max_tokens=max(1, min(s.max_tokens, room)), seed=seed,
+                       stop=s.stop if stop == tuple(STOP_STRINGS) else stop)
 
     async def apply(self, sample: Sample) -> None:
         """Append a sampled model turn, step the env with its text, append the observation."""
@@ -185,14 +331,7 @@ class Episode:
             return self._fail(Fault.UNRECOVERABLE, f"step: {type(e).__name__}: {e}")
         self.meta["tool_s"] += time.perf_counter() - t0
         info = res.info
-        if info.get("tool") or info.get("tool_error"):  # a tool-call attempt (an answer is not one)
-            err = bool(info.get("tool_error"))
-            args = None if err or info.get("args") is None else dict(info["args"])  # malformed: no args
-            self.meta["calls"].append({"tool": info.get("tool"), "args": args, "error": err})
-        if info.get("tool"):
-            self.meta["tool_calls"] += 1
-            self.meta["tools"][info["tool"]] = self.meta["tools"].get(info["tool"], 0) + 1
-        self.meta["tool_errors"] += int(bool(info.get("tool_error")))
+        self._count_calls(info)
         self.meta["turn_info"].append(_turn_info(info, res.observation))
         fault = res.fault
         if fault is Fault.UNRECOVERABLE:
@@ -202,6 +341,8 @@ class Episode:
             if self.cfg.abort_on_recoverable:
                 return self._fail(fault, res.observation)
         if res.done:
+            if info.get("reward_components"):
+                self.meta["reward_components"] = {str(k): float(v) for k, v in info["reward_components"].items()}
             return self._end(float(res.reward), truncated="env" if info.get("truncated") else None)
         if len(self.turns) >= self.max_turns:
             return self._end(0.0, truncated="max_turns")
@@ -210,6 +351,23 @@ class Episode:
         if len(self.tokens) + len(obs_ids) >= self.cfg.max_total_tokens:
             return self._end(0.0, truncated="max_total_tokens")
         self._append(obs_ids, -1)
+
+    def _count_calls(self, info: dict) -> None:
+        """One ``meta["calls"]`` record per tool-call attempt (an answer is not one): from the
+        env's per-call ``info["calls"]`` when it gives them, else from the turn's one call."""
+        if isinstance(info.get("calls"), list):
+            calls = [(c.get("name"), c.get("arguments"), bool(c.get("error"))) for c in info["calls"]]
+        elif info.get("tool") or info.get("tool_error"):
+            calls = [(info.get("tool"), info.get("args"), bool(info.get("tool_error")))]
+        else:
+            calls = []
+        for tool, args, err in calls:
+            args = None if err or args is None else dict(args)  # malformed: no args
+            self.meta["calls"].append({"tool": tool, "args": args, "error": err})
+            if tool:
+                self.meta["tool_calls"] += 1
+                self.meta["tools"][tool] = self.meta["tools"].get(tool, 0) + 1
+            self.meta["tool_errors"] += int(err)
 
     def _append(self, ids, chunk):
         self.tokens += ids
@@ -236,11 +394,12 @@ class Episode:
 
 async def run_episode(engine: RolloutEngine, env: Environment, fmt: ChatFormat, seed: int,
                       config: EpisodeConfig | None = None, *, sample: int = 0, group_id: int = 0,
-                      sample_seed: int | None = None, start=None) -> Trajectory:
+                      sample_seed: int | None = None, start=None, task: dict | None = None) -> Trajectory:
     """Play one episode to the end.  Faults are reported in ``metadata["fault"]``; turning them
     into MASKED / FILTERED statuses is the manager's job.  ``start``: an IPA ``StartState`` to
-    resume the expert's trajectory from (see ``Episode.start_from``)."""
-    ep = Episode(env, fmt, config or EpisodeConfig(), seed, sample, group_id, sample_seed)
+    resume the expert's trajectory from (see ``Episode.start_from``).  ``task``: the dataset row,
+    passed to an env whose reset takes it."""
+    ep = Episode(env, fmt, config or EpisodeConfig(), seed, sample, group_id, sample_seed, task)
     if start is None:
         await ep.start()
     else:
