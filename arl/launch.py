@@ -43,11 +43,13 @@ from filelock import FileLock
 from transformers import AutoTokenizer
 
 from .config import TrainConfig
+from .data import load_demonstrations
+from .env import check_env, env_class, env_kwargs
 from .model.tiny import build_tiny_model
 from .procs import free_port
 from .rollout.episode import ChatFormat
-from .rollout.expert import expert_demos
-from .rollout.worker import RolloutHooks, rollout_process
+from .rollout.expert import sft_demonstrations, sft_source
+from .rollout.worker import RolloutHooks, rollout_process, task_set
 from .stabilizers import DynamicSampler, IPAResampler
 from .trainer.rank import trainer_rank
 
@@ -63,9 +65,32 @@ def model_dir_for(cfg: TrainConfig) -> str:
 
 
 def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
-    if not cfg.sft.enabled:
+    if sft_source(cfg) is None:
         return []
-    return expert_demos(cfg, ChatFormat(AutoTokenizer.from_pretrained(model_dir)), cfg.sft.episodes)
+    return sft_demonstrations(cfg, ChatFormat(AutoTokenizer.from_pretrained(model_dir)))
+
+
+def preflight(cfg: TrainConfig) -> list:
+    """What ``--dry-run`` checks, and every launcher before it starts a process: the task dataset
+    loads, the environment (with its reward function and tools) is made and resets its first task,
+    the SFT demonstrations have a source.  Returns one line per check; one-line ValueError at the
+    first failure."""
+    lines = []
+    tasks = task_set(cfg)
+    needs = env_class(cfg.env.name).needs_task
+    if tasks is None and needs:
+        raise ValueError(f"env.dataset: environment {cfg.env.name!r} plays tasks from data; give env.dataset")
+    if tasks is not None:
+        lines.append(f"tasks OK: {tasks.describe()}")
+    check_env(cfg.env.name, env_kwargs(cfg.env), task=tasks.train_row(0) if tasks is not None else None)
+    lines.append(f"env OK: {cfg.env.name} (made with its kwargs, first task reset)")
+    source = sft_source(cfg)
+    if source == "dataset":
+        n = len(load_demonstrations(cfg.sft.dataset, key="sft.dataset"))
+        lines.append(f"sft OK: {n} demonstrations in {cfg.sft.dataset}")
+    elif source == "expert":
+        lines.append(f"sft OK: demonstrations from the {cfg.env.name!r} expert")
+    return lines
 
 
 def rollout_hooks(cfg: TrainConfig) -> RolloutHooks:

@@ -1,6 +1,7 @@
 """Entry point: ``python -m arl.train --config configs/X.yaml [key.sub=value ...] [--dry-run]``.
 
-``--dry-run`` validates the config, makes the environment and resets its first task, and prints
+``--dry-run`` validates the config, loads the task dataset, makes the environment (tools, reward
+function) and resets its first task, checks the SFT demonstrations, and prints
 the process layout, the device assignment and a memory estimate without starting any engine or
 process; ``--print-config`` prints the resolved
 config (every key, defaults included) as YAML.
@@ -15,8 +16,7 @@ import argparse
 import sys
 
 from .config import ConfigError, dump_config, load_config
-from .env import check_env
-from .launch import launch, launch_distributed, under_launcher
+from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 
 
@@ -43,14 +43,14 @@ def main(argv=None) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    try:  # a bad dataset, environment, reward function or SFT source fails here, before any process
+        checks = preflight(cfg)
+    except ValueError as e:
+        print(f"arl.train: config error: {e}", file=sys.stderr)
+        return 2
     if args.dry_run:
-        try:
-            check_env(cfg.env.name, cfg.env.kwargs)
-        except ValueError as e:
-            print(f"arl.train: config error: {e}", file=sys.stderr)
-            return 2
         print(f"config OK: {args.config or '<built-in default>'}")
-        print(f"env OK: {cfg.env.name} (made with env.kwargs, first task reset)")
+        print("\n".join(checks))
         print(layout.render())
         return 0
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout

@@ -69,8 +69,11 @@ def test_mistakes_are_one_line(plugin, name, kwargs, msg):
 
 
 def test_dry_run_checks_the_environment(plugin, capsys):
-    assert main(["--dry-run", f"env.name={plugin}", "env.kwargs={word: hi}"]) == 0
+    assert main(["--dry-run", f"env.name={plugin}", "env.kwargs={word: hi}", "sft.enabled=false"]) == 0
     assert "env OK: arl_test_plugin:Echo" in capsys.readouterr().out
+    # SFT on, but this env has no expert and no sft.dataset is given: said at once, not skipped
+    assert main(["--dry-run", f"env.name={plugin}", "env.kwargs={word: hi}"]) == 2
+    assert "config error: sft.enabled: environment 'arl_test_plugin:Echo' has no expert" in capsys.readouterr().err
     assert main(["--dry-run", "env.name=toy_lookup", "env.kwargs={colour: red}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("arl.train: config error: env.kwargs: got an unexpected keyword argument 'colour'")

@@ -75,7 +75,10 @@ class EnvConfig(Section):
     name: str = "toy_lookup"
     kwargs: dict[str, Any] = {}
     pool_size: int = Field(16, ge=1)  # concurrent environment instances (tool calls in flight)
+    # the one turn limit: the episode ends past it, and environments that take ``max_turns`` get it
     max_turns: int = Field(8, ge=1)
+    # the user's reward function, "pkg.module:fn", handed to environments that take ``reward_fn``
+    reward_fn: Optional[str] = None
     eval_tasks: int = Field(64, ge=0)  # held-out episodes for the success rate
     dataset: Optional[DatasetConfig] = None  # tasks from data; None: the env makes tasks from seeds
 
@@ -142,7 +145,9 @@ class TrainerConfig(Section):
 
 class SFTConfig(Section):
     enabled: bool = True
-    episodes: int = Field(256, ge=1)  # expert demonstrations
+    # demonstrations (JSONL of {"messages": [...]} chats with tool calls); None: the env's expert
+    dataset: Optional[str] = None
+    episodes: int = Field(256, ge=1)  # expert demonstrations (or at most this many dataset rows)
     steps: int = Field(100, ge=0)
     lr: float = Field(1e-3, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16)

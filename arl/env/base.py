@@ -49,8 +49,11 @@ class Environment(abc.ABC):
 
     #: describes the tools and the answer format; rendered as the system message
     system_prompt: str = ""
-    #: hard cap on model turns; the rollout ends the episode with reward 0 past it
+    #: hard cap on model turns; the rollout ends the episode with reward 0 past it.  Set from the
+    #: config's ``env.max_turns`` (the one limit) for environments whose constructor takes it
     max_turns: int = 8
+    #: whether ``reset`` needs a task row (``env.dataset``) rather than making the task from the seed
+    needs_task: bool = False
     #: OpenAI function schemas ``{"type": "function", "function": {name, description, parameters}}``
     #: rendered into the prompt by the chat template (None: the system prompt describes the tools)
     tools: list | None = None

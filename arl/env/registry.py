@@ -8,6 +8,7 @@ import importlib
 import inspect
 from typing import Callable, Dict, Type
 
+from ..config import EnvConfig
 from .base import Environment
 
 ENVIRONMENTS: Dict[str, Type[Environment]] = {}
@@ -38,6 +39,25 @@ def env_class(name: str) -> Type[Environment]:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"env.name: {name!r} is not an arl.env.Environment subclass")
     return cls
+
+
+def env_kwargs(cfg: EnvConfig) -> dict:
+    """The constructor arguments of the configured environment: ``env.kwargs``, plus the config's
+    ``env.max_turns`` (the one turn limit) and ``env.reward_fn`` for a constructor that takes them.
+    One-line ValueError for a limit or reward given twice, or a reward the environment cannot take."""
+    kwargs = dict(cfg.kwargs)
+    params = inspect.signature(env_class(cfg.name)).parameters
+    if "max_turns" in kwargs:
+        raise ValueError("env.kwargs.max_turns: set env.max_turns instead (the one turn limit)")
+    if "max_turns" in params:
+        kwargs["max_turns"] = cfg.max_turns
+    if cfg.reward_fn is not None:
+        if "reward_fn" in kwargs:
+            raise ValueError("env.kwargs.reward_fn and env.reward_fn: give the reward function once")
+        if "reward_fn" not in params:
+            raise ValueError(f"env.reward_fn: environment {cfg.name!r} takes no reward function (it computes its own)")
+        kwargs["reward_fn"] = cfg.reward_fn
+    return kwargs
 
 
 def make_env(name: str, **kwargs) -> Environment:

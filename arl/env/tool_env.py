@@ -3,9 +3,9 @@
     env:
       name: tools
       dataset: data/train.jsonl           # one task per row
+      reward_fn: "my_pkg.reward:score"    # fn(task=row, episode=EpisodeRecord)
       kwargs:
         tools: ["my_pkg.tools:search", "my_pkg.tools:calculator"]
-        reward_fn: "my_pkg.reward:score"  # fn(task=row, episode=EpisodeRecord)
         parser: hermes                    # how the model writes its calls (arl/env/tool_parsers.py)
 
 A task row starts the chat: ``messages`` (system/user messages) or ``prompt`` (the user message,
@@ -58,23 +58,24 @@ def start_messages(task: Mapping, system_prompt: str = "") -> List[Dict[str, str
 
 @register_env("tools")
 class ToolEnv(Environment):
+    needs_task = True  # its tasks are dataset rows (env.dataset)
     stop = ()  # a turn ends at the end of sequence: it may hold several calls
 
     def __init__(self, tools: Sequence[Union[str, Callable, Tool]] = (), reward_fn: Union[str, Callable, None] = None,
                  parser: str = "hermes", tool_timeout_s: float = 10.0, system_prompt: Optional[str] = None,
                  max_calls_per_turn: int = 8):
         if reward_fn is None:
-            raise ValueError("env.kwargs.reward_fn: required by the tools env (an import path 'pkg.mod:fn', "
+            raise ValueError("env.reward_fn: required by the tools env (an import path 'pkg.mod:fn', "
                              "called as fn(task=row, episode=record))")
         if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
             raise ValueError(f"env.kwargs.tools: expected a list of import paths 'pkg.mod:fn', got {tools!r:.80}")
         loaded = load_tools(list(tools), key="env.kwargs.tools")  # import paths (config) or callables/Tools
         self._tools: Dict[str, Tool] = {t.name: t for t in loaded}
         self.tools = [t.schema for t in loaded] or None  # no tools: a single-turn task
-        self.reward_fn = (load_reward_fn(reward_fn, key="env.kwargs.reward_fn") if isinstance(reward_fn, str)
+        self.reward_fn = (load_reward_fn(reward_fn, key="env.reward_fn") if isinstance(reward_fn, str)
                           else reward_fn)
         if not callable(self.reward_fn):
-            raise ValueError(f"env.kwargs.reward_fn: not callable ({type(reward_fn).__name__})")
+            raise ValueError(f"env.reward_fn: not callable ({type(reward_fn).__name__})")
         try:
             self.parser = get_parser(parser)
         except ValueError as e:

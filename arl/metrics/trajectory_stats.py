@@ -12,7 +12,8 @@ The step's advantage figures (``adv/*``) come with the advantages themselves
 
 A figure over an empty set is 0.0 (its ``*_count`` key says the set was empty); nothing is NaN.
 
-Keys: ``reward/{mean,std,min,max,q10,q25,q50,q75,q90,pos_frac}``, ``success/train``,
+Keys: ``reward/{mean,std,min,max,q10,q25,q50,q75,q90,pos_frac}``, ``reward/<component>`` (a reward
+function's named parts), ``success/train``,
 ``len/{tokens,gen_tokens,turns}_{mean,max}``, ``len/{failed,success}_{count,tokens_mean,tokens_max}``,
 ``tools/{calls,calls_per_traj,valid_rate,repeat_rate,repeat_trajs_frac}``,
 ``tools/count/<name>``, ``tools/per_traj/<name>``, ``status/{ok,masked,filtered,truncated,faults}``,
@@ -140,6 +141,18 @@ def success_rate(trajs: Sequence[Trajectory], success_threshold: float = 1.0) ->
     return sum(x >= success_threshold for x in r) / len(r) if r else 0.0
 
 
+def reward_components(ok: Sequence[Trajectory], reserved=()) -> dict:
+    """Mean of each named reward component (a reward function's dict, in ``metadata["reward_components"]``)
+    over the OK trajectories, a trajectory without it counting 0: ``reward/<name>``, or
+    ``reward/fn_<name>`` when the name is one of the reward statistics (``mean``, ``q50``, ...)."""
+    names = sorted({k for t in ok for k in (t.metadata.get("reward_components") or {})})
+    out = {}
+    for name in names:
+        key = f"reward/{name}" if f"reward/{name}" not in reserved else f"reward/fn_{name}"
+        out[key] = float(np.mean([float((t.metadata.get("reward_components") or {}).get(name, 0.0)) for t in ok]))
+    return out
+
+
 def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, success_threshold: float = 1.0,
                        rollout_s: Optional[float] = None) -> dict:
     """Statistics of one step's trajectories (see the module docstring for keys and populations).
@@ -165,6 +178,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, success_t
     for q in QUANTILES:
         out[f"reward/q{q}"] = float(np.percentile(r, q)) if r.size else 0.0
     out["reward/pos_frac"] = float((r > 0).mean()) if r.size else 0.0
+    out.update(reward_components(ok, reserved=out))
     succ = r >= success_threshold
     out["success/train"] = float(succ.mean()) if r.size else 0.0
 

@@ -12,10 +12,11 @@ from typing import Callable, Protocol
 
 from ..config import TrainConfig
 from ..data.expert import expert_trajectory, start_state
-from ..env import make_env
+from ..data import load_demonstrations
+from ..env import Environment, env_class, env_kwargs, make_env
 from ..env.expert import expert_transcript
 from .engine import Sample
-from .episode import ChatFormat, Episode, EpisodeConfig
+from .episode import ChatFormat, Episode, EpisodeConfig, demonstration
 
 # env kwargs that inject run-time faults; the expert plays without them
 FAULT_KEYS = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "latency_median_s", "latency_p99_s",
@@ -25,7 +26,7 @@ FAULT_KEYS = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "late
 def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool) -> dict:
     """``env.kwargs`` without the fault keys (``unsolvable_frac`` kept when it defines the task)."""
     keep = ("unsolvable_frac",) if keep_task_definition else ()
-    return {k: v for k, v in cfg.env.kwargs.items() if k not in FAULT_KEYS or k in keep}
+    return {k: v for k, v in env_kwargs(cfg.env).items() if k not in FAULT_KEYS or k in keep}
 
 
 def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000) -> list:
@@ -59,6 +60,43 @@ def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_0
         return out
 
     return asyncio.run(all_())
+
+
+def dataset_demos(cfg: TrainConfig, fmt: ChatFormat) -> list:
+    """The first ``sft.episodes`` demonstrations of ``sft.dataset``, rendered with the configured
+    environment's system prompt, tools and call format, exactly as its episodes are: the SFT
+    warm start's data when the user brings demonstrations."""
+    env = make_env(cfg.env.name, **env_kwargs(cfg.env))
+    parser = getattr(getattr(env, "parser", None), "name", None) or "hermes"
+    out = []
+    for i, messages in enumerate(load_demonstrations(cfg.sft.dataset)[:cfg.sft.episodes]):
+        try:
+            out.append(demonstration(fmt, messages, tools=getattr(env, "tools", None), system=env.system_prompt,
+                                     parser=parser, group_id=i))
+        except ValueError as e:
+            raise ValueError(f"sft.dataset: {cfg.sft.dataset} row {i}: {e}") from None
+    return out
+
+
+def sft_source(cfg: TrainConfig) -> str | None:
+    """Where the SFT warm start's demonstrations come from ("dataset" or "expert"; None when SFT
+    is off); a one-line ValueError when it is on with neither."""
+    if not cfg.sft.enabled or cfg.sft.steps == 0:
+        return None
+    if cfg.sft.dataset is not None:
+        return "dataset"
+    if env_class(cfg.env.name).expert_turns is Environment.expert_turns:
+        raise ValueError(f"sft.enabled: environment {cfg.env.name!r} has no expert to demonstrate; give "
+                         f"sft.dataset (JSONL of demonstration chats) or set sft.enabled: false")
+    return "expert"
+
+
+def sft_demonstrations(cfg: TrainConfig, fmt: ChatFormat) -> list:
+    """The SFT warm start's demonstrations (see ``sft_source``)."""
+    source = sft_source(cfg)
+    if source == "dataset":
+        return dataset_demos(cfg, fmt)
+    return expert_demos(cfg, fmt, cfg.sft.episodes) if source == "expert" else []
 
 
 class StartChooser(Protocol):

@@ -96,7 +96,8 @@ class RolloutManager:
     def __init__(self, engine: RolloutEngine, env_factory: Callable[[], Environment], tokenizer_or_format,
                  tasks: Iterable[int] | None = None, config: RolloutConfig | None = None, *,
                  groups_per_step: Optional[int] = None, pool_size: int = 32, episode: Optional[EpisodeConfig] = None,
-                 seed: Optional[int] = None, start_for: Callable | None = None, imitate_once_per_group: bool = True):
+                 seed: Optional[int] = None, start_for: Callable | None = None, imitate_once_per_group: bool = True,
+                 task_row: Callable[[int], dict] | None = None):
         """``config``: the ``rollout`` section (group size, staleness, retries, filter cap).
         ``groups_per_step``: groups in one batch (default ``config.tasks_per_step``; an engine's share
         when several engines split a batch).  ``pool_size``: live environments = episodes (and tool
@@ -104,8 +105,9 @@ class RolloutManager:
         ``start_for``: the IPA chunk-initialization hook, ``async (task_seed) -> StartState | None``;
         a group whose task gets a state starts every sample from that expert prefix and its
         trajectories are tagged (``ipa_prefix_chunks``; ``ipa_imitate`` on sample 0 only when
-        ``imitate_once_per_group``, else on all)."""
-        self.engine = engine
+        ``imitate_once_per_group``, else on all).  ``task_row``: task seed -> the dataset row the
+        environment's reset gets (``env.dataset``; None: the env makes the task from the seed)."""
+        self.engine, self.task_row = engine, task_row
         self.start_for, self.imitate_once = start_for, imitate_once_per_group
         self.cfg = config if config is not None else RolloutConfig()
         self.groups_per_step = int(groups_per_step if groups_per_step is not None else self.cfg.tasks_per_step)
@@ -277,8 +279,9 @@ class RolloutManager:
             env = await self.pool.acquire()
             broken = True
             try:
-                t = await run_episode(self.engine, env, self.fmt, g.seed, self.episode,
-                                      sample=sample, group_id=g.gid, sample_seed=sample_seed, start=g.start)
+                task = self.task_row(g.seed) if self.task_row is not None else None
+                t = await run_episode(self.engine, env, self.fmt, g.seed, self.episode, sample=sample,
+                                      group_id=g.gid, sample_seed=sample_seed, start=g.start, task=task)
                 broken = t.metadata["fault"] == Fault.UNRECOVERABLE.value
             finally:
                 await self.pool.release(env, broken=broken)

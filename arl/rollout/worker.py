@@ -27,8 +27,8 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from ..config import TrainConfig
-from ..data import EVAL_SEED_BASE
-from ..env import make_env
+from ..data import EVAL_SEED_BASE, TaskSet
+from ..env import env_kwargs, make_env
 from ..metrics import rollout_rates
 from ..procs import die_with_parent
 from .engine import SamplingConfig, make_engine
@@ -71,8 +71,18 @@ def episode_config(cfg: TrainConfig, greedy: bool = False) -> EpisodeConfig:
 
 
 def env_factory(cfg: TrainConfig) -> Callable:
-    name, kwargs = cfg.env.name, dict(cfg.env.kwargs)
+    name, kwargs = cfg.env.name, env_kwargs(cfg.env)
     return lambda: make_env(name, **kwargs)
+
+
+def task_set(cfg: TrainConfig) -> Optional[TaskSet]:
+    """The run's tasks from data (``env.dataset``), or None when the env makes tasks from seeds."""
+    return TaskSet.from_config(cfg.env.dataset, cfg.seed) if cfg.env.dataset is not None else None
+
+
+def eval_count(cfg: TrainConfig, tasks: Optional[TaskSet], n: int) -> int:
+    """Held-out episodes of one evaluation: ``n``, at most the dataset's held-out rows."""
+    return n if tasks is None else min(n, tasks.n_eval)
 
 
 def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int):
@@ -86,16 +96,19 @@ def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int)
         s += 1
 
 
-async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int) -> float:
-    """Greedy success rate on the ``n`` held-out tasks (a success: positive reward, no fault)."""
+async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None) -> float:
+    """Greedy success rate on the ``n`` held-out tasks (a success: positive reward, no fault);
+    ``tasks``: the dataset whose held-out rows they are (at most its ``n_eval``)."""
     factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
     sem = asyncio.Semaphore(cfg.env.pool_size)
+    n = eval_count(cfg, tasks, n)
 
     async def one(i):
+        seed = EVAL_SEED_BASE + i
         async with sem:
             env = factory()
             try:
-                t = await run_episode(engine, env, fmt, EVAL_SEED_BASE + i, ep_cfg)
+                t = await run_episode(engine, env, fmt, seed, ep_cfg, task=tasks.row(seed) if tasks else None)
             finally:
                 await env.close()
             return float(t.reward > 0 and t.metadata.get("fault") == "none")
@@ -134,7 +147,7 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks):
         self.cfg, self.model_dir, self.batches, self.orders, self.index = cfg, model_dir, batches, orders, index
         self.hooks = hooks
-        self.engine = self.fmt = self.manager = None
+        self.engine = self.fmt = self.manager = self.tasks = None
         self.synced, self.stop = asyncio.Event(), asyncio.Event()
         self.closing = threading.Event()  # the order-taking thread returns once this is set
         self.evals: set = set()
@@ -144,6 +157,7 @@ class RolloutWorker:
         self.engine = make_engine(r.engine, model=self.model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
                                   max_model_len=max(r.max_total_tokens + 64, 256), engine_kwargs=engine_kwargs(cfg))
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
+        self.tasks = task_set(cfg)
         try:
             orders = asyncio.create_task(self._take_orders())
             await self.synced.wait()  # the first weights (after SFT / from the checkpoint)
@@ -156,7 +170,7 @@ class RolloutWorker:
             self.manager = RolloutManager(
                 self.engine, env_factory(cfg), self.fmt, tasks=tasks, config=r,
                 groups_per_step=r.tasks_per_step // n_engines, pool_size=cfg.env.pool_size,
-                episode=episode_config(cfg), seed=cfg.seed,
+                episode=episode_config(cfg), seed=cfg.seed, task_row=self.tasks.row if self.tasks else None,
                 start_for=expert_start_hook(cfg, self.fmt, chooser) if chooser is not None else None,
                 imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group)
             async with self.manager:
@@ -232,5 +246,5 @@ class RolloutWorker:
         self.synced.set()
 
     async def _evaluate(self, version: int, n: int) -> None:
-        acc = await evaluate(self.engine, self.fmt, self.cfg, n)
+        acc = await evaluate(self.engine, self.fmt, self.cfg, n, self.tasks)
         await asyncio.get_running_loop().run_in_executor(None, self.batches.put, ("eval", version, acc))
