@@ -138,6 +138,9 @@ class TrainerConfig(Section):
     reference_model: bool = False  # frozen copy for KL (needed when loss.kl_beta > 0)
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = "auto"  # policy-loss backend
     deterministic: bool = False
+    # CPU layout: torch threads per trainer rank (None: $OMP_NUM_THREADS, else 1).  One rank on a
+    # small machine trains faster with more; vLLM's engine shares the same cores
+    cpu_threads: Optional[int] = Field(None, ge=1)
     eval_every: int = Field(5, ge=1)
     checkpoint_every: int = Field(10, ge=1)
     max_wall_s: Optional[float] = Field(None, gt=0)
@@ -149,6 +152,7 @@ class SFTConfig(Section):
     dataset: Optional[str] = None
     episodes: int = Field(256, ge=1)  # expert demonstrations (or at most this many dataset rows)
     steps: int = Field(100, ge=0)
+    batch_size: int = Field(32, ge=1)  # demonstrations per step
     lr: float = Field(1e-3, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16)
 

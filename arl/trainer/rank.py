@@ -12,6 +12,7 @@ tasks [k*G, (k+1)*G) with per-sample seeds, so a resumed run reproduces an unint
 """
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -48,6 +49,8 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     cfg = TrainConfig.model_validate(cfg_dict)
     if port is not None:
         set_rank_env(rank, world, port)
+    if cfg.layout.device == "cpu" and cfg.trainer.cpu_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.cpu_threads)  # init_distributed applies it
     init_distributed(cfg.layout.device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

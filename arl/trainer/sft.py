@@ -19,7 +19,7 @@ def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> Tupl
     tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1),
                        dtype=dtype_of(cfg), attn=cfg.model.attn_implementation)
     rng = random.Random(cfg.seed)
-    per_step = max(world, min(len(demos), 32))
+    per_step = max(world, min(len(demos), s.batch_size))
     last = {}
     for step in range(s.steps):
         batch = rng.sample(demos, per_step) if len(demos) >= per_step else demos
