@@ -113,7 +113,8 @@ class TrainerRank:
         if rank == 0:
             lg = cfg.logging
             logger = MetricsLogger(self.run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
-                                   total_steps=self.steps, resume_step=resume_step)
+                                   total_steps=self.steps, resume_step=resume_step, wandb=lg.wandb,
+                                   run_config=cfg.model_dump(mode="json"))
             self.log = OrderedLog(logger, self.evals)
             self.link = RolloutLink(self.batches, self.orders, on_eval=self.log.eval_result)
         model = load_policy(cfg, self.model_dir)
