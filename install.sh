@@ -15,6 +15,8 @@ COMMON_PINS=(
   PyYAML==6.0.3 tqdm==4.70.1 rich==15.0.0 tensorboard==2.21.0 matplotlib==3.11.2 ninja==1.13.2
   pytest==9.0.3 hypothesis==6.155.2 pytest-timeout==2.4.0 psutil==7.2.2
 )
+# Optional, not installed here: wandb==0.31.0 for logging.wandb (pip install wandb==0.31.0; the
+# version tested, also `pip install -e .[wandb]`).  Without it the W&B test is skipped.
 
 device=${ARL_DEVICE:-}
 if [ -z "$device" ]; then
