@@ -43,6 +43,12 @@ class WandbRun:
         self.run.log({k: v for k, v in flat.items() if v is not None}, step=int(step))
 
     def close(self) -> None:
+        """Finish the run and wait until its data is written: ``finish`` alone may return before
+        wandb's service flushed the run file, and its exit hook does not run reliably in
+        multiprocessing children such as the trainer ranks."""
+        import wandb
+
         if self.run is not None:
             self.run.finish()
             self.run = None
+            wandb.teardown()
