@@ -16,6 +16,8 @@ COMMON_PINS=(
   pytest==9.0.3 hypothesis==6.155.2 pytest-timeout==2.4.0 psutil==7.2.2 jsonschema==4.26.0
   pyarrow==26.0.1 datasets==5.2.0
 )
+# Optional, not installed here: wandb==0.31.0 for logging.wandb (pip install wandb==0.31.0; the
+# version tested, also `pip install -e .[wandb]`).  Without it the W&B test is skipped.
 
 device=${ARL_DEVICE:-}
 if [ -z "$device" ]; then

@@ -57,5 +57,6 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    extras_require={"wandb": ["wandb==0.31.0"]},  # logging.wandb (arl.config.WANDB_PIN)
     zip_safe=False,
 )

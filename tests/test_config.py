@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from arl.config import ConfigError, load_config
+from arl.config import WANDB_PIN, ConfigError, load_config
 from arl.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +47,9 @@ def test_dry_run_from_the_command_line():
      "layout.rollout_gpus + layout.trainer_gpus = 6 must equal layout.gpus_per_node = 8"),
     (["trainer"], "expected key.sub=value"),
     (["trainer.steps.x=1"], "trainer.steps.x: steps is not a section"),  # the built-in default sets steps
+    (["trainer.keep_last=0"], "trainer.keep_last: Input should be greater than or equal to 1"),
+    (["logging.wandb={name: x}"], "logging.wandb.project: Field required"),
+    (["logging.wandb={project: p, mode: disabled}"], "logging.wandb.mode: Input should be 'online' or 'offline'"),
 ])
 def test_bad_configs_fail_with_one_line(overrides, msg):
     with pytest.raises(ConfigError) as e:
@@ -110,3 +113,15 @@ def test_one_error_formatter_for_every_section():
         load_config(None, ["model.tiny.hidden=30"])
     with pytest.raises(ValueError, match="hidden"):
         TinyModelConfig(hidden=30, heads=4)
+
+
+def test_wandb_without_the_package_is_a_dry_run_error(monkeypatch, capsys):
+    """logging.wandb set but wandb not installed: one line at config time (so --dry-run catches it),
+    with the pip line; off (the default) needs no wandb."""
+    import arl.config.schema as schema
+
+    monkeypatch.setattr(schema, "find_spec", lambda name: None)
+    assert load_config(None).logging.wandb is None
+    assert main(["--dry-run", "logging.wandb={project: p}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"arl.train: config error: logging.wandb: the wandb package is not installed (pip install {WANDB_PIN})"

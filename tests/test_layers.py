@@ -16,7 +16,7 @@ LAYERS = [
     ("stabilizers", "rollout"),
     ("trainer",),
     ("launch", "layout", "plot"),
-    ("train",),
+    ("train", "eval"),
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

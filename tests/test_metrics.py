@@ -1,8 +1,9 @@
 """arl.metrics: exact trajectory statistics on scripted batches, token-level helpers on real packed
-micro-batches, the JSONL/TensorBoard logger (round trip, resume, NaN) and the curves plot."""
+micro-batches, the JSONL/TensorBoard/W&B logger (round trip, resume, NaN) and the curves plot."""
 import json
 import math
 import runpy
+import struct
 import sys
 import warnings
 
@@ -15,6 +16,7 @@ from arl.data.trajectory import Trajectory, TrajectoryStatus
 from arl.ops.policy_loss.config import LossConfig
 from arl.ops.policy_loss.spec import group_advantages
 from arl.metrics import per_turn_mean, per_turn_sums, success_logprob_mean, success_rate, trajectory_metrics, turn_means
+from arl.config import WANDB_PIN, WandbConfig
 from arl.metrics.logger import MetricsLogger, read_metrics
 from arl.plot import main as plot_main
 from arl.stabilizers.advantages import group_step_advantages, step_advantages
@@ -246,6 +248,71 @@ def test_logger_tensorboard_and_progress(tmp_path, capsys):
     acc.Reload()  # the resumed run purged step 2 of the first run and rewrote it
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 5.0)]
     assert "bad" not in acc.Tags()["scalars"]
+
+
+def _wandb_records(path):
+    """The records of a ``run-<id>.wandb`` file: a LevelDB-style log (a 7-byte file header, 32 KiB
+    blocks of records, each with a 7-byte header: crc32, length, type full/first/middle/last) of
+    ``wandb_internal_pb2.Record`` messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = path.read_bytes(), 32768
+    pos, buf, out = 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if n == 0 and kind == 0:
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):  # full, or the last fragment
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+            buf = b""
+    return out
+
+
+def _wandb_history(run_dir):
+    """{offline run dir name: [(step, {key: value})]} of every offline W&B run under ``run_dir``."""
+    out = {}
+    for f in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        steps = []
+        for r in _wandb_records(f):
+            if r.WhichOneof("record_type") == "history":
+                items = ((i.key or "/".join(i.nested_key), i.value_json) for i in r.history.item)
+                vals = {k: json.loads(v) for k, v in items if not k.startswith("_")}
+                steps.append((r.history.step.num, vals))
+        out[f.parent.name] = steps
+    return out
+
+
+def test_logger_wandb_offline_run_and_resume(tmp_path, monkeypatch):
+    """logging.wandb in offline mode (no network, no account): the W&B run under the run dir holds
+    the flattened records at their steps (non-finite values left out), and a resume continues the
+    run with the same id."""
+    pytest.importorskip("wandb", reason=f"wandb is optional: pip install {WANDB_PIN}")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = WandbConfig(project="arl-test", tags=["unit"])
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False, wandb=cfg, run_config={"seed": 3}) as lg:
+        lg.log(0, {"sft": {"nll": 1.5}}, wall_s=0.5)
+        with pytest.warns(RuntimeWarning, match="'loss'"):
+            lg.log(1, {"reward/mean": 0.25, "loss": float("nan"), "ok": True}, wall_s=1.0)
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    (first,) = _wandb_history(tmp_path).values()
+    assert first == [(0, {"wall_s": 0.5, "sft/nll": 1.5}), (1, {"wall_s": 1.0, "reward/mean": 0.25, "ok": 1})]
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False, wandb=cfg, resume_step=1) as lg:
+        lg.log(2, {"reward/mean": 0.5}, wall_s=2.0)
+    assert (tmp_path / "wandb_run_id").read_text() == run_id
+    runs = _wandb_history(tmp_path)
+    assert len(runs) == 2 and all(name.endswith("-" + run_id) for name in runs)  # one W&B run, two sessions
+    assert [(2, {"wall_s": 2.0, "reward/mean": 0.5})] in runs.values()
+    MetricsLogger(tmp_path, tensorboard=False, progress=False, wandb=cfg).close()  # a fresh run: a new W&B run
+    assert (tmp_path / "wandb_run_id").read_text() != run_id
 
 
 # ------------------------------------------------------------------ plot

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from arl.trainer.checkpoints import checkpoint_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 # the tiny model of the session vLLM engine (tests/vllm_fixture.py), so its weights can be swapped
 SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",
@@ -39,14 +41,16 @@ def _records(out: Path) -> dict:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun, tiny_model_dir):
     """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
-    handed over whole), both with the frozen reference model and the adaptive KL controller."""
+    handed over whole), both with the frozen reference model and the adaptive KL controller; a
+    checkpoint every step with trainer.keep_last=1, each with its HF export."""
     out = tmp_path / "run"
     # ZeRO-3 also takes the weight-sync group under the spawn launcher (the torchrun test below has it too)
     sync = ["rollout.weight_sync=group"] if stage == 3 else []
     res = _train(out, *sync, "trainer.steps=2", f"trainer.zero_stage={stage}", "trainer.world_size=2", "sft.steps=2",
                  "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
                  "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
-                 "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05")  # a gradient even without reward
+                 "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient even without reward
+                 "trainer.checkpoint_every=1", "trainer.keep_last=1")
     # a successful run ends cleanly: no traceback (vLLM's engine is shut down before exit)
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     recs = _records(out)
@@ -61,6 +65,7 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
     assert recs[2]["train/kl_mean"] > 0 and recs[1]["stab/kl_beta"] != 0.05  # ... step 2's moved away
     assert (out / "reference" / "config.json").exists()  # the SFT model, kept for --resume
     assert "sft/sft_nll_per_token" in recs[0] and (out / "checkpoints" / "latest_step").read_text() == "2"
+    assert checkpoint_steps(out / "checkpoints") == [2]  # step 1's checkpoint was rotated out
 
     # the exported HF model is the trainer's final model ...
     from transformers import AutoModelForCausalLM
@@ -68,6 +73,11 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
     from arl.model.packed import packed_logprobs
 
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    # the checkpoint's own HF export (with the tokenizer) is the same model
+    ckpt_hf = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step2" / "hf", dtype=torch.float32)
+    assert (out / "checkpoints" / "step2" / "hf" / "tokenizer_config.json").exists()
+    for k, v in hf.state_dict().items():
+        torch.testing.assert_close(ckpt_hf.state_dict()[k], v, atol=0, rtol=0)
     trained = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
     if stage == 3:  # the checkpoint holds partitions: DeepSpeed's own tool reassembles them
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -98,7 +108,8 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
 
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     det = ["rollout.staleness=0", "trainer.deterministic=true", "sft.enabled=false", "env.eval_tasks=0",
-           "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.world_size=2", "trainer.zero_stage=2"]
+           "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.world_size=2", "trainer.zero_stage=2",
+           "trainer.keep_last=1"]
     ref = tmp_path / "ref"
     _train(ref, *det)
     run = tmp_path / "killed"
@@ -115,6 +126,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     _train(run, *det, resume=True)
     a, b = _records(ref), _records(run)
     assert sorted(b) == [1, 2, 3, 4]  # no step lost, none duplicated
+    assert checkpoint_steps(run / "checkpoints") == [4]  # the resumed-from checkpoint rotated out after step 4's
     keys = ["train/loss", "train/pg_loss", "train/approx_kl", "reward/mean", "len/tokens_mean", "train/clip_frac"]
     for s in (3, 4):
         for k in keys:

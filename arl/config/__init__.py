@@ -1,15 +1,16 @@
 """The one config schema (``TrainConfig`` and its sections) and its loader."""
 from .load import BUILTIN_DEFAULT, ConfigError, dump_config, load_config
-from .schema import (ArchConfig, DatasetConfig, EnvConfig, LayoutConfig, LoggingConfig, ModelConfig, OptimConfig,
-                     RolloutConfig, SFTConfig, TinyModelConfig, TrainConfig, TrainerConfig)
+from .schema import (WANDB_PIN, ArchConfig, DatasetConfig, EnvConfig, LayoutConfig, LoggingConfig, ModelConfig,
+                     OptimConfig, RolloutConfig, SFTConfig, TinyModelConfig, TrainConfig, TrainerConfig, WandbConfig)
 from .stabilizers import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                           ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig,
                           TurnCreditConfig, check_turn_credit_loss)
 
 __all__ = [
-    "AdaptiveKLConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError", "CurriculumConfig",
-    "DatasetConfig", "DynamicSamplingConfig", "EntropyScheduleConfig", "EnvConfig", "ExtremeTrajectoryConfig", "IPAResampleConfig",
+    "WANDB_PIN", "AdaptiveKLConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError", "CurriculumConfig",
+    "DatasetConfig", "DynamicSamplingConfig", "EntropyScheduleConfig", "EnvConfig", "ExtremeTrajectoryConfig",
+    "IPAResampleConfig",
     "LayoutConfig", "LoggingConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
     "ShapingConfig", "StabilizerConfig", "TinyModelConfig", "TrainConfig", "TrainerConfig", "TurnCreditConfig",
-    "check_turn_credit_loss", "dump_config", "load_config",
+    "WandbConfig", "check_turn_credit_loss", "dump_config", "load_config",
 ]

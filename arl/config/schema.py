@@ -3,6 +3,7 @@ between sections (in ``TrainConfig``, nowhere else).  Components take their sect
 """
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -143,6 +144,12 @@ class TrainerConfig(Section):
     cpu_threads: Optional[int] = Field(None, ge=1)
     eval_every: int = Field(5, ge=1)
     checkpoint_every: int = Field(10, ge=1)
+    # checkpoints kept in output_dir/checkpoints (the newest ones; None: all); the one just written
+    # is never deleted, so --resume always finds the newest
+    keep_last: Optional[int] = Field(None, ge=1)
+    # an HF-format export (with the tokenizer) inside each checkpoint, checkpoints/step<N>/hf: loads in
+    # transformers, vLLM and python -m arl.eval; off saves a model's size of disk per checkpoint
+    checkpoint_hf: bool = True
     max_wall_s: Optional[float] = Field(None, gt=0)
 
 
@@ -171,10 +178,32 @@ class LayoutConfig(Section):
     launcher: Literal["spawn", "deepspeed", "torchrun"] = "spawn"
 
 
+WANDB_PIN = "wandb==0.31.0"  # the version tested (optional: not installed by install.sh)
+
+
+class WandbConfig(Section):
+    """Weights & Biases run of trainer rank 0: the metrics.jsonl records, step for step.  Offline
+    mode needs no network or account (``wandb sync <output_dir>/wandb/offline-run-*`` uploads later)."""
+
+    project: str
+    entity: Optional[str] = None
+    name: Optional[str] = None  # None: the output_dir's name
+    mode: Literal["online", "offline"] = "offline"
+    tags: list[str] = []
+
+
 class LoggingConfig(Section):
     jsonl: bool = True
     tensorboard: bool = True
     progress: bool = True
+    wandb: Optional[WandbConfig] = None  # None: off
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, v: Optional[WandbConfig]) -> Optional[WandbConfig]:
+        if v is not None and find_spec("wandb") is None:
+            raise ValueError(f"the wandb package is not installed (pip install {WANDB_PIN})")
+        return v
 
 
 class TrainConfig(Section):

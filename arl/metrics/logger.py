@@ -1,7 +1,8 @@
-"""Per-step metrics sink: one JSON line per step, TensorBoard scalars and a console progress bar.
+"""Per-step metrics sink: one JSON line per step, TensorBoard scalars, a console progress bar and,
+when configured, a Weights & Biases run (``arl.metrics.wandb_run``).
 
 Files in ``run_dir``: ``metrics.jsonl`` (``{"step": s, "wall_s": w, **metrics}`` per line, flushed
-and fsync'ed per line) and ``tb/`` (TensorBoard events).  Call it from one process (rank 0).
+and fsync'ed per line), ``tb/`` (TensorBoard events) and ``wandb/``.  Call it from one process (rank 0).
 
 Resume policy.  ``resume_step=s`` keeps the JSONL lines with ``step <= s`` (the steps the checkpoint
 holds) and drops the rest, which the resumed run recomputes; a torn last line from a crash is dropped
@@ -24,6 +25,9 @@ import os
 import warnings
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+from ..config import WandbConfig
+from .wandb_run import WandbRun
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -98,7 +102,9 @@ def read_metrics(path) -> list:
 class MetricsLogger:
     def __init__(self, run_dir, jsonl: bool = True, tensorboard: bool = True, progress: bool = True,
                  total_steps: Optional[int] = None, resume_step: Optional[int] = None,
-                 progress_keys: Optional[Mapping[str, Sequence[str]]] = None):
+                 progress_keys: Optional[Mapping[str, Sequence[str]]] = None, wandb: Optional[WandbConfig] = None,
+                 run_config: Optional[Mapping] = None):
+        """``wandb``: the W&B run's settings (None: off); ``run_config``: the run's config it records."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if total_steps is not None and total_steps < 0:
@@ -106,7 +112,7 @@ class MetricsLogger:
         self.last_step = -1 if resume_step is None else int(resume_step)
         self.progress_keys = dict(progress_keys or DEFAULT_PROGRESS)
         self._warned: set = set()
-        self._file = self._writer = self._bar = None
+        self._file = self._writer = self._bar = self._wandb = None
         done = self.last_step + 1  # steps already done, for the progress bar
         if jsonl:
             self._file, done = self._open_jsonl(self.run_dir / METRICS_FILE, resume_step)
@@ -115,6 +121,8 @@ class MetricsLogger:
 
             purge = None if resume_step is None else resume_step + 1
             self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+        if wandb is not None:
+            self._wandb = WandbRun(wandb, self.run_dir, resume=resume_step is not None, run_config=run_config)
         if progress:
             from tqdm.auto import tqdm
 
@@ -166,6 +174,8 @@ class MetricsLogger:
                 if v is not None:
                     self._writer.add_scalar(k, v, global_step=int(step))
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, {"wall_s": wall, **flat})
         if self._bar is not None:
             self._bar.update(1)  # the bar counts logged steps, whatever the step numbering
             self._bar.set_postfix(self._postfix(flat), refresh=True)
@@ -188,10 +198,10 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def close(self) -> None:
-        for obj in (self._file, self._writer, self._bar):
+        for obj in (self._file, self._writer, self._bar, self._wandb):
             if obj is not None:
                 obj.close()
-        self._file = self._writer = self._bar = None
+        self._file = self._writer = self._bar = self._wandb = None
 
     def __enter__(self):
         return self

@@ -28,10 +28,11 @@ from transformers import AutoTokenizer
 
 from ..config import TrainConfig
 from ..data import EVAL_SEED_BASE, TaskSet
+from ..data.trajectory import Trajectory
 from ..env import env_kwargs, make_env
 from ..metrics import rollout_rates
 from ..procs import die_with_parent
-from .engine import SamplingConfig, make_engine
+from .engine import RolloutEngine, SamplingConfig, make_engine
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .expert import StartChooser, expert_start_hook
 from .manager import RolloutManager, fill_batch
@@ -96,9 +97,26 @@ def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int)
         s += 1
 
 
-async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None) -> float:
-    """Greedy success rate on the ``n`` held-out tasks (a success: positive reward, no fault);
-    ``tasks``: the dataset whose held-out rows they are (at most its ``n_eval``)."""
+def run_engine(cfg: TrainConfig, model_dir: str) -> RolloutEngine:
+    """The run's rollout engine over the weights in ``model_dir`` (also ``python -m arl.eval``'s)."""
+    r = cfg.rollout
+    return make_engine(r.engine, model=model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
+                       max_model_len=max(r.max_total_tokens + 64, 256), engine_kwargs=engine_kwargs(cfg))
+
+
+def eval_record(task: int, t: Trajectory) -> dict:
+    """One held-out episode as a row: a success is a positive reward without a fault."""
+    m = t.metadata
+    fault = m.get("fault", "none")
+    return {"task": task, "seed": EVAL_SEED_BASE + task, "reward": float(t.reward),
+            "success": bool(t.reward > 0 and fault == "none"), "turns": len(t.turns),
+            "tool_calls": int(m.get("tool_calls", 0)), "tool_errors": int(m.get("tool_errors", 0)), "fault": fault,
+            "truncated": m.get("truncated")}
+
+
+async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None) -> list:
+    """Greedy episodes on the ``n`` held-out tasks (seeds ``EVAL_SEED_BASE + i``; with a dataset,
+    its held-out rows, at most ``tasks.n_eval``), ``eval_record`` rows in task order."""
     factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
     sem = asyncio.Semaphore(cfg.env.pool_size)
     n = eval_count(cfg, tasks, n)
@@ -111,10 +129,15 @@ async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Opt
                 t = await run_episode(engine, env, fmt, seed, ep_cfg, task=tasks.row(seed) if tasks else None)
             finally:
                 await env.close()
-            return float(t.reward > 0 and t.metadata.get("fault") == "none")
+            return eval_record(i, t)
 
-    res = await asyncio.gather(*(one(i) for i in range(n)))
-    return float(np.mean(res)) if res else float("nan")
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None) -> float:
+    """Greedy success rate on the ``n`` held-out tasks (the run's ``success/heldout``)."""
+    res = await evaluate_tasks(engine, fmt, cfg, n, tasks)
+    return float(np.mean([r["success"] for r in res])) if res else float("nan")
 
 
 def rollout_rate(engine, batch) -> dict:
@@ -154,8 +177,7 @@ class RolloutWorker:
 
     async def run(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
-        self.engine = make_engine(r.engine, model=self.model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
-                                  max_model_len=max(r.max_total_tokens + 64, 256), engine_kwargs=engine_kwargs(cfg))
+        self.engine = run_engine(cfg, self.model_dir)
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
         self.tasks = task_set(cfg)
         try:

@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from ..config import OptimConfig
 from ..data.packer import MicroBatch
@@ -303,7 +304,14 @@ class PolicyTrainer:
         state = self.full_state_dict()
         if state is not None:
             os.makedirs(directory, exist_ok=True)
-            self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            # no "Writing model shards" bar for every checkpoint through the run's progress bar
+            bar = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            try:
+                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            finally:
+                if bar:
+                    hf_logging.enable_progress_bar()
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
 

@@ -29,7 +29,9 @@ from ..data.packer import PackerConfig, pack_step
 from ..metrics import MetricsLogger, trajectory_metrics
 from ..procs import die_with_parent
 from ..stabilizers import Stabilizers
-from .dist import all_mean, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env, shutdown
+from .checkpoints import HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint, rotate_checkpoints
+from .dist import (all_mean, barrier, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env,
+                   shutdown)
 from .link import RolloutLink
 from .models import dtype_of, load_policy, reference_model
 from .policy import PolicyTrainer
@@ -74,11 +76,6 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
         shutdown()
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
-    f = ckpt_dir / "latest_step"
-    return int(f.read_text()) if f.exists() else None
-
-
 def engine_mismatch(mbs, old) -> dict:
     """``logp_abs_diff_vs_rollout``: mean |trainer logprob - engine logprob| over the trained tokens
     of this rank, before the update.  Precision mismatch plus the drift of stale samples; at
@@ -116,7 +113,8 @@ class TrainerRank:
         if rank == 0:
             lg = cfg.logging
             logger = MetricsLogger(self.run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
-                                   total_steps=self.steps, resume_step=resume_step)
+                                   total_steps=self.steps, resume_step=resume_step, wandb=lg.wandb,
+                                   run_config=cfg.model_dump(mode="json"))
             self.log = OrderedLog(logger, self.evals)
             self.link = RolloutLink(self.batches, self.orders, on_eval=self.log.eval_result)
         model = load_policy(cfg, self.model_dir)
@@ -144,7 +142,7 @@ class TrainerRank:
 
     def _restore(self, step: int, restore_clock: bool) -> None:
         """Model, optimizer and stabilizer state of checkpoint ``step`` (resume, or an alarm's rollback)."""
-        state = self.tr.load_checkpoint(str(self.ckpt_dir), tag=f"step{step}")
+        state = self.tr.load_checkpoint(str(self.ckpt_dir), tag=checkpoint_tag(step))
         if restore_clock:
             self.start_step, self.wall_offset = int(state["step"]), float(state.get("wall_s", 0.0))
         if self.stab is not None and state.get("stabilizers"):
@@ -230,12 +228,18 @@ class TrainerRank:
             self.link.send(0, ("eval", version, self.cfg.env.eval_tasks))
 
     def checkpoint(self, version: int) -> None:
+        """DeepSpeed's checkpoint (every rank's files are written when it returns), its HF export,
+        then (rank 0) ``latest_step`` and the rotation (arl/trainer/checkpoints.py)."""
         client = {"step": version, "wall_s": self.wall(),
                   "stabilizers": self.stab.state_dict() if self.stab is not None else None}
-        self.tr.save_checkpoint(str(self.ckpt_dir), tag=f"step{version}",
-                                client_state=broadcast_from_rank0(client, self.rank))
+        tag = checkpoint_tag(version)
+        self.tr.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=broadcast_from_rank0(client, self.rank))
+        if self.cfg.trainer.checkpoint_hf:  # a collective under ZeRO-3; rank 0 writes
+            self.tr.export_hf(str(self.ckpt_dir / tag / HF_DIR), tokenizer=self.tokenizer if self.rank == 0 else None)
         if self.rank == 0:
-            (self.ckpt_dir / "latest_step").write_text(str(version))
+            (self.ckpt_dir / LATEST_FILE).write_text(str(version))
+            rotate_checkpoints(self.ckpt_dir, self.cfg.trainer.keep_last, current=version)
+        barrier()  # a rollback right after this reads the same latest_step on every rank
 
     # ------------------------------------------------------------ the end
     def finish(self) -> None:
