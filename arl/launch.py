@@ -43,6 +43,7 @@ from filelock import FileLock
 from transformers import AutoTokenizer
 
 from .config import TrainConfig
+from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
 from .procs import free_port
 from .rollout.episode import ChatFormat
@@ -56,9 +57,10 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # ---------------------------------------------------------------- what every launcher prepares
 def model_dir_for(cfg: TrainConfig) -> str:
-    """The model directory: ``model.name_or_path``, or the locally built tiny model."""
+    """The model directory: ``model.name_or_path`` (a local directory, or a hub id from the local
+    HF cache: ``resolve_model``), or the locally built tiny model."""
     if cfg.model.name_or_path != "tiny":
-        return cfg.model.name_or_path
+        return resolve_model(cfg.model.name_or_path)
     return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,)))
 
 
