@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import TrainConfig
-from ..rollout.engine import write_sync_weights
 from ..model.tied import is_tied, untied_state
+from ..rollout.engine import write_sync_weights
 from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
 from ..rollout.worker import engine_workers
 from .link import RolloutLink
