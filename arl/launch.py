@@ -45,6 +45,7 @@ from transformers import AutoTokenizer
 from .config import TrainConfig
 from .data import load_demonstrations
 from .env import check_env, env_class, env_kwargs
+from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
 from .procs import free_port
 from .rollout.episode import ChatFormat
@@ -58,9 +59,10 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # ---------------------------------------------------------------- what every launcher prepares
 def model_dir_for(cfg: TrainConfig) -> str:
-    """The model directory: ``model.name_or_path``, or the locally built tiny model."""
+    """The model directory: ``model.name_or_path`` (a local directory, or a hub id from the local
+    HF cache: ``resolve_model``), or the locally built tiny model."""
     if cfg.model.name_or_path != "tiny":
-        return cfg.model.name_or_path
+        return resolve_model(cfg.model.name_or_path)
     return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,)))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import ArchConfig, TrainConfig
+from .model.resolve import resolve_model
 
 GiB = 1024 ** 3
 
@@ -22,11 +23,16 @@ def arch_of(cfg: TrainConfig) -> ArchConfig:
     if cfg.model.name_or_path == "tiny":
         t = cfg.model.tiny
         return ArchConfig(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads,
-                          intermediate=t.intermediate, vocab_size=t.vocab_size)
-    try:  # a local HF directory
+                          intermediate=t.intermediate, vocab_size=t.vocab_size,
+                          tie_word_embeddings=t.tie_word_embeddings)
+    try:
+        model_dir = resolve_model(cfg.model.name_or_path)
+    except ValueError as e:  # a model this machine does not have can still be planned
+        raise ValueError(f"{e}; to plan a run without it, give model.arch") from None
+    try:
         from transformers import AutoConfig
 
-        c = AutoConfig.from_pretrained(cfg.model.name_or_path)
+        c = AutoConfig.from_pretrained(model_dir)
         return ArchConfig(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
                           kv_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
                           intermediate=c.intermediate_size, vocab_size=c.vocab_size,

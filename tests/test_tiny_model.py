@@ -1,5 +1,6 @@
-"""The locally built tiny model + tokenizer: deterministic, cached, untied, HF-loadable, chat
-template with tool turns, tag tokens that survive detokenization."""
+"""The locally built tiny model + tokenizer: deterministic, cached, untied by default (tied on
+request, one tensor on disk), HF-loadable, chat template with tool turns, tag tokens that survive
+detokenization."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,13 @@ def test_loads_in_transformers_untied_with_chat_template(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(d)
     assert model.config.tie_word_embeddings is False and len(tok) == SMALL.vocab_size
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    tied = build_tiny_model(tmp_path / "t", SMALL.model_copy(update={"tie_word_embeddings": True}), corpus=CORPUS)
+    from safetensors import safe_open
+
+    with safe_open(str(tied / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    tm = AutoModelForCausalLM.from_pretrained(tied)
+    assert tm.config.tie_word_embeddings is True and tm.lm_head.weight is tm.model.embed_tokens.weight
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
             {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

@@ -42,12 +42,14 @@ def _records(out: Path) -> dict:
 def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun, tiny_model_dir):
     """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
     handed over whole), both with the frozen reference model and the adaptive KL controller; a
-    checkpoint every step with trainer.keep_last=1, each with its HF export."""
+    checkpoint every step with trainer.keep_last=1, each with its HF export.  The model has tied
+    embeddings, as the session engine's (tests/vllm_fixture.py): trained, synced (file and group),
+    exported as one tensor and served."""
     out = tmp_path / "run"
     # ZeRO-3 also takes the weight-sync group under the spawn launcher (the torchrun test below has it too)
     sync = ["rollout.weight_sync=group"] if stage == 3 else []
-    res = _train(out, *sync, "trainer.steps=2", f"trainer.zero_stage={stage}", "trainer.world_size=2", "sft.steps=2",
-                 "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
+    res = _train(out, *sync, "model.tiny.tie_word_embeddings=true", "trainer.steps=2", f"trainer.zero_stage={stage}",
+                 "trainer.world_size=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
                  "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
                  "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient even without reward
                  "trainer.checkpoint_every=1", "trainer.keep_last=1")
@@ -73,6 +75,7 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
     from arl.model.packed import packed_logprobs
 
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # the tie survives the export
     # the checkpoint's own HF export (with the tokenizer) is the same model
     ckpt_hf = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step2" / "hf", dtype=torch.float32)
     assert (out / "checkpoints" / "step2" / "hf" / "tokenizer_config.json").exists()

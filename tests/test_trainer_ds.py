@@ -1,5 +1,6 @@
 """The DeepSpeed trainer step on 2 gloo ranks equals a single-process torch step on the whole batch:
-same loss, same global grad norm, same parameter update (ZeRO 0, 2 and 3)."""
+same loss, same global grad norm, same parameter update (ZeRO 0, 2 and 3), also for a model with
+tied input/output embeddings (one parameter, used twice in forward, stays one after the step)."""
 import os
 
 import numpy as np
@@ -17,12 +18,12 @@ LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, tied=False):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False)
+                      intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=tied)
     return Qwen2ForCausalLM(cfg).float()
 
 
@@ -54,15 +55,15 @@ def perturbed_old(logp, mb):
     return logp + 0.1 * mb.rollout_logp  # deterministic per token, whatever the packing
 
 
-def _worker(rank, world, port, stage, result_dir):
+def _worker(rank, world, port, stage, result_dir, tied):
     from arl.trainer import PolicyTrainer
     from arl.trainer.dist import init_distributed, set_rank_env
 
     set_rank_env(rank, world, port)
     init_distributed("cpu")
     torch.manual_seed(0)
-    model = tiny_model()
-    tr = PolicyTrainer(model, optim=OPTIM, zero_stage=stage, total_steps=10, ref_model=tiny_model())
+    model = tiny_model(tied=tied)
+    tr = PolicyTrainer(model, optim=OPTIM, zero_stage=stage, total_steps=10, ref_model=tiny_model(tied=tied))
     step = pack(trajectories(), world)
     mbs = step.ranks[rank]
     raw = tr.old_logprobs(mbs)
@@ -83,6 +84,11 @@ def _worker(rank, world, port, stage, result_dir):
     # what weight sync and the HF export write: the whole model, also when ZeRO-3 partitioned it
     full = tr.full_state_dict()
     full_ok = rank != 0 or all(torch.equal(full[n], state[n]) for n in state)
+    if tied:  # the head is the embedding, in the module and in what sync and export read
+        from arl.rollout.weight_sync import is_tied
+
+        full_ok = full_ok and is_tied(tr.module) and (rank != 0 or torch.equal(full["lm_head.weight"],
+                                                                               full["model.embed_tokens.weight"]))
     # a batch without signal (every group's rewards equal): the weights must not move, although
     # Adam's momentum from the step above is nonzero; the step after it moves them again
     flat = [Trajectory(tokens=t.tokens, chunk_ids=t.chunk_ids, rollout_logp=t.rollout_logp, reward=1.0,
@@ -128,8 +134,8 @@ def _worker(rank, world, port, stage, result_dir):
     dist.destroy_process_group()
 
 
-def single_process_reference():
-    model = tiny_model()
+def single_process_reference(tied=False):
+    model = tiny_model(tied=tied)
     step = pack(trajectories(), 1)
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, weight_decay=OPTIM.weight_decay)
     from arl.model.packed import packed_logprobs
@@ -157,11 +163,11 @@ def single_process_reference():
     return total, gn, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, turn
 
 
-@pytest.mark.parametrize("stage", [2, 0, 3])
-def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
+@pytest.mark.parametrize("stage,tied", [(2, False), (0, False), (3, False), (2, True), (0, True), (3, True)])
+def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tied, tmp_path):
     from arl.procs import free_port
 
-    mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path), tied), nprocs=2, join=True)
     ds = torch.load(tmp_path / "ds.pt")
     skip = ds["skip"]
     assert ds["metrics"]["skipped_no_signal"] == 0.0
@@ -171,7 +177,7 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tmp_path):
     assert skip["all_mean"] == {"a": 1.5, "b": 5.0}
     assert skip["raw_refused"]
     assert skip["ref_equal"] and skip["ref_still"] and skip["full_ok"]
-    loss, gn, grads, ref_state, turn = single_process_reference()
+    loss, gn, grads, ref_state, turn = single_process_reference(tied)
     # per-turn entropy and the successful trajectories' mean logprob: all-reduced over the ranks,
     # equal to the whole batch's
     assert turn and "logp/success_mean" in turn

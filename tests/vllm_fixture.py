@@ -23,8 +23,11 @@ def tiny_model_dir():
     from arl.config import TinyModelConfig
     from arl.model.tiny import build_tiny_model
 
-    # a smaller vocabulary and MLP than the main job's model: the tests' engine starts faster
-    return build_tiny_model(config=TinyModelConfig(vocab_size=512, intermediate=256), envs=TEST_MODEL_ENVS)
+    # a smaller vocabulary and MLP than the main job's model: the tests' engine starts faster.  Tied
+    # embeddings, as most small instruct models have (the main job's model is untied; the e2e runs
+    # and tests/test_weight_sync_workers.py cover that case)
+    return build_tiny_model(config=TinyModelConfig(vocab_size=512, intermediate=256, tie_word_embeddings=True),
+                            envs=TEST_MODEL_ENVS)
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,8 @@ class TinyModelConfig(Section):
     vocab_size: int = Field(1024, ge=300)
     max_position: int = Field(2048, ge=64)
     rope_theta: float = Field(10000.0, gt=0)
+    # lm_head shares the input embedding (as in most small instruct models: SmolLM2, Qwen2.5-0.5B)
+    tie_word_embeddings: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "TinyModelConfig":

@@ -2,8 +2,8 @@
 
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on a deterministic corpus (the
 registered environments' system prompts, tasks and expert demonstrations, plus fallback text),
-with the chat-template special tokens; the model is an untied Qwen2 (vLLM on CPU cannot reload
-tied embeddings).  The output directory loads in transformers and vLLM.  Builds are cached under a
+with the chat-template special tokens; the model is a Qwen2, untied unless ``tie_word_embeddings``
+(arl/model/tied.py).  The output directory loads in transformers and vLLM.  Builds are cached under a
 content hash of (config, corpus), so a repeated call returns at once.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _build_model(cfg: TinyModelConfig, tokenizer, seed: int):
         vocab_size=len(tokenizer), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_position,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=False, use_sliding_window=False,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, use_sliding_window=False,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), bos_token_id=None,
         torch_dtype="float32")

@@ -260,8 +260,8 @@ class VLLMEngine(RolloutEngine):
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     async def _load_weights(self, weights_dir):
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir,
-                                                                "is_checkpoint_format": True})
+        # every worker reads the files itself (arl_reload_dir: tied heads handled, see weight_sync)
+        await self.llm.collective_rpc("arl_reload_dir", args=(str(weights_dir),))
         # cached prefixes hold KV computed with the old weights
         await self.llm.reset_prefix_cache()
 

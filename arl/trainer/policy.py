@@ -21,6 +21,7 @@ from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig, policy_loss
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
+from ..model.tied import is_tied, untied_state
 from ..stabilizers.ipa import ipa_mixed_loss
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 
@@ -300,9 +301,12 @@ class PolicyTrainer:
             return {k: v.detach() for k, v in module.state_dict().items()}
 
     def export_hf(self, directory: str, tokenizer=None) -> None:
-        """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3."""
+        """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3.  A tied
+        model is written as the original is: one tensor, tied again on load (arl/model/tied.py)."""
         state = self.full_state_dict()
         if state is not None:
+            # the gathered copies no longer share memory, so save_pretrained would write both names
+            state = untied_state(state, is_tied(self.engine.module))
             os.makedirs(directory, exist_ok=True)
             # no "Writing model shards" bar for every checkpoint through the run's progress bar
             bar = hf_logging.is_progress_bar_enabled()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import TrainConfig
+from ..model.tied import is_tied, untied_state
 from ..rollout.engine import write_sync_weights
 from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
 from ..rollout.worker import engine_workers
@@ -32,6 +33,9 @@ class WeightSender:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
         self.group = None
+        # tied embeddings: the head is the embedding, which the engines load under both names
+        # (arl/rollout/weight_sync.py), so it is not sent twice
+        self.tied = is_tied(trainer.module)
 
     def __call__(self, version: int, chooser_state: Optional[dict]) -> None:
         """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
@@ -39,6 +43,7 @@ class WeightSender:
         state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda")
         if self.rank != 0:
             return
+        state = untied_state(state, self.tied)
         if self.mode == "file":
             write_sync_weights(state, self.weights_dir)
             self.link.broadcast(("weights", str(self.weights_dir), version, chooser_state))
