@@ -61,19 +61,27 @@ def main(argv=None) -> None:
     ap.add_argument("--eval", type=int, default=64)
     ap.add_argument("--demos", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    # the demonstrations show addition only: subtraction, multiplication and the unit converter are
+    # left for RL to find from the reward (with every kind demonstrated, SFT alone solved 100%)
+    ap.add_argument("--demo-kinds", default="0", help="comma-separated KINDS indices the demonstrations show")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
-    train = [problem(rng) for _ in range(a.train + a.demos)]
-    seen = {r["prompt"] for r in train}
+    train = [problem(rng) for _ in range(a.train)]
+    kinds = {int(k) for k in a.demo_kinds.split(",")}
+    demos = []
+    while len(demos) < a.demos:  # from the same stream, never a training or held-out problem
+        r = problem(rng)
+        if r["kind"] in kinds:
+            demos.append(r)
+    seen = {r["prompt"] for r in train + demos}
     erng, held = random.Random(a.seed + 1), []
     while len(held) < a.eval:
         r = problem(erng)
         if r["prompt"] not in seen:
             held.append(r)
             seen.add(r["prompt"])
-    demos, train = train[a.train:], train[:a.train]
 
     def write(name, rows):
         with open(out / name, "w") as f:
