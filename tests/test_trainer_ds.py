@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from arl.config import OptimConfig
 from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
+from arl.model.tied import is_tied
 from arl.ops.policy_loss import LossConfig, policy_loss
 from arl.stabilizers.advantages import step_advantages
 
@@ -85,8 +86,6 @@ def _worker(rank, world, port, stage, result_dir, tied):
     full = tr.full_state_dict()
     full_ok = rank != 0 or all(torch.equal(full[n], state[n]) for n in state)
     if tied:  # the head is the embedding, in the module and in what sync and export read
-        from arl.rollout.weight_sync import is_tied
-
         full_ok = full_ok and is_tied(tr.module) and (rank != 0 or torch.equal(full["lm_head.weight"],
                                                                                full["model.embed_tokens.weight"]))
     # a batch without signal (every group's rewards equal): the weights must not move, although
