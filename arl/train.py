@@ -16,6 +16,7 @@ layout's launcher spawns the trainer ranks and the rollout processes itself (``a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import ConfigError, dump_config, load_config
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
+    if os.environ.get("RANK", "0") == "0":  # what the run starts from (skipped dataset rows included)
+        print("\n".join(f"arl.train: {line}" for line in checks), flush=True)
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
         run_dir = launch_distributed(cfg, resume=args.resume)
     else:
