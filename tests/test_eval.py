@@ -11,7 +11,7 @@ from arl.config import load_config
 from arl.eval import evaluate_model, main, render, summarize, write_out
 from arl.rollout.worker import EVAL_SEED_BASE
 
-SMALL = ["rollout.max_turn_tokens=24", "rollout.max_total_tokens=320", "env.max_turns=3", "env.pool_size=4"]
+SMALL = ["rollout.max_turn_tokens=24", "rollout.max_total_tokens=320", "env.max_turns=3", "env.kwargs.max_hops=2", "env.pool_size=4"]
 
 
 def test_held_out_rows_on_the_engine(vllm_engine, arun, tiny_model_dir, tmp_path):

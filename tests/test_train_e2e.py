@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the tiny model of the session vLLM engine (tests/vllm_fixture.py), so its weights can be swapped
 SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",
          "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_turn_tokens=24",
-         "rollout.max_total_tokens=320", "env.max_turns=4", "env.pool_size=8", "trainer.micro_batch_tokens=2048",
+         "rollout.max_total_tokens=320", "env.max_turns=4", "env.kwargs.max_hops=3", "env.pool_size=8", "trainer.micro_batch_tokens=2048",
          "logging.progress=false", "logging.tensorboard=false"]
 
 
@@ -153,12 +153,20 @@ def test_ipa_resampling_run(tmp_path):
 
 
 def test_rollout_failure_is_reported_not_hung(tmp_path):
-    """An error in the rollout process (here: an environment kwarg it rejects) reaches the launcher
-    as a one-line cause in stderr, instead of leaving the trainer waiting for a batch."""
+    """An error in the rollout process (here: vLLM refuses a context longer than the model's, which
+    no check before the launch catches) reaches the launcher as a one-line cause in stderr, instead
+    of leaving the trainer waiting for a batch."""
     out = tmp_path / "bad"
-    cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0",
-                     "env.kwargs={min_hops: 3, max_hops: 2}", expect_fail=True)
-    assert "rollout process failed" in cmd_res.stderr and "min_hops/max_hops" in cmd_res.stderr
+    cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256",
+                     expect_fail=True)
+    assert "rollout process failed" in cmd_res.stderr and "max_model_len" in cmd_res.stderr, cmd_res.stderr[-2000:]
+
+
+def test_a_bad_environment_kwarg_fails_before_any_process(tmp_path):
+    out = tmp_path / "bad"
+    cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.kwargs={min_hops: 3, max_hops: 2}",
+                     expect_fail=True)
+    assert "config error: min_hops/max_hops" in cmd_res.stderr and "rollout process" not in cmd_res.stderr
 
 
 def _is_engine_core(proc) -> bool:

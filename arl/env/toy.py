@@ -50,7 +50,8 @@ class ToyLookupEnv(Environment):
         # room for every hop, the answer and a few mistakes or retries
         self.max_turns = max_turns if max_turns is not None else max_hops + 3
         if self.max_turns < max_hops + 1:
-            raise ValueError(f"max_turns: need >= max_hops + 1 ({max_hops + 1}), got {self.max_turns}")
+            raise ValueError(f"max_turns (env.max_turns): need >= max_hops + 1 ({max_hops + 1}) to answer the longest "
+                             f"chain, got {self.max_turns}")
         self._width = len(str(num_keys - 1))
         self.system_prompt = (
             "Find the value for a key. Tool:\n" + describe_tools(self.tool_specs) + "\n"
