@@ -22,7 +22,7 @@ import sys
 from .config import ConfigError, dump_config, load_config
 from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
-from .model.resolve import resolve_model
+from .model.resolve import arch_mismatches, resolve_model
 
 
 def parse_args(argv=None):
@@ -43,13 +43,17 @@ def _check_model(cfg) -> str:
     if cfg.model.name_or_path == "tiny":
         return "model OK: tiny (built locally)"
     try:
-        return f"model OK: {resolve_model(cfg.model.name_or_path)}"
+        found = resolve_model(cfg.model.name_or_path)
     except ValueError as e:
         if cfg.model.arch is None:
             raise
         print(f"arl.train: warning: {e}; the estimate below uses model.arch, the run itself needs the model",
               file=sys.stderr)
         return f"model: {cfg.model.name_or_path} not on this machine (planned from model.arch)"
+    wrong = arch_mismatches(cfg.model.arch, found) if cfg.model.arch is not None else []
+    if wrong:  # the memory estimate below is of the planned model, not of this one
+        print(f"arl.train: warning: model.arch differs from {found}/config.json: {', '.join(wrong)}", file=sys.stderr)
+    return f"model OK: {found}"
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,8 @@
 """model.name_or_path: a local directory, or a hub id found in the local HF cache (a fake cache
 here, through HF_HUB_CACHE), never the network; anything else is one line naming the key and
 both places tried, at start-up and under --dry-run."""
+import json
+
 import pytest
 
 from arl.config import load_config
@@ -92,3 +94,23 @@ def test_dry_run(hf_cache, capsys):
     # the run itself (not a dry run) stops before starting anything
     assert main(["model.name_or_path=nobody/nothing", arch]) == 2
     assert "config error: model.name_or_path: nobody/nothing" in capsys.readouterr().err
+
+
+def test_dry_run_warns_when_model_arch_is_not_the_model(hf_cache, capsys):
+    """The estimate comes from model.arch; when the model is here and says otherwise, the dry run
+    names each field that differs (and still passes: the plan is the user's)."""
+    snap = _fake_cache(hf_cache)
+    real = json.loads((snap / "config.json").read_text())
+    same = (f"model.arch={{hidden: {real['hidden_size']}, layers: {real['num_hidden_layers']}, "
+            f"heads: {real['num_attention_heads']}, kv_heads: {real['num_key_value_heads']}, "
+            f"intermediate: {real['intermediate_size']}, vocab_size: {real['vocab_size']}, "
+            f"tie_word_embeddings: {str(real.get('tie_word_embeddings', False)).lower()}}}")
+    assert main(["--dry-run", f"model.name_or_path={REPO}", same]) == 0
+    assert "model.arch differs" not in capsys.readouterr().err
+    other = same.replace(f"layers: {real['num_hidden_layers']}", f"layers: {real['num_hidden_layers'] + 1}")
+    assert main(["--dry-run", f"model.name_or_path={REPO}", other]) == 0
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if "model.arch differs" in ln]
+    assert len(line) == 1
+    assert f"layers={real['num_hidden_layers'] + 1} (num_hidden_layers={real['num_hidden_layers']})" in line[0]
+    assert "hidden=" not in line[0]

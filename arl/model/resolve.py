@@ -45,3 +45,23 @@ def resolve_model(name_or_path: str) -> str:
         return snap
     raise ValueError(f"model.name_or_path: {name_or_path} is neither a local model directory nor in the local "
                      f"Hugging Face cache (tried {local.absolute()} and {cache})")
+
+
+# model.arch field -> the config.json key it describes
+_ARCH_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab_size": "vocab_size",
+              "tie_word_embeddings": "tie_word_embeddings"}
+
+
+def arch_mismatches(arch, model_dir: str) -> list[str]:
+    """Where ``model.arch`` (the dry run's plan) disagrees with the model's own config.json, as
+    ``field=planned (config.json key=actual)``; keys config.json lacks are not compared."""
+    import json
+
+    with open(Path(model_dir) / "config.json") as f:
+        actual = json.load(f)
+    out = []
+    for field, key in _ARCH_KEYS.items():
+        if key in actual and getattr(arch, field) != actual[key]:
+            out.append(f"{field}={getattr(arch, field)} ({key}={actual[key]})")
+    return out
