@@ -57,6 +57,9 @@ def perturbed_old(logp, mb):
 
 
 def _worker(rank, world, port, stage, result_dir, tied):
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native abort in a rank prints where every thread was
     from arl.trainer import PolicyTrainer
     from arl.trainer.dist import init_distributed, set_rank_env
 
