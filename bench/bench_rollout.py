@@ -12,12 +12,15 @@ side on CPU; the trainer's own compute is left out of every mode alike):
                  between batches; reported for reference);
   * lockstep  -- per batch: generate the whole batch's turn, run all its tool calls concurrently,
                  wait for all, repeat;
-  * sequential-- one trajectory, one call at a time (a rate, measured on fewer trajectories).
+  * sequential-- one trajectory, one call at a time.
+Every mode runs the identical task set (same task seeds, samples and sampling seeds; checked: the
+same number of tool calls), ``--repeats`` times, the modes interleaved in a rotating order; the
+figures are medians, with the min-max of trajectories/s.
 Tools: lognormal latency, median 200 ms, p99 2 s; 2-6 calls per trajectory (drawn per task).
 Prints trajectories/s and engine idle fraction of each; the last stdout line is one JSON object.
 Timings on a shared CPU are noisy.
 
-    python bench/bench_rollout.py [--quick] [--trajectories 64] [--batches 4] [--max-tokens 16]
+    python bench/bench_rollout.py [--quick] [--trajectories 32] [--batches 3] [--repeats 3] [--max-tokens 16]
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import shutil
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -122,13 +127,16 @@ async def run_lockstep(engine, fmt, ep_cfg, n, group, batches, weights_dir):
     return out
 
 
-async def run_sequential(engine, fmt, ep_cfg, n, group, batches=1, weights_dir=None):
+async def run_sequential(engine, fmt, ep_cfg, n, group, batches, weights_dir):
     from arl.rollout import run_episode
 
+    tasks = _tasks(batches * n, group)
     out = []
-    for s, j in _tasks(n, group):
-        out.append(await run_episode(engine, ToolLatencyEnv(), fmt, s, ep_cfg, sample=j,
-                                     sample_seed=_sample_seed(s, j)))
+    for b in range(batches):
+        for s, j in tasks[b * n:(b + 1) * n]:
+            out.append(await run_episode(engine, ToolLatencyEnv(), fmt, s, ep_cfg, sample=j,
+                                         sample_seed=_sample_seed(s, j)))
+        await engine.update_weights(weights_dir, engine.version + 1)  # the trainer's step
     return out
 
 
@@ -152,31 +160,38 @@ async def main_async(args):
     engine = VLLMEngine(model_dir, seed=0, max_model_len=1024, max_num_seqs=max(64, 2 * args.trajectories))
     ep_cfg = EpisodeConfig(sampling=SamplingConfig(max_tokens=args.max_tokens, stop=()))
     await engine.generate([[1, 2, 3]] * 4, SamplingConfig(max_tokens=args.max_tokens, stop=()))  # warm-up
-    B = args.batches
-    sizes = {m: args.trajectories * B for m in MODES}
-    sizes["sequential"] = args.sequential_trajectories or args.trajectories
-    res = {}
+    B, n = args.batches, args.trajectories * args.batches
+    runs = {m: [] for m in MODES}
+    names = list(MODES)
     try:
-        for mode, fn in MODES.items():
-            n = sizes[mode]
-            engine.idle_stats(reset=True)
-            t0 = time.perf_counter()
-            per_batch = n if mode == "sequential" else args.trajectories  # sequential: a rate on n
-            trajs = await fn(engine, fmt, ep_cfg, per_batch, args.group, B, weights_dir)
-            wall = time.perf_counter() - t0
-            if len(trajs) != n:
-                raise RuntimeError(f"{mode}: produced {len(trajs)} trajectories, expected {n}")
-            idle = engine.idle_stats()["idle_frac"]
-            calls = sum(t.metadata["tool_calls"] for t in trajs)
-            res[mode] = {"trajectories": n, "wall_s": wall, "traj_per_s": n / wall, "engine_idle_frac": idle,
-                         "tool_calls": calls, "tokens": int(sum(len(t) for t in trajs))}
-            print(f"{mode:>18}: {n:3d} trajectories, {calls:3d} tool calls in {wall:7.2f} s -> "
-                  f"{n / wall:6.2f} traj/s, engine idle {idle:5.1%}", flush=True)
+        for rep in range(args.repeats):  # interleaved, the order rotating: no mode always runs first
+            for mode in names[rep % len(names):] + names[:rep % len(names)]:
+                engine.idle_stats(reset=True)
+                t0 = time.perf_counter()
+                trajs = await MODES[mode](engine, fmt, ep_cfg, args.trajectories, args.group, B, weights_dir)
+                wall = time.perf_counter() - t0
+                if len(trajs) != n:
+                    raise RuntimeError(f"{mode}: produced {len(trajs)} trajectories, expected {n}")
+                idle = engine.idle_stats()["idle_frac"]
+                calls = sum(t.metadata["tool_calls"] for t in trajs)
+                runs[mode].append({"wall_s": wall, "traj_per_s": n / wall, "engine_idle_frac": idle,
+                                   "tool_calls": calls, "tokens": int(sum(len(t) for t in trajs))})
+                print(f"repeat {rep} {mode:>18}: {n:3d} trajectories, {calls:3d} tool calls in {wall:7.2f} s -> "
+                      f"{n / wall:6.2f} traj/s, engine idle {idle:5.1%}", flush=True)
     finally:
         await engine.close()
         shutil.rmtree(weights_dir, ignore_errors=True)
+    calls = {m: {r["tool_calls"] for r in rs} for m, rs in runs.items()}
+    if len(set().union(*calls.values())) != 1:  # the same tasks, so the same tool calls, in every mode
+        raise RuntimeError(f"modes ran different work: tool calls per mode {calls}")
+    res = {m: {k: float(np.median([r[k] for r in rs])) for k in ("traj_per_s", "engine_idle_frac", "wall_s")}
+           for m, rs in runs.items()}
+    spread = {m: [round(min(r["traj_per_s"] for r in rs), 4), round(max(r["traj_per_s"] for r in rs), 4)]
+              for m, rs in runs.items()}
     return {
         "bench": "rollout", "quick": args.quick, "trajectories": args.trajectories, "batches": B,
+        "repeats": args.repeats, "tool_calls": next(iter(calls["async"])),
+        "traj_per_s_min_max": spread,
         "async_max_staleness": 1,
         "max_tokens_per_turn": args.max_tokens, "tool_latency_median_s": 0.2, "tool_latency_p99_s": 2.0,
         "traj_per_s": {m: round(r["traj_per_s"], 4) for m, r in res.items()},
@@ -195,19 +210,18 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer trajectories (about a minute or two)")
     p.add_argument("--trajectories", type=int, default=None, help="trajectories per batch (default 64)")
     p.add_argument("--batches", type=int, default=None, help="training batches per mode (default 4; 2 with --quick)")
-    p.add_argument("--sequential-trajectories", type=int, default=None,
-                   help="trajectories for the sequential baseline (a rate; default: same, 8 with --quick)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every mode, interleaved (median reported)")
     p.add_argument("--group", type=int, default=4, help="samples per task")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn")
     args = p.parse_args(argv)
     if args.trajectories is None:
-        args.trajectories = 32 if args.quick else 64
+        args.trajectories = 16 if args.quick else 32
     if args.batches is None:
-        args.batches = 2 if args.quick else 4
+        args.batches = 2 if args.quick else 3
     if args.batches < 1:
         raise ValueError(f"--batches: must be >= 1, got {args.batches}")
-    if args.sequential_trajectories is None and args.quick:
-        args.sequential_trajectories = 8
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.trajectories % args.group:
         raise ValueError(f"--trajectories: must be a multiple of --group ({args.group}), got {args.trajectories}")
     out = asyncio.run(main_async(args))
