@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_public_imports_from_outside_the_checkout(tmp_path):
     code = ("import arl, arl.ops.policy_loss, arl.ops.logprob; from arl import policy_loss, LossConfig, LossOutput, "
@@ -52,3 +54,19 @@ def test_install_script_is_idempotent():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[install] installing" not in out.stdout, out.stdout
     assert "[install] arl ready" in out.stdout
+
+
+def test_an_op_that_is_built_but_does_not_load_is_named(tmp_path, monkeypatch):
+    """Compiled against another torch (undefined symbol): the backend is unavailable, and a warning
+    says why instead of a silent fallback; a module that was never built stays quiet."""
+    import warnings
+
+    from arl.ops.policy_loss.fused import _have_op
+
+    (tmp_path / "arl_broken_op.py").write_text("raise ImportError('arl_broken_op.so: undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"arl_broken_op: built but does not load \(.*undefined symbol"):
+        assert _have_op.__wrapped__("arl_broken_op", "policy_loss") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _have_op.__wrapped__("arl_never_built_op", "policy_loss") is False

@@ -15,6 +15,7 @@ by a small op, so peak extra memory stays at two T-sized buffers (three with an 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -92,12 +93,25 @@ def _compiled_launch(main_op, ent_op, inp: LossInputs, cfg: LossConfig, normaliz
 
 @functools.lru_cache(maxsize=None)
 def _have_op(module: str, op: str) -> bool:
-    """The compiled library imports and registers the op (not built: the backend is unavailable)."""
+    """The compiled library imports and registers the op.  Not built: the backend is unavailable.
+    Built but not loadable (e.g. compiled against another torch): also unavailable, with a warning
+    naming why, since the silent fallback to a slower backend would hide it."""
     try:
         __import__(module)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            _warn_unloadable(module, e)
+        return False
+    except (ImportError, OSError) as e:
+        _warn_unloadable(module, e)
         return False
     return hasattr(torch.ops.arl, op)
+
+
+def _warn_unloadable(module: str, e: BaseException) -> None:
+    warnings.warn(f"{module}: built but does not load ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                  "its backend is unavailable -- rebuild it against this torch (bash install.sh, or "
+                  "python setup.py build_ext --inplace)", RuntimeWarning, stacklevel=3)
 
 
 @register_backend("cpu", available=lambda: _have_op("arl._C", "policy_loss"))
