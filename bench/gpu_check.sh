@@ -28,7 +28,7 @@ fi
 DEADLINE=${1:-540}
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD_OPS=0
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD_OPS=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 T0=$(date +%s)
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 STAGES=${STAGES:-build smoke trainer_ref trainer_gpu trainer_perf tests bench_logprob bench_policy_loss profile}
@@ -56,26 +56,37 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc; } > "$OUT/env.txt" 2>&1
 
+# trainer steps from the recorded rollout: the fp32 reference on this node's CPU (CUDA hidden; in
+# the background while the CUDA op builds; the one --prepare made stands in if it fails), then the
+# GPU run checked against it, then throughput (the CUDA loss; Triton's when the build failed: the
+# result JSON names the backend used)
+TRAIN="python3 bench/gpu_trainer_check.py"
+STEP_ARGS="--data $PREP --steps 3 --updates 2"
+HAVE_PREP=0; [ -f "$PREP/meta.json" ] && HAVE_PREP=1
+REF_PID=
+if [ $HAVE_PREP = 1 ]; then
+  THREADS=${REF_THREADS:-4}  # the build beside it compiles a handful of files: cores to spare
+  rm -f "$OUT/trainer_ref.pt"
+  stage trainer_ref 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS $TRAIN steps $STEP_ARGS --device cpu \
+    --dtype float32 --loss-backend reference --out "$OUT/trainer_ref.pt" --json "$OUT/trainer_ref.json" &
+  REF_PID=$!
+else
+  echo "[trainer_*] skipped: no $PREP/meta.json (run bash bench/gpu_check.sh --prepare here first)" | tee -a "$OUT/summary.txt"
+fi
 stage build 240 env MAX_JOBS=16 python3 setup.py build_ext --inplace
 stage smoke 60 python3 -c "
 import torch, arl
 from arl.ops.logprob import available_logprob_backends
 print('backends', arl.available_backends(), 'logprob', available_logprob_backends())
 assert 'cuda' in arl.available_backends() and 'triton' in arl.available_backends()"
-# trainer steps from the recorded rollout: the fp32 reference on this node's CPU (CUDA hidden; the
-# one --prepare made stands in if it fails), then the GPU run checked against it, then throughput
-TRAIN="python3 bench/gpu_trainer_check.py"
-STEP_ARGS="--data $PREP --steps 3 --updates 2"
-if [ -f "$PREP/meta.json" ]; then
-  stage trainer_ref 100 env CUDA_VISIBLE_DEVICES= $TRAIN steps $STEP_ARGS --device cpu --dtype float32 \
-    --loss-backend reference --out "$OUT/trainer_ref.pt" --json "$OUT/trainer_ref.json"
+[ -n "$REF_PID" ] && wait "$REF_PID"
+if [ $HAVE_PREP = 1 ]; then
+  LOSS=$(python3 -c "import arl; b = arl.available_backends(); print('cuda' if 'cuda' in b else 'triton')" 2> /dev/null)
   REF=$OUT/trainer_ref.pt; [ -f "$REF" ] || REF=$PREP/reference_cpu.pt
-  stage trainer_gpu 120 $TRAIN steps $STEP_ARGS --device cuda --dtype bfloat16 --loss-backend cuda \
+  stage trainer_gpu 120 $TRAIN steps $STEP_ARGS --device cuda --dtype bfloat16 --loss-backend "${LOSS:-cuda}" \
     --reference "$REF" --json "$OUT/trainer_gpu.json"
-  stage trainer_perf 150 $TRAIN perf --data "$PREP" --device cuda --dtype bfloat16 --loss-backend cuda \
+  stage trainer_perf 150 $TRAIN perf --data "$PREP" --device cuda --dtype bfloat16 --loss-backend "${LOSS:-cuda}" \
     --arch qwen2.5-0.5b --tokens 65536 --micro-batch-tokens 16384 --json "$OUT/trainer_perf.json"
-else
-  echo "[trainer_*] skipped: no $PREP/meta.json (run bash bench/gpu_check.sh --prepare here first)" | tee -a "$OUT/summary.txt"
 fi
 # tests: xdist (when there) spreads the per-config Triton compiles over the cores
 XDIST=$(python3 -c "import xdist; print('-n 12')" 2>/dev/null)

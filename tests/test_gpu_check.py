@@ -73,7 +73,7 @@ def test_trainer_steps_check_on_cpu(prepared, tmp_path):
     _with_reward_signal(prep)
     # the shell script's reference stage, as the GPU node runs it (fp32, the reference loss, gloo)
     out = tmp_path / "out"
-    r = _run(["bash", "bench/gpu_check.sh"], _env(PREP=str(prep), OUT=str(out), STAGES="trainer_ref"))
+    r = _run(["bash", "bench/gpu_check.sh"], _env(PREP=str(prep), OUT=str(out), STAGES="trainer_ref", REF_THREADS="1"))
     assert "[trainer_ref] rc=0" in r.stdout, r.stdout
     ref_json = json.loads((out / "trainer_ref.json").read_text())
     assert len(ref_json["steps"]) == 3 and ref_json["updates"] == 2
