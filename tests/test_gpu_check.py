@@ -49,7 +49,8 @@ def test_prepare_records_a_real_rollout_and_prints_the_device_run(prepared):
     trajs = load_trajectories(str(prep / "batch_0.safetensors"))
     assert len(trajs) == 8 and len({t.group_id for t in trajs}) == 2
     for t in trajs:  # sampled by the engine: its logprob on every trained token, none elsewhere
-        assert t.num_trained_tokens > 0 and (t.rollout_logp[t.loss_mask] < 0).all()
+        lp = t.rollout_logp[t.loss_mask]
+        assert t.num_trained_tokens > 0 and (lp <= 0).all() and (lp < 0).any()
         assert (t.rollout_logp[~t.loss_mask] == 0).all()
     assert (prep / "model" / "config.json").exists() and (prep / "model" / "tokenizer.json").exists()
     assert out["carry"] == [os.path.relpath(prep, ROOT)]
