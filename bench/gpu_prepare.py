@@ -56,6 +56,7 @@ CARRY_LIMIT_MB = 64
 # so the second update of a step runs at ratio != 1 and clipping acts
 STEP_ARGS = ("--steps", "3", "--updates", "2")
 REFERENCE = "reference_cpu.pt"
+RUN_TIMEOUT_S = 600  # the check's own deadline is 540 s: the rest is the wheels, the copies and the archive
 
 
 def pinned(names) -> list[str]:
@@ -85,14 +86,17 @@ def fetch_wheels(dest: Path, python: str = DEVICE_PYTHON) -> list[str]:
     return sorted(p.name for p in dest.glob("*.whl"))
 
 
+def child_env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def run_main_job(config: str | None, overrides: list[str], run_dir: Path) -> Path:
     """The main job, shortened to its SFT warm start and one RL step on one trainer rank; returns
     the HF export of the policy it ends with."""
     cmd = [sys.executable, "-m", "arl.train", *(["--config", config] if config else []), *overrides,
            "trainer.steps=1", "trainer.world_size=1", "env.eval_tasks=0", f"output_dir={run_dir}"]
     print("gpu_prepare: running the main job:", " ".join(cmd[1:]), flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    r = subprocess.run(cmd, cwd=ROOT, env=env)
+    r = subprocess.run(cmd, cwd=ROOT, env=child_env())
     if r.returncode != 0:
         raise RuntimeError(f"the main job's warm-start run failed (exit {r.returncode})")
     hf = run_dir / "hf"
@@ -133,8 +137,7 @@ def cpu_reference(out: Path) -> dict:
     run checks against it when the device's own CPU reference fails."""
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_trainer_check.py"), "steps", "--data", str(out), "--device", "cpu",
            "--dtype", "float32", "--loss-backend", "reference", *STEP_ARGS, "--out", str(out / REFERENCE)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"the CPU reference steps failed: {r.stderr.strip().splitlines()[-1:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -225,9 +228,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
     print(f"gpu_prepare: {out}: {sum(s['trajectories'] for s in stats)} trajectories, {size:.1f} MiB "
           f"(warm start {warm_s:.0f}s, total {time.perf_counter() - t0:.0f}s)")
-    print(f"gpu_prepare: device run: carry={json.dumps(carry)} command={json.dumps(command)}")
+    print(f"gpu_prepare: device run: carry={json.dumps(carry)} timeout_s={RUN_TIMEOUT_S} command={json.dumps(command)}")
     print(json.dumps({"prepared": str(out), "mb": round(size, 2), "batch_stats": stats, "wheels": wheels,
-                      "carry": carry, "command": command}))
+                      "carry": carry, "command": command, "timeout_s": RUN_TIMEOUT_S}))
     return 0
 
 
@@ -239,4 +242,8 @@ def _version(name: str):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RuntimeError as e:  # a failed step of the preparation: one line, its cause
+        print(f"gpu_prepare: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -283,6 +283,18 @@ def env_info(device: str) -> dict:
 def cmd_steps(args) -> int:
     import torch
 
+    ref = None
+    if args.reference:  # a reference of other data or other steps is refused before the run
+        if not args.reference.exists():
+            raise SystemExit(f"gpu_trainer_check: --reference {args.reference}: no such file")
+        ref = torch.load(args.reference, weights_only=False)
+        want = {"data_id": data_id(args.data), "zero_stage": args.zero_stage, "steps": args.steps}
+        got = {"data_id": ref.get("data_id"), "zero_stage": ref.get("zero_stage"), "steps": len(ref.get("steps", ()))}
+        if args.updates is not None:
+            want["updates"], got["updates"] = args.updates, ref.get("updates")
+        bad = [f"{k}={got[k]!r} (this run: {want[k]!r})" for k in want if got[k] != want[k]]
+        if bad:
+            raise SystemExit(f"gpu_trainer_check: --reference {args.reference} ran with {', '.join(bad)}")
     res = run_steps(args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -294,8 +306,7 @@ def cmd_steps(args) -> int:
                                             "skipped_no_signal", "logp_abs_diff_vs_rollout") if k in s}
                          for s in res["steps"]]}
     rc = 0
-    if args.reference:
-        ref = torch.load(args.reference, weights_only=False)
+    if ref is not None:
         out = compare(res, ref, TOLERANCES[args.dtype])
         summary.update(compare_to=str(args.reference), **out)
         rc = 0 if out["ok"] else 1

@@ -54,7 +54,8 @@ def test_prepare_records_a_real_rollout_and_prints_the_device_run(prepared):
         assert (t.rollout_logp[~t.loss_mask] == 0).all()
     assert (prep / "model" / "config.json").exists() and (prep / "model" / "tokenizer.json").exists()
     assert out["carry"] == [os.path.relpath(prep, ROOT)]
-    assert "bench/gpu_check.sh" in out["command"] and out["batch_stats"][0]["trajectories"] == 8
+    assert "bench/gpu_check.sh" in out["command"] and out["timeout_s"] == 600
+    assert out["batch_stats"][0]["trajectories"] == 8
 
 
 def _with_reward_signal(prep):
