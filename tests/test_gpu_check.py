@@ -82,12 +82,17 @@ def test_trainer_steps_check_on_cpu(prepared, tmp_path):
     assert all(s["skipped_no_signal"] == 0.0 for s in ref_json["steps"])
     # on-policy: the trainer's logprobs before the first update are the engine's (fp32 both)
     assert ref_json["steps"][0]["logp_abs_diff_vs_rollout"] < 1e-3
-    # the candidate: the C++ loss backend, checked against the reference within fp32's tolerance
+    # the candidate: the C++ loss backend, checked against the reference within fp32's tolerance;
+    # the GPU node has no vLLM or flash-attn: the script must import neither
     cand = tmp_path / "cand.json"
-    r = _run([sys.executable, "bench/gpu_trainer_check.py", "steps", "--data", str(prep), "--device", "cpu",
-              "--dtype", "float32", "--loss-backend", "cpu", "--steps", "3", "--updates", "2",
-              "--reference", str(out / "trainer_ref.pt"), "--out", str(tmp_path / "cand.pt"), "--json", str(cand)],
-             _env())
+    argv = ["bench/gpu_trainer_check.py", "steps", "--data", str(prep), "--device", "cpu", "--dtype", "float32",
+            "--loss-backend", "cpu", "--steps", "3", "--updates", "2", "--reference", str(out / "trainer_ref.pt"),
+            "--out", str(tmp_path / "cand.pt"), "--json", str(cand)]
+    code = (f"import runpy, sys\nsys.argv = {argv!r}\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'flash_attn'})\n"
+            "assert not bad, f'imported {bad}'")
+    _run([sys.executable, "-c", code], _env())
     res = json.loads(cand.read_text())
     assert res["ok"] and res["fails"] == [], res
     assert res["figures"]["update_rel_err"] <= gtc.TOL_FP32["update_rel_err"]
