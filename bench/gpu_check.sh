@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a fresh GPU node (no network): build the CUDA op, run the GPU tests
-# (CUDA + compiled Triton against the reference, fuzz), then the kernel benches.  Every stage is
-# time-boxed against one deadline and logs to $OUT (default ./gpu_check_out), so one failing stage
-# never hides the others.
-#   bash bench/gpu_check.sh [deadline_seconds=540]
-#   STAGES="build tests" bash bench/gpu_check.sh     # a subset (build is always needed first)
-# Python packages missing on the node (pydantic on a bare CUDA image) may be brought as wheels in
-# .whl/ and are then installed to /tmp/site first.
+# One-shot GPU check for a fresh GPU node (no network): build the CUDA op, trainer steps from a
+# recorded rollout (DeepSpeed ZeRO-2 over NCCL, bf16, the CUDA loss, the fused logprob head, the
+# packed forward with varlen SDPA) checked against the same steps in fp32 on CPU, the trainer's
+# tokens/s and MFU, then the GPU tests (CUDA + compiled Triton against the reference, fuzz) and
+# the kernel benches.  Every stage is time-boxed against one deadline and logs to $OUT (default
+# ./gpu_check_out), so one failing stage never hides the others.
+#   bash bench/gpu_check.sh --prepare [bench/gpu_prepare.py args]   # here, on CPU, first
+#   bash bench/gpu_check.sh [deadline_seconds=540]                   # on the GPU node
+#   STAGES="build smoke trainer_gpu" bash bench/gpu_check.sh         # a subset (build is needed first)
+# --prepare records the trainer stages' inputs into $PREP (default gpu_check_in/, gitignored: the
+# policy, its rollout batch, the fp32 CPU reference, the wheels the node lacks) and prints the
+# device run's carry list and command.  It starts a vLLM engine and the main job, so it runs under
+# the heavy-work lock $ARL_HEAVY_LOCK (default /tmp/arl-heavy.lock; empty: no lock).
+# On the node, wheels in $PREP/wheels/ (and .whl/) are installed to /tmp/site first.
 set -u
+PREP=${PREP:-gpu_check_in}
+if [ "${1:-}" = "--prepare" ]; then
+  shift
+  LOCK=${ARL_HEAVY_LOCK-/tmp/arl-heavy.lock}
+  cd "$(dirname "$0")/.." || exit 1
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  if [ -n "$LOCK" ] && command -v flock > /dev/null; then
+    exec flock "$LOCK" python3 bench/gpu_prepare.py --out "$PREP" "$@"
+  fi
+  exec python3 bench/gpu_prepare.py --out "$PREP" "$@"
+fi
 DEADLINE=${1:-540}
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD_OPS=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 T0=$(date +%s)
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
-STAGES=${STAGES:-build smoke tests bench_logprob bench_policy_loss profile}
+STAGES=${STAGES:-build smoke trainer_ref trainer_gpu trainer_perf tests bench_logprob bench_policy_loss profile}
 stage() {  # stage NAME CAP_SECONDS CMD...: run CMD with min(CAP, time left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
@@ -27,21 +44,50 @@ stage() {  # stage NAME CAP_SECONDS CMD...: run CMD with min(CAP, time left), lo
     | tee -a "$OUT/summary.txt"
 }
 
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+WHEELS=$(ls "$PREP"/wheels/*.whl .whl/*.whl 2> /dev/null)
+if [ -n "$WHEELS" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS \
+    > "$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site
+  echo "[wheels] rc=$? $(echo $WHEELS | wc -w) wheels" | tee -a "$OUT/summary.txt"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   nproc; } > "$OUT/env.txt" 2>&1
 
+# trainer steps from the recorded rollout: the fp32 reference on this node's CPU (CUDA hidden; in
+# the background while the CUDA op builds; the one --prepare made stands in if it fails), then the
+# GPU run checked against it, then throughput (the CUDA loss; Triton's when the build failed: the
+# result JSON names the backend used)
+TRAIN="python3 bench/gpu_trainer_check.py"
+STEP_ARGS="--data $PREP --steps 3 --updates 2"
+HAVE_PREP=0; [ -f "$PREP/meta.json" ] && HAVE_PREP=1
+REF_PID=
+if [ $HAVE_PREP = 1 ]; then
+  THREADS=${REF_THREADS:-4}  # the build beside it compiles a handful of files: cores to spare
+  rm -f "$OUT/trainer_ref.pt"
+  stage trainer_ref 150 env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS $TRAIN steps $STEP_ARGS --device cpu \
+    --dtype float32 --loss-backend reference --out "$OUT/trainer_ref.pt" --json "$OUT/trainer_ref.json" &
+  REF_PID=$!
+else
+  echo "[trainer_*] skipped: no $PREP/meta.json (run bash bench/gpu_check.sh --prepare here first)" | tee -a "$OUT/summary.txt"
+fi
 stage build 240 env MAX_JOBS=16 python3 setup.py build_ext --inplace
 stage smoke 60 python3 -c "
 import torch, arl
 from arl.ops.logprob import available_logprob_backends
 print('backends', arl.available_backends(), 'logprob', available_logprob_backends())
 assert 'cuda' in arl.available_backends() and 'triton' in arl.available_backends()"
+[ -n "$REF_PID" ] && wait "$REF_PID"
+if [ $HAVE_PREP = 1 ]; then
+  LOSS=$(python3 -c "import arl; b = arl.available_backends(); print('cuda' if 'cuda' in b else 'triton')" 2> /dev/null)
+  REF=$OUT/trainer_ref.pt; [ -f "$REF" ] || REF=$PREP/reference_cpu.pt
+  stage trainer_gpu 120 $TRAIN steps $STEP_ARGS --device cuda --dtype bfloat16 --loss-backend "${LOSS:-cuda}" \
+    --reference "$REF" --json "$OUT/trainer_gpu.json"
+  stage trainer_perf 150 $TRAIN perf --data "$PREP" --device cuda --dtype bfloat16 --loss-backend "${LOSS:-cuda}" \
+    --arch qwen2.5-0.5b --tokens 65536 --micro-batch-tokens 16384 --json "$OUT/trainer_perf.json"
+fi
 # tests: xdist (when there) spreads the per-config Triton compiles over the cores
 XDIST=$(python3 -c "import xdist; print('-n 12')" 2>/dev/null)
 stage tests 190 env ARL_FUZZ_EXAMPLES=1500 ARL_FUZZ_TRITON_EXAMPLES=30 python3 -m pytest -p no:cacheprovider -q \
