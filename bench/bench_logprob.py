@@ -169,9 +169,8 @@ def run_case(T, H, V, reps, temp, seed=0, only=None, dtype=torch.float32):
         warm = 0.0
         if name == "compiled":  # compile outside the measured calls
             t0 = time.perf_counter()
-            del_me = call()
+            call()
             warm = time.perf_counter() - t0
-            del del_me
         total, extra, out = peak_bytes(call)  # first eager call; also the correctness check vs naive
         if ref is None:
             ref = [o.detach().clone() for o in out]

@@ -29,7 +29,9 @@ Variants, each over the same micro-batches (tokens/s counts the batch's real tok
 
 Per shape: median step time over ``--reps`` rounds (variants interleaved round by round, after a
 warm-up step each), tokens/s, peak memory of one step beyond what exists before it (the
-profiler's allocation events, bench_logprob.peak_bytes), and the breakdown of an ``arl`` step with
+profiler's allocation events, bench_logprob.peak_bytes; arl's figures include the reduce bucket
+ZeRO-2 allocates in every backward, ``reduce_bucket_size`` = 5e8 elements by default, 1.9 GiB
+in fp32, whose untouched pages a CPU never makes resident), and the breakdown of an ``arl`` step with
 the old pass (forward, head+loss, backward, optimizer, old-logp pass, other; timers around the
 real functions).  JSON: ``efficiency_vs_raw`` (arl / raw tokens/s), ``speedup_vs_naive`` (arl /
 naive), ``old_logp_pass_saved`` (the fraction of the with-pass step the skip saves),
@@ -352,49 +354,57 @@ def _rounds(calls: dict, reps: int, device, warm_all: bool = True) -> tuple:
     return {n: statistics.median(v) for n, v in times.items()}, peaks, first
 
 
-def measure(shape: Shape, reps: int, device, warm_all: bool = True) -> dict:
-    from arl.trainer import PolicyTrainer
-
-    mbs = shape.mbs
-    tokens = sum(mb.num_tokens for mb in mbs)
-    # the plain model first (raw, naive), freed before DeepSpeed's copy: at the large shape both
-    # at once would double the weights and optimizer state
+def _plain_phase(shape: Shape, reps: int, device, warm_all: bool) -> tuple:
+    """raw and naive on one plain copy of the model (freed on return, before DeepSpeed's copy: at
+    the large shape both at once would double the weights and optimizer state)."""
     model = shape.make_model().to(device)
     o = shape.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    step_s, peak, first = _rounds({"raw": lambda: raw_step(model, mbs, device),
-                            "naive": lambda: naive_step(model, opt, shape, device)}, reps, device, warm_all)
-    del model, opt
-    gc.collect()
+    return _rounds({"raw": lambda: raw_step(model, shape.mbs, device),
+                    "naive": lambda: naive_step(model, opt, shape, device)}, reps, device, warm_all)
+
+
+def _arl_phase(shape: Shape, reps: int, device, warm_all: bool) -> tuple:
+    """arl's variants on a PolicyTrainer, then the breakdown of the step with the old pass."""
+    from arl.trainer import PolicyTrainer
+
+    mbs, cfg = shape.mbs, shape.loss_cfg
     tr = PolicyTrainer(shape.make_model(), optim=shape.optim, zero_stage=shape.zero_stage, total_steps=10**6,
                        temperature=shape.temperature)
     if tr.old_pass_needed(1):
         raise RuntimeError(f"{shape.name}: the model keeps the old-logp pass ({tr.train_randomness})")
-    cfg = shape.loss_cfg
 
     def with_naive_head():
         with naive_head():
             return tr.rl_step(mbs, None, cfg)
 
-    s2, p2, f2 = _rounds({"arl": lambda: tr.rl_step(mbs, None, cfg),
-                      "arl_with_old_pass": lambda: tr.rl_step(mbs, tr.old_logprobs(mbs), cfg),
-                      "arl_naive_head": with_naive_head}, reps, device, warm_all)
-    step_s.update(s2)
-    peak.update(p2)
-    # both warm-up steps ran on the initial weights: the naive step computes arl's loss
-    loss_diff = abs(first["naive"] - f2["arl"]["loss"]) / max(abs(f2["arl"]["loss"]), 1e-12)
-    if loss_diff > 1e-3:
-        raise RuntimeError(f"{shape.name}: the naive step's loss {first['naive']} differs from arl's {f2['arl']['loss']}")
+    out = _rounds({"arl": lambda: tr.rl_step(mbs, None, cfg),
+                   "arl_with_old_pass": lambda: tr.rl_step(mbs, tr.old_logprobs(mbs), cfg),
+                   "arl_naive_head": with_naive_head}, reps, device, warm_all)
     timer = PhaseTimer(device)
-    for _ in range(reps):  # the breakdown of the step with the old pass, timers around its parts
+    for _ in range(reps):
         t0 = time.perf_counter()
         with instrumented(tr, timer):
             tr.rl_step(mbs, tr.old_logprobs(mbs), cfg)
         timer.s["total"] += time.perf_counter() - t0
     parts = {k: v / reps for k, v in timer.s.items()}
     parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
-    del tr
+    return (*out, parts)
+
+
+def measure(shape: Shape, reps: int, device, warm_all: bool = True) -> dict:
+    mbs = shape.mbs
+    tokens = sum(mb.num_tokens for mb in mbs)
+    step_s, peak, first = _plain_phase(shape, reps, device, warm_all)
     gc.collect()
+    s2, p2, f2, parts = _arl_phase(shape, reps, device, warm_all)
+    gc.collect()
+    step_s.update(s2)
+    peak.update(p2)
+    # both first steps ran on the initial weights: the naive step computes arl's loss
+    loss_diff = abs(first["naive"] - f2["arl"]["loss"]) / max(abs(f2["arl"]["loss"]), 1e-12)
+    if loss_diff > 1e-3:
+        raise RuntimeError(f"{shape.name}: the naive step's loss {first['naive']} differs from arl's {f2['arl']['loss']}")
     tps = {k: tokens / v for k, v in step_s.items()}
     return {
         "shape": shape.describe, "tokens": tokens, "micro_batches": sum(not mb.is_empty for mb in mbs),
