@@ -11,17 +11,21 @@ backward of sum(logp * g) to BOTH hidden and weight:
                  PPO/GRPO chunked losses use), when liger_kernel imports; else skipped with the
                  reason printed and recorded.
 
-Peak memory (CPU): torch.profiler(profile_memory=True) records every allocation and free of
-torch's CPU allocator with a signed byte count; the peak is the maximum running sum over ONE
-fwd+bwd call, in time order, measured from the call's start.  So it counts everything the call
-allocates -- logits, softmax buffers, outputs and the hidden/weight gradients it returns -- and
-not the inputs, which exist before.  On CUDA, torch.cuda.max_memory_allocated over the call minus
-the memory allocated before it (same definition).  Timings are wall-clock medians of ``--reps``
-calls after a warm-up (which also compiles ``compiled``); the machine is shared, so they are noisy.
+Peak memory: torch.profiler(profile_memory=True) records every allocation and free of torch's
+allocator on the device (with its address and signed byte count); a peak is the maximum running
+sum over ONE fwd+bwd call, in time order, from the call's start, so the inputs (which exist
+before) are never counted.  ``peak_mb`` (the target's figure) also leaves out the allocations of
+the gradients the call returns (grad_hidden, grad_weight): every path must produce them, so they
+are no part of what the op adds -- what remains is logits, softmax buffers, saved statistics and
+temporaries.  ``peak_total_mb`` counts them too.  Timings are wall-clock medians of ``--reps``
+calls (default 5, interleaved round by round) after a warm-up (which also compiles ``compiled``);
+the machine is shared, so they are noisy.
 
-Targets (issue 4): arl peak memory <= 15% of naive, time <= 1.0x naive.
-``peak_mem_ratio_vs_naive`` / ``time_ratio_vs_naive`` in the final JSON are the WORST (max) over
-the cases run; per-case figures are under ``cases``.
+Targets (issues 4 and 18): at V=151936, CPU fp32, arl's ``peak_mb`` <= 15% of naive's; the time
+target is the whole trainer step's (bench/bench_trainer.py, fused vs naive head), this file's
+``time_ratio_vs_naive`` is reported for the op alone.  ``peak_mem_ratio_vs_naive`` /
+``time_ratio_vs_naive`` in the final JSON are the WORST (max) over the cases run; per-case
+figures are under ``cases``.
 
     python bench/bench_logprob.py            # T=8192,H=1024,V=32768 and T=2048,H=1024,V=151936
     python bench/bench_logprob.py --quick    # small sizes, under a minute
@@ -82,27 +86,52 @@ def _step_entropy(h, w, y, g, ge, temp):
     return torch.autograd.grad((logp * g).sum() + (ent * ge).sum(), (h, w))
 
 
-def _peak_bytes(call):
-    """(peak bytes allocated during call() above the level at its start, call()'s output)."""
-    if torch.cuda.is_available() and torch.cuda.current_device() >= 0 and _DEVICE.type == "cuda":
+def _allocations(prof, device_type: str) -> list:
+    """(time ns, address, signed bytes) of every allocation / free the profiler saw on the device."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        n = stack.pop()
+        if n.tag == _EventType.Allocation and n.extra_fields.device.type == device_type:
+            f = n.extra_fields
+            out.append((n.start_time_ns, f.ptr, f.alloc_size))
+        stack.extend(n.children)
+    return sorted(out)
+
+
+def peak_bytes(call, device=None):
+    """``(peak, peak_beyond_returned, call()'s output)``: the largest sum of live allocations made
+    during call() (in bytes, from its start), and the same leaving out the allocations of the
+    tensors it returns (the last allocation at each returned tensor's storage address)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device) if device is not None else _DEVICE
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    with profile(activities=acts, profile_memory=True) as prof:
         out = call()
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated() - base), out
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = call()
-    events = sorted(
-        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-    )
-    cur = peak = 0
-    for _, nbytes in events:
-        cur += nbytes
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = _allocations(prof, device.type)
+    outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    if not events and device.type == "cuda":  # no allocator events recorded: the allocator's own peak
+        peak = torch.cuda.max_memory_allocated() - base  # less the returned: exact when they live at the peak
+        return int(peak), int(peak - sum(t.untyped_storage().nbytes() for t in outs)), out
+    returned = {t.untyped_storage().data_ptr() for t in outs}
+    last = {ptr: i for i, (_, ptr, n) in enumerate(events) if n > 0 and ptr in returned}
+    skip = set(last.values())
+    cur = peak = cur_x = peak_x = 0
+    for i, (_, _, n) in enumerate(events):
+        cur += n
         peak = max(peak, cur)
-    return int(peak), out
+        if i not in skip:
+            cur_x += n
+            peak_x = max(peak_x, cur_x)
+    return int(peak), int(peak_x), out
 
 
 def _time(call, reps) -> float:
@@ -136,22 +165,21 @@ def run_case(T, H, V, reps, temp, seed=0, only=None, dtype=torch.float32):
         calls = {k: v for k, v in calls.items() if k in only or k in ("naive", "arl")}
     res = {"T": T, "H": H, "V": V}
     ref = None
-    grads_mb = (T * H + V * H) * h.element_size() / 2**20  # the returned grad_hidden + grad_weight
     for name, call in calls.items():
         warm = 0.0
         if name == "compiled":  # compile outside the measured calls
             t0 = time.perf_counter()
-            del_me = call()
+            call()
             warm = time.perf_counter() - t0
-            del del_me
-        peak, out = _peak_bytes(call)  # first eager call; also the correctness check vs naive
+        total, extra, out = peak_bytes(call)  # first eager call; also the correctness check vs naive
         if ref is None:
             ref = [o.detach().clone() for o in out]
         # arl_entropy differentiates a different loss (logp and entropy terms): no comparison
         err = None if name == "arl_entropy" else max(
             float((a - b).abs().max() / (b.abs().max() + 1e-30)) for a, b in zip(out, ref))
         del out
-        res[name] = {"peak_mb": round(peak / 2**20, 1), "compile_s": round(warm, 2),
+        res[name] = {"peak_mb": round(extra / 2**20, 1), "peak_total_mb": round(total / 2**20, 1),
+                     "compile_s": round(warm, 2),
                      "max_rel_grad_diff_vs_naive": None if err is None else float(f"{err:.3g}")}
     # timed calls interleaved round by round, so load drift on a shared machine hits all variants alike
     times = {name: [] for name in calls}
@@ -162,7 +190,8 @@ def run_case(T, H, V, reps, temp, seed=0, only=None, dtype=torch.float32):
         r = res[name]
         r["time_s"] = round(statistics.median(times[name]), 4)
         err = r["max_rel_grad_diff_vs_naive"]
-        print(f"[T={T} H={H} V={V}] {name:12s} peak {r['peak_mb']:9.1f} MiB  fwd+bwd {r['time_s']:8.4f} s  "
+        print(f"[T={T} H={H} V={V}] {name:12s} peak {r['peak_mb']:9.1f} MiB beyond the returned grads "
+              f"({r['peak_total_mb']:.1f} with them)  fwd+bwd {r['time_s']:8.4f} s  "
               f"(compile {r['compile_s']:.1f} s, grad rel diff vs naive {'n/a' if err is None else f'{err:.2g}'})",
               flush=True)
     del ref
@@ -174,8 +203,7 @@ def run_case(T, H, V, reps, temp, seed=0, only=None, dtype=torch.float32):
         if name != "naive":
             res[name]["peak_mem_ratio_vs_naive"] = round(res[name]["peak_mb"] / base["peak_mb"], 4)
             res[name]["time_ratio_vs_naive"] = round(res[name]["time_s"] / base["time_s"], 4)
-            res[name]["peak_mem_ratio_vs_naive_excl_grads"] = round(
-                (res[name]["peak_mb"] - grads_mb) / (base["peak_mb"] - grads_mb), 4)
+            res[name]["peak_total_ratio_vs_naive"] = round(res[name]["peak_total_mb"] / base["peak_total_mb"], 4)
     return res
 
 
@@ -183,7 +211,7 @@ def main(argv=None):
     global _DEVICE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (under a minute)")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls per variant (median)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per variant (median; default 5)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", default=None,
@@ -196,7 +224,7 @@ def main(argv=None):
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.case is not None:
         cases = [cases[args.case]]
-    reps = args.reps or 2
+    reps = args.reps or 5
     only = set(args.variants.split(",")) if args.variants else None
     results = [run_case(T, H, V, reps, args.temperature, only=only, dtype=getattr(torch, args.dtype)) for T, H, V in cases]
     summary = {
@@ -207,9 +235,10 @@ def main(argv=None):
         "torch_threads": torch.get_num_threads(),
         "peak_mem_ratio_vs_naive": max(r["arl"]["peak_mem_ratio_vs_naive"] for r in results),
         "time_ratio_vs_naive": max(r["arl"]["time_ratio_vs_naive"] for r in results),
-        "peak_mem_ratio_vs_naive_excl_grads": max(r["arl"]["peak_mem_ratio_vs_naive_excl_grads"] for r in results),
-
-        "targets": {"peak_mem_ratio_vs_naive": 0.15, "time_ratio_vs_naive": 1.0},
+        "peak_mem_ratio_by_V": {str(r["V"]): r["arl"]["peak_mem_ratio_vs_naive"] for r in results},
+        "peak_total_ratio_vs_naive": max(r["arl"]["peak_total_ratio_vs_naive"] for r in results),
+        "memory_definition": "peak_mb: allocations during one fwd+bwd beyond its inputs and the gradients it returns",
+        "targets": {"peak_mem_ratio_vs_naive": 0.15},
         "cases": results,
     }
     for other in ("compiled", "liger", "arl_entropy", "arl_triton"):

@@ -44,6 +44,25 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return f
 
 
+# config keys whose positive value makes a model's train-mode forward random (HF names: dropout,
+# attention_dropout, resid_pdrop, ...; MoE routers' jitter noise)
+_STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter")
+
+
+def train_mode_randomness(model: torch.nn.Module) -> list:
+    """What makes the train-mode forward of ``model`` differ from its eval-mode one: dropout modules
+    with p > 0 and positive dropout / jitter entries of its config.  Empty: the gradient pass
+    computes the same logprobs as a no-grad eval pass over the same weights."""
+    found = [f"{n or type(model).__name__}: {type(m).__name__}(p={m.p})" for n, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    cfg = getattr(model, "config", None)
+    items = cfg.to_dict().items() if hasattr(cfg, "to_dict") else ()
+    found += [f"config.{k}={v}" for k, v in items
+              if any(s in k for s in _STOCHASTIC_KEYS) and isinstance(v, (int, float)) and not isinstance(v, bool)
+              and v > 0]
+    return found
+
+
 def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -82,6 +101,8 @@ class PolicyTrainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype))
         self.world = world_size()
+        self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
+        self.last_old_logps: list = []  # the old logprobs the last rl_step trained against
         if zero_stage == 0 and dtype == torch.float32:
             self._record_grad_norm_on_clip()
 
@@ -136,6 +157,14 @@ class PolicyTrainer:
         return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
                                temperature=self.temperature, with_entropy=with_entropy, attn=self.attn)
 
+    def old_pass_needed(self, updates_per_batch: int) -> bool:
+        """Whether ``old_logprobs`` must run before the updates of a batch.  With one update per batch
+        the weights do not change between that pass and the gradient pass (gradients accumulate over
+        the micro-batches of one optimizer step), so the old logprobs are the gradient pass's logp,
+        detached -- ``rl_step(mbs, None, ...)`` takes them from there.  That holds only when the
+        train-mode forward is the eval-mode one (no dropout); otherwise the pass is kept."""
+        return updates_per_batch > 1 or bool(self.train_randomness)
+
     @torch.no_grad()
     def old_logprobs(self, mbs: Sequence[MicroBatch], model=None) -> list:
         """Logprobs of the current weights (the PPO 'old' policy), or of ``model`` (reference)."""
@@ -183,20 +212,32 @@ class PolicyTrainer:
         return out
 
     # ------------------------------------------------------------ steps
-    def rl_step(self, mbs: Sequence[MicroBatch], old_logps: Sequence[Optional[torch.Tensor]], loss_cfg: LossConfig,
+    def rl_step(self, mbs: Sequence[MicroBatch], old_logps: Optional[Sequence[Optional[torch.Tensor]]],
+                loss_cfg: LossConfig,
                 ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None, success_threshold: float = 1.0) -> dict:
-        """One optimizer step of the policy loss over this rank's micro-batches.  Besides the loss
+        """One optimizer step of the policy loss over this rank's micro-batches.  ``old_logps``: the
+        'old' policy's logprobs per micro-batch, or None when the weights being updated ARE the old
+        policy (one update per batch, no dropout: ``old_pass_needed``): then each micro-batch's
+        gradient-pass logp, detached, is its old logprob (ratio exactly 1, as in value it is).
+        ``last_old_logps`` holds what was used, for metrics against the rollout.  Besides the loss
         metrics: ``entropy/turn_k`` (mean entropy of the k-th model turn's tokens) and
         ``logp/success_mean`` (mean logprob of successful trajectories' trained tokens, reward >=
         ``success_threshold``), both over every rank; a collective, so every rank calls it."""
         self.engine.train()
         metrics = defaultdict(list)
         parts = defaultdict(list)  # per micro-batch: entropy, logp, chunk_ids, cu_seqlens, success
-        for i, (mb, old) in enumerate(zip(mbs, old_logps)):
+        if old_logps is None and self.train_randomness:
+            raise ValueError(f"rl_step: old_logps=None needs a deterministic train-mode forward; the model has "
+                             f"{', '.join(self.train_randomness[:3])} (run old_logprobs first)")
+        self.last_old_logps = used_old = []
+        for i, mb in enumerate(mbs):
             if mb.is_empty:
                 self._dummy_backward()
+                used_old.append(None)
                 continue
             logp, ent = self.logprobs(mb, with_entropy=True)
+            old = logp.detach() if old_logps is None else old_logps[i]
+            used_old.append(old)
             ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
             # the step's advantages (arl/stabilizers/advantages.py) when the packer was given them:
             # exact for split groups, and how shaping / reweighting / masking reach the loss; None:

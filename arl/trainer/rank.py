@@ -3,7 +3,7 @@
 One step, as ``TrainerRank.step`` reads:
 
     batch -> prepare (the step's advantages) -> pack          trainer rank 0, then scattered
-    old / reference logprobs -> update                        every rank (DeepSpeed)
+    [old] / reference logprobs -> update                      every rank (DeepSpeed)
     weight sync -> log -> checkpoint                          every rank joins; rank 0 sends and writes
 
 Trainer rank 0 also holds the stabilizers' state and the link to the rollout processes.
@@ -91,6 +91,20 @@ def engine_mismatch(mbs, old) -> dict:
     return {"logp_abs_diff_vs_rollout": num / den} if den > 0 else {}
 
 
+def update_on_batch(tr: PolicyTrainer, mbs, loss_cfg, updates: int) -> dict:
+    """The ``updates`` optimizer steps on one batch, and this rank's metrics.  The old logprobs come
+    from a no-grad pass over the batch only when they can differ from the first gradient pass's
+    (``PolicyTrainer.old_pass_needed``: several updates, or dropout); else ``rl_step`` takes them
+    from its own forward, and the mismatch metric reads those."""
+    old = tr.old_logprobs(mbs) if tr.old_pass_needed(updates) else None
+    ref = tr.ref_logprobs(mbs) if loss_cfg.kl_beta > 0 else None
+    m = {}
+    for _ in range(updates):
+        m = tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
+    m.update(engine_mismatch(mbs, old if old is not None else tr.last_old_logps))
+    return m
+
+
 class TrainerRank:
     def __init__(self, cfg: TrainConfig, rank: int, world: int, model_dir: str, batches, orders):
         self.cfg, self.rank, self.world, self.model_dir = cfg, rank, world, model_dir
@@ -171,13 +185,7 @@ class TrainerRank:
         ts = time.perf_counter()
         mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
         wait_s = time.perf_counter() - ts
-        old = self.tr.old_logprobs(mbs)
-        ref = self.tr.ref_logprobs(mbs) if loss_cfg.kl_beta > 0 else None
-        m = {}
-        for _ in range(self.cfg.trainer.updates_per_batch):
-            m = self.tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
-        m.update(engine_mismatch(mbs, old))
-        m = all_mean(m, self.tr.device)
+        m = all_mean(update_on_batch(self.tr, mbs, loss_cfg, self.cfg.trainer.updates_per_batch), self.tr.device)
         version = step + 1
         # one decision for every rank (each has its own clock: ranks that disagree would hang)
         max_wall = self.cfg.trainer.max_wall_s

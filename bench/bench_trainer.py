@@ -1,0 +1,486 @@
+"""Trainer step throughput: arl's ``rl_step`` next to the model's raw packed fwd+bwd and a naive
+Hugging Face-style step, on the same batch, in one run.
+
+Shapes (``--shapes``):
+
+* ``main``: the main job's model (configs/tiny_cpu.yaml: ``model.name_or_path: tiny``, built
+  locally) and one trainer rank's share of one step of the main job's shape: ``tasks_per_step x
+  group_size`` toy-task trajectories rendered by the task's expert (as the SFT demonstrations are),
+  random 0/1 rewards, prepared, packed (``micro_batch_tokens``, ``world_size`` ranks) and given
+  turn-credit segments by the main job's stabilizers, rollout logprobs = the model's own (an
+  engine at staleness 0).
+* ``large``: Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936, tied head) with random
+  weights, short sequences (``--large-seqs`` of ``--large-len`` tokens), the main job's loss
+  (``--quick``: 1 layer, hidden 64, vocab 8192).
+
+Variants, each over the same micro-batches (tokens/s counts the batch's real tokens):
+
+* ``raw``: the model alone: packed forward (varlen attention) -> lm_head logits -> cross entropy
+  (the model's own head and loss, as HF computes them) -> backward.  No old pass, no optimizer.
+* ``arl``: ``PolicyTrainer.rl_step(mbs, None, ...)`` -- packed forward, fused logprob head,
+  ``policy_loss``, DeepSpeed backward and optimizer step; old logprobs from the gradient pass.
+* ``arl_with_old_pass``: ``old_logprobs`` (a no-grad forward over every micro-batch) + ``rl_step``:
+  the step as it ran before the skip, and as it still runs with several updates or dropout.
+* ``arl_naive_head``: ``arl`` with the logprob head's ``naive`` backend ([T, V] logits).
+* ``naive``: a naive HF-style step: each micro-batch's sequences padded to its longest, a no-grad
+  padded forward for the old logprobs, the padded forward with full logits -> log_softmax ->
+  gather (+ entropy), the reference torch ``policy_loss`` (the spec), backward, torch AdamW.  Its
+  first step's loss must equal arl's first step's (same initial weights), or the bench fails.
+
+Per shape: median step time over ``--reps`` rounds (variants interleaved round by round, after a
+warm-up step each), tokens/s, peak memory of one step beyond what exists before it (the
+profiler's allocation events, bench_logprob.peak_bytes; arl's figures include the reduce bucket
+ZeRO-2 allocates in every backward, ``reduce_bucket_size`` = 5e8 elements by default, 1.9 GiB
+in fp32, whose untouched pages a CPU never makes resident), and the breakdown of an ``arl`` step with
+the old pass (forward, head+loss, backward, optimizer, old-logp pass, other; timers around the
+real functions).  JSON: ``efficiency_vs_raw`` (arl / raw tokens/s), ``speedup_vs_naive`` (arl /
+naive), ``old_logp_pass_saved`` (the fraction of the with-pass step the skip saves),
+``fused_head_step_time_ratio`` (arl / arl_naive_head step time), for the main shape at the top
+level and per shape under ``shapes``.  Timings on a shared machine are noise, not results.
+
+    python bench/bench_trainer.py                 # main + large shape, 5 reps
+    python bench/bench_trainer.py --quick         # 2 tasks, shrunk large shape, 1 rep, one warm-up per model
+    python bench/bench_trainer.py --threads 1     # one trainer rank's thread count in the main job
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_logprob import peak_bytes  # noqa: E402
+
+from arl.config import OptimConfig, load_config  # noqa: E402
+from arl.data import Trajectory  # noqa: E402
+from arl.data.packer import PackerConfig, pack_step  # noqa: E402
+from arl.model.packed import packed_hidden_states, packed_logprobs  # noqa: E402
+from arl.ops.policy_loss import LossConfig, policy_loss  # noqa: E402
+from arl.stabilizers import Stabilizers  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny_cpu.yaml")
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rope_theta=1_000_000.0)
+QUICK_LARGE = dict(QWEN25_05B, vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1)
+TARGETS = {"efficiency_vs_raw": 0.85, "efficiency_vs_raw_large": 0.9, "speedup_vs_naive": 1.5,
+           "fused_head_step_time_ratio": 1.0}
+
+
+@dataclass
+class Shape:
+    name: str
+    make_model: Callable[[], torch.nn.Module]  # the same initial weights at every call
+    mbs: list  # this rank's micro-batches
+    loss_cfg: LossConfig
+    optim: OptimConfig
+    zero_stage: int
+    temperature: float
+    describe: dict
+
+
+# ---------------------------------------------------------------- the batches
+def _prepared(trajs, stab: Stabilizers, budget: int, ranks: int, seed: int):
+    """Rank 0's micro-batches and the loss config, as trainer rank 0 makes them (rank.next_batch)."""
+    loss_cfg = stab.loss_config(0, None)
+    prep = stab.prepare(trajs, loss_cfg)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=budget, num_ranks=ranks, seed=seed), loss_cfg,
+                       advantages=prep.advantages)
+    stab.apply(packed, prep, loss_cfg)
+    return packed.ranks[0], loss_cfg
+
+
+def _engine_logprobs(model, mbs) -> None:
+    """rollout_logp = the model's own logprobs (an engine at staleness 0): the mismatch weight
+    then sees the distances a real step sees, not noise."""
+    with torch.no_grad():
+        for mb in mbs:
+            if not mb.is_empty:
+                mb.rollout_logp = packed_logprobs(model, mb.token_ids, mb.cu_seqlens)[0].cpu()
+
+
+def main_shape(quick: bool, seed: int = 0) -> Shape:
+    from transformers import AutoTokenizer
+
+    from arl.launch import model_dir_for
+    from arl.rollout.episode import ChatFormat
+    from arl.rollout.expert import expert_demos
+    from arl.trainer.models import load_policy
+
+    cfg = load_config(CONFIG)
+    model_dir = model_dir_for(cfg)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    G, tasks = cfg.rollout.group_size, (2 if quick else cfg.rollout.tasks_per_step)
+    demos = expert_demos(cfg, ChatFormat(tok), G * tasks)
+    if len(demos) < G * tasks:
+        raise RuntimeError(f"main shape: the expert solved {len(demos)} of {G * tasks} tasks")
+    rng = np.random.default_rng(seed)
+    trajs = [dataclasses.replace(t, group_id=i // G, reward=float(rng.random() < 0.5)) for i, t in enumerate(demos)]
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tok.decode)
+    mbs, loss_cfg = _prepared(trajs, stab, cfg.trainer.micro_batch_tokens, cfg.trainer.world_size, cfg.seed)
+    make = lambda: load_policy(cfg, model_dir)  # noqa: E731
+    _engine_logprobs(make(), mbs)
+    lens = [len(t) for t in trajs]
+    return Shape("main", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage, cfg.rollout.temperature,
+                 {"model": "tiny (configs/tiny_cpu.yaml)", "trajectories": len(trajs), "rank_share_of": cfg.trainer.world_size,
+                  "traj_len_mean": float(np.mean(lens)), "traj_len_max": int(max(lens)),
+                  "micro_batch_tokens": cfg.trainer.micro_batch_tokens})
+
+
+def _synthetic(n: int, lo: int, hi: int, vocab: int, group: int, seed: int) -> list:
+    """``n`` multi-turn-shaped trajectories: a prompt, then trained assistant chunks between
+    untrained observations; random tokens, random 0/1 rewards, groups of ``group``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(lo, hi + 1))
+        chunk = np.full(L, -1, dtype=np.int32)
+        pos, k = max(1, L // 4), 0
+        while pos < L - 1:
+            span = int(rng.integers(8, 24))
+            chunk[pos:pos + span] = k
+            k += 1
+            pos += span + int(rng.integers(4, 16))
+        out.append(Trajectory(tokens=rng.integers(0, vocab, L), chunk_ids=chunk, rollout_logp=np.zeros(L, np.float32),
+                              reward=float(rng.random() < 0.5), group_id=i // group))
+    return out
+
+
+def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, seed: int = 0) -> Shape:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = load_config(CONFIG)
+    arch = dict(QUICK_LARGE if quick else QWEN25_05B)
+    if layers is not None:
+        arch["num_hidden_layers"] = layers
+    if quick:
+        seqs, lens, budget = 8, (32, 64), 256
+
+    def make():
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(Qwen2Config(**arch)).float()
+
+    trajs = _synthetic(seqs, lens[0], lens[1], arch["vocab_size"], cfg.rollout.group_size, seed)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss)
+    mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
+    _engine_logprobs(make(), mbs)
+    return Shape("large", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage, cfg.rollout.temperature,
+                 {"model": "Qwen2.5-0.5B shape, random weights" if not quick else "Qwen2.5-0.5B vocab, shrunk",
+                  **{k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
+                  "trajectories": seqs, "traj_len": list(lens), "micro_batch_tokens": budget})
+
+
+# ---------------------------------------------------------------- the variants
+def _next_token_targets(ids: torch.Tensor, cu: torch.Tensor):
+    """Positions that have a next token in their sequence, and those next tokens."""
+    has_next = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    has_next[cu[1:].long() - 1] = False
+    src = has_next.nonzero().squeeze(1)
+    return src, ids[src + 1]
+
+
+def raw_step(model, mbs, device) -> None:
+    """The model's own packed fwd+bwd: hidden states, lm_head logits, cross entropy, backward."""
+    model.train()
+    for mb in mbs:
+        if mb.is_empty:
+            continue
+        ids, cu = mb.token_ids.to(device), mb.cu_seqlens.to(device)
+        src, tgt = _next_token_targets(ids, cu)
+        logits = model.get_output_embeddings()(packed_hidden_states(model, ids, cu).index_select(0, src))
+        torch.nn.functional.cross_entropy(logits.float(), tgt).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _padded_logprobs(model, mb, temperature: float, with_entropy: bool, device):
+    """Padded HF forward of one micro-batch's sequences; logprobs (and entropies) back in the packed
+    target-aligned layout (0 at every sequence's first token), as ``packed_logprobs`` gives them."""
+    cu = mb.cu_seqlens.tolist()
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    B, L = len(lens), max(lens)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, (a, n) in enumerate(zip(cu[:-1], lens)):
+        ids[b, :n] = mb.token_ids[a:a + n]
+        mask[b, :n] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float() / temperature  # [B, L, V]
+    logsm = torch.log_softmax(logits[:, :-1], dim=-1)
+    lp = logsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent = -(logsm.exp() * logsm).sum(-1) if with_entropy else None
+
+    def packed(x):
+        x = torch.cat([x.new_zeros(B, 1), x], dim=1)
+        return torch.cat([x[b, :n] for b, n in enumerate(lens)])
+
+    return packed(lp), (packed(ent) if with_entropy else None)
+
+
+def reference_loss(mb, logp, old, ent, loss_cfg: LossConfig, device) -> torch.Tensor:
+    """The same policy loss rl_step computes for a non-IPA micro-batch, by the reference backend."""
+    if mb.ipa is not None:
+        raise ValueError("naive step: IPA micro-batches are not covered (the shapes here have none)")
+    adv = mb.advantages.to(device, torch.float32) if mb.advantages is not None else None
+    kw = mb.loss_kwargs()
+    if mb.segments is not None:
+        kw.update(mb.segments)
+        adv = kw.pop("advantages").to(device, torch.float32)
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    return policy_loss(logp, old, config=loss_cfg, entropy=ent, advantages=adv, backend="reference", **kw).loss
+
+
+def naive_step(model, opt, shape: Shape, device) -> float:
+    """HF-style: padded no-grad forward for the old logprobs, padded forward with full logits,
+    the reference loss, backward, gradient clipping, AdamW.  Returns the summed loss."""
+    total = 0.0
+    for mb in shape.mbs:
+        if mb.is_empty:
+            continue
+        model.eval()
+        with torch.no_grad():
+            old, _ = _padded_logprobs(model, mb, shape.temperature, False, device)
+        model.train()
+        logp, ent = _padded_logprobs(model, mb, shape.temperature, True, device)
+        loss = reference_loss(mb, logp, old, ent, shape.loss_cfg, device)
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), shape.optim.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+@contextlib.contextmanager
+def patched(*triples):
+    """Set ``obj.name = value`` for each (obj, name, value); restore afterwards (instance attributes
+    that shadowed nothing are deleted again)."""
+    saved = [(o, n, o.__dict__[n] if n in vars(o) else None, n in vars(o)) for o, n, _ in triples]
+    for o, n, v in triples:
+        setattr(o, n, v)
+    try:
+        yield
+    finally:
+        for o, n, v, had in reversed(saved):
+            if had:
+                setattr(o, n, v)
+            else:
+                delattr(o, n)
+
+
+def naive_head():
+    """arl's step with the logprob head's ``naive`` backend ([T, V] logits) instead of the fused op."""
+    import arl.model.packed as P
+
+    fused = P.fused_logprobs
+    return patched((P, "fused_logprobs", lambda *a, **k: fused(*a, **{**k, "backend": "naive"})))
+
+
+class PhaseTimer:
+    def __init__(self, device):
+        self.device, self.s = device, defaultdict(float)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def wrap(self, phase: str, fn, grad_only: bool = False):
+        def timed(*a, **k):
+            if grad_only and not torch.is_grad_enabled():  # the old pass's forwards count as that pass
+                return fn(*a, **k)
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self._sync()
+            self.s[phase] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def instrumented(tr, timer: PhaseTimer):
+    """Timers around the functions an rl_step calls: the packed forward (grad-enabled calls),
+    the logprob head and the loss, DeepSpeed's backward and optimizer step, the old-logp pass."""
+    import arl.model.packed as P
+    import arl.trainer.policy as TP
+
+    return patched(
+        (P, "packed_hidden_states", timer.wrap("forward", P.packed_hidden_states, grad_only=True)),
+        (P, "_head_logprobs", timer.wrap("head+loss", P._head_logprobs, grad_only=True)),
+        (TP, "policy_loss", timer.wrap("head+loss", TP.policy_loss)),
+        (TP, "ipa_mixed_loss", timer.wrap("head+loss", TP.ipa_mixed_loss)),
+        (tr.engine, "backward", timer.wrap("backward", tr.engine.backward)),
+        (tr.engine, "step", timer.wrap("optimizer", tr.engine.step)),
+        (tr, "old_logprobs", timer.wrap("old_logp_pass", tr.old_logprobs)),
+    )
+
+
+# ---------------------------------------------------------------- measuring
+def _rounds(calls: dict, reps: int, device, warm_all: bool = True) -> tuple:
+    """Warm-up step (every variant's, or only the first's: they share the model and optimizer) and
+    one-step peak memory per variant, then ``reps`` rounds of timed steps, interleaved so load drift
+    hits every variant alike.  (median seconds, peak MiB, the first step's output) per variant."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    peaks, first = {}, {}
+    for i, (name, call) in enumerate(calls.items()):
+        if warm_all or i == 0:  # lazily created optimizer state, kernels, caches
+            first[name] = call()
+        total, _, out = peak_bytes(call, device)
+        first.setdefault(name, out)
+        peaks[name] = round(total / 2**20, 1)
+    times = defaultdict(list)
+    for _ in range(reps):
+        for name, call in calls.items():
+            sync()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in times.items()}, peaks, first
+
+
+def _plain_phase(shape: Shape, reps: int, device, warm_all: bool) -> tuple:
+    """raw and naive on one plain copy of the model (freed on return, before DeepSpeed's copy: at
+    the large shape both at once would double the weights and optimizer state)."""
+    model = shape.make_model().to(device)
+    o = shape.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    return _rounds({"raw": lambda: raw_step(model, shape.mbs, device),
+                    "naive": lambda: naive_step(model, opt, shape, device)}, reps, device, warm_all)
+
+
+def _arl_phase(shape: Shape, reps: int, device, warm_all: bool) -> tuple:
+    """arl's variants on a PolicyTrainer, then the breakdown of the step with the old pass."""
+    from arl.trainer import PolicyTrainer
+
+    mbs, cfg = shape.mbs, shape.loss_cfg
+    tr = PolicyTrainer(shape.make_model(), optim=shape.optim, zero_stage=shape.zero_stage, total_steps=10**6,
+                       temperature=shape.temperature)
+    if tr.old_pass_needed(1):
+        raise RuntimeError(f"{shape.name}: the model keeps the old-logp pass ({tr.train_randomness})")
+
+    def with_naive_head():
+        with naive_head():
+            return tr.rl_step(mbs, None, cfg)
+
+    out = _rounds({"arl": lambda: tr.rl_step(mbs, None, cfg),
+                   "arl_with_old_pass": lambda: tr.rl_step(mbs, tr.old_logprobs(mbs), cfg),
+                   "arl_naive_head": with_naive_head}, reps, device, warm_all)
+    timer = PhaseTimer(device)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with instrumented(tr, timer):
+            tr.rl_step(mbs, tr.old_logprobs(mbs), cfg)
+        timer.s["total"] += time.perf_counter() - t0
+    parts = {k: v / reps for k, v in timer.s.items()}
+    parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
+    return (*out, parts)
+
+
+def measure(shape: Shape, reps: int, device, warm_all: bool = True) -> dict:
+    mbs = shape.mbs
+    tokens = sum(mb.num_tokens for mb in mbs)
+    step_s, peak, first = _plain_phase(shape, reps, device, warm_all)
+    gc.collect()
+    s2, p2, f2, parts = _arl_phase(shape, reps, device, warm_all)
+    gc.collect()
+    step_s.update(s2)
+    peak.update(p2)
+    # both first steps ran on the initial weights: the naive step computes arl's loss
+    loss_diff = abs(first["naive"] - f2["arl"]["loss"]) / max(abs(f2["arl"]["loss"]), 1e-12)
+    if loss_diff > 1e-3:
+        raise RuntimeError(f"{shape.name}: the naive step's loss {first['naive']} differs from arl's {f2['arl']['loss']}")
+    tps = {k: tokens / v for k, v in step_s.items()}
+    return {
+        "shape": shape.describe, "tokens": tokens, "micro_batches": sum(not mb.is_empty for mb in mbs),
+        "step_s": {k: round(v, 4) for k, v in step_s.items()},
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "peak_mb": peak,
+        "breakdown_s": {k: round(v, 4) for k, v in parts.items()},
+        "efficiency_vs_raw": round(tps["arl"] / tps["raw"], 4),
+        "speedup_vs_naive": round(tps["arl"] / tps["naive"], 4),
+        "old_logp_pass_saved": round(1.0 - step_s["arl"] / step_s["arl_with_old_pass"], 4),
+        "old_logp_pass_saved_s": round(step_s["arl_with_old_pass"] - step_s["arl"], 4),
+        "fused_head_step_time_ratio": round(step_s["arl"] / step_s["arl_naive_head"], 4),
+        "naive_loss_rel_diff": float(f"{loss_diff:.3g}"),
+    }
+
+
+def report(name: str, r: dict) -> None:
+    print(f"[{name}] {r['tokens']} tokens in {r['micro_batches']} micro-batches  {r['shape']}", flush=True)
+    for k in r["step_s"]:
+        print(f"[{name}] {k:18s} step {r['step_s'][k]:9.4f} s  {r['tokens_per_s'][k]:10.1f} tok/s  "
+              f"peak {r['peak_mb'][k]:9.1f} MiB", flush=True)
+    b = r["breakdown_s"]
+    print(f"[{name}] breakdown of an arl step with the old pass: "
+          + "  ".join(f"{k} {v:.4f} s" for k, v in b.items()), flush=True)
+    print(f"[{name}] efficiency_vs_raw {r['efficiency_vs_raw']}  speedup_vs_naive {r['speedup_vs_naive']}  "
+          f"old_logp_pass_saved {r['old_logp_pass_saved']}  fused_head_step_time_ratio "
+          f"{r['fused_head_step_time_ratio']}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 tasks, a shrunk large shape, 1 rep")
+    ap.add_argument("--shapes", default="main,large", help="comma-separated: main, large")
+    ap.add_argument("--reps", type=int, default=None, help="timed steps per variant (median; default 5, quick 1)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: every core available)")
+    ap.add_argument("--large-seqs", type=int, default=16)
+    ap.add_argument("--large-len", default="96,256", help="min,max trajectory length at the large shape")
+    ap.add_argument("--large-budget", type=int, default=1024, help="micro_batch_tokens at the large shape")
+    ap.add_argument("--large-layers", type=int, default=None, help="override the large shape's layer count")
+    args = ap.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in ("main", "large")]
+    if bad or not shapes:
+        ap.error(f"--shapes: unknown {bad or shapes}; choose from main, large")
+    lens = tuple(int(x) for x in args.large_len.split(","))
+    if len(lens) != 2 or not 2 <= lens[0] <= lens[1]:
+        ap.error(f"--large-len: expected min,max with 2 <= min <= max, got {args.large_len!r}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # what init_distributed applies on CPU
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from arl.procs import free_port
+    from arl.trainer.dist import init_distributed, set_rank_env
+
+    set_rank_env(0, 1, free_port())
+    init_distributed(device.type)
+    torch.set_num_threads(threads)
+    reps = args.reps or (1 if args.quick else 5)
+    results = {}
+    for name in shapes:
+        shape = (main_shape(args.quick) if name == "main" else
+                 large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers))
+        results[name] = measure(shape, reps, device, warm_all=not args.quick)
+        report(name, results[name])
+    head = results.get("main") or results[shapes[0]]
+    summary = {
+        "bench": "trainer", "quick": bool(args.quick), "device": str(device), "torch_threads": torch.get_num_threads(),
+        "reps": reps,
+        **{k: head[k] for k in ("efficiency_vs_raw", "speedup_vs_naive", "old_logp_pass_saved",
+                                "fused_head_step_time_ratio", "peak_mb")},
+        **({"efficiency_vs_raw_large": results["large"]["efficiency_vs_raw"]} if "large" in results else {}),
+        "targets": TARGETS, "shapes": results,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/bench_trainer.py --quick runs end to end and reports every figure the issue asks for (keys,
+never values: timings are not asserted); bench_logprob's peak memory leaves out what the call returns."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {"raw", "naive", "arl", "arl_with_old_pass", "arl_naive_head"}
+PHASES = {"forward", "head+loss", "backward", "optimizer", "old_logp_pass", "other", "total"}
+
+
+def test_bench_trainer_quick_reports_its_keys():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "bench/bench_trainer.py", "--quick"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("efficiency_vs_raw", "speedup_vs_naive", "old_logp_pass_saved", "fused_head_step_time_ratio",
+                "efficiency_vs_raw_large", "peak_mb", "targets", "shapes"):
+        assert key in res, key
+    assert set(res["peak_mb"]) == VARIANTS
+    assert set(res["shapes"]) == {"main", "large"}
+    for shape in res["shapes"].values():
+        assert set(shape["step_s"]) == set(shape["tokens_per_s"]) == set(shape["peak_mb"]) == VARIANTS
+        assert set(shape["breakdown_s"]) == PHASES
+        assert shape["tokens"] > 0 and shape["micro_batches"] >= 1
+        assert shape["naive_loss_rel_diff"] <= 1e-3  # the naive step computes arl's loss
+
+
+def test_peak_bytes_leaves_out_the_returned_tensors():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from bench_logprob import peak_bytes
+
+    def call():
+        tmp = torch.ones(1 << 20)  # 4 MiB, freed before the end
+        out = torch.ones(1 << 18)  # 1 MiB, returned
+        del tmp
+        return (out,)
+
+    total, beyond, out = peak_bytes(call, "cpu")
+    assert total == 5 << 20 and beyond == 4 << 20 and out[0].numel() == 1 << 18

@@ -1,0 +1,163 @@
+"""The old-logprob pass is skipped only where it is provably redundant: with one update per batch
+and no dropout, the update that takes the old logprobs from the gradient pass equals the one after
+a separate no-grad pass (weights after each of two steps, loss metrics, the engine-mismatch metric),
+on 2 gloo ranks with several micro-batches per rank, for a turn-credit batch and an IPA batch.  With several updates per batch, or dropout, the pass is kept."""
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from arl.config import OptimConfig
+from arl.data import Trajectory
+from arl.data.packer import PackerConfig, pack_step
+from arl.ops.policy_loss import LossConfig
+
+# token-level truncated mismatch weight: the old logprobs reach the loss twice (ratio and weight)
+LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28, mismatch_level="token", mismatch_mode="truncate",
+                  mismatch_high=2.0)
+OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
+BUDGET = 96  # tokens per micro-batch: several micro-batches per rank
+
+
+def tiny_model(dropout=0.0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, max_position_embeddings=256, attention_dropout=dropout)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def trajectories(n=16, group=4, seed=0, ipa=False):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(12, 48))
+        chunk = np.full(L, -1, dtype=np.int32)
+        pos, k = int(rng.integers(2, 6)), 0
+        while pos < L - 1:
+            span = int(rng.integers(1, 8))
+            chunk[pos:pos + span] = k
+            k += 1
+            pos += span + int(rng.integers(1, 5))
+        meta = {"ipa_prefix_chunks": 1, "ipa_imitate": i % group == 0} if ipa else {}
+        # near the model's own logprobs (log 1/64 = -4.2), so the mismatch weight varies and truncates
+        out.append(Trajectory(tokens=rng.integers(0, 64, L), chunk_ids=chunk,
+                              rollout_logp=(-4.2 + 0.5 * rng.normal(size=L)).astype(np.float32),
+                              reward=float(rng.random() > 0.5), group_id=i // group, metadata=meta))
+    return out
+
+
+def batches(world):
+    """Per step: (this world's packed micro-batches per rank, the loss config), as the stabilizers
+    make them.  Step 1: the policy loss with turn-credit segments; step 2: IPA imitation + RL."""
+    from arl.config import StabilizerConfig
+    from arl.stabilizers import Stabilizers
+
+    out = []
+    for seed, cfg in ((0, StabilizerConfig(turn_credit=dict(enabled=True))), (1, StabilizerConfig(ipa=dict(enabled=True)))):
+        stab = Stabilizers(cfg, LOSS)
+        loss_cfg = stab.loss_config(0)
+        prep = stab.prepare(trajectories(seed=seed, ipa=seed == 1), loss_cfg)
+        packed = pack_step(prep.trajectories, PackerConfig(token_budget=BUDGET, num_ranks=world), loss_cfg,
+                           advantages=prep.advantages)
+        stab.apply(packed, prep, loss_cfg)
+        out.append((packed.ranks, loss_cfg))
+    return out
+
+
+class Spy:
+    """Counts calls of a trainer's ``old_logprobs`` (the real method runs)."""
+
+    def __init__(self, tr):
+        self.calls, self.fn = 0, tr.old_logprobs
+        tr.old_logprobs = self
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def _worker(rank, world, port, stage, result_dir):
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+    import deepspeed
+
+    from arl.trainer import PolicyTrainer
+    from arl.trainer.dist import init_distributed, set_rank_env
+    from arl.trainer.rank import engine_mismatch, update_on_batch
+
+    set_rank_env(rank, world, port)
+    init_distributed("cpu")
+    skip = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10)
+    keep = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10)
+    spy = Spy(skip)
+
+    def weights(tr):
+        params = list(tr.module.named_parameters())
+        ctx = deepspeed.zero.GatheredParameters([p for _, p in params]) if stage == 3 else torch.no_grad()
+        with ctx:
+            return {n: p.detach().clone() for n, p in params}
+
+    res = {"steps": [], "n_mb": []}
+    for ranks, loss_cfg in batches(world):
+        mbs = ranks[rank]
+        res["n_mb"].append(sum(not mb.is_empty for mb in mbs))
+        m_skip = update_on_batch(skip, mbs, loss_cfg, updates=1)
+        old = keep.old_logprobs(mbs)  # the pass as it always ran
+        m_keep = keep.rl_step(mbs, old, loss_cfg)
+        m_keep.update(engine_mismatch(mbs, old))
+        res["steps"].append({"skip": m_skip, "keep": m_keep, "w_skip": weights(skip), "w_keep": weights(keep),
+                             "ipa": any(mb.ipa is not None for mb in mbs)})
+    res["skip_pass_calls"] = spy.calls
+    res["needed"] = {"one_update": skip.old_pass_needed(1), "two_updates": skip.old_pass_needed(2)}
+    # several updates per batch: the pass runs once, before the first update
+    ranks, loss_cfg = batches(world)[0]
+    update_on_batch(skip, ranks[rank], loss_cfg, updates=2)
+    res["two_updates_pass_calls"] = spy.calls - res["skip_pass_calls"]
+    # dropout: the train-mode forward is random, the pass stays; rl_step refuses to take old from it
+    drop = PolicyTrainer(tiny_model(dropout=0.1), optim=OPTIM, zero_stage=stage, total_steps=10)
+    dspy = Spy(drop)
+    res["dropout_randomness"] = drop.train_randomness
+    res["dropout_needed"] = drop.old_pass_needed(1)
+    update_on_batch(drop, ranks[rank], loss_cfg, updates=1)
+    res["dropout_pass_calls"] = dspy.calls
+    try:
+        drop.rl_step(ranks[rank], None, loss_cfg)
+        res["dropout_refused"] = ""
+    except ValueError as e:
+        res["dropout_refused"] = str(e)
+    if rank == 0:
+        torch.save(res, os.path.join(result_dir, "skip.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_skipped_old_logp_pass_gives_the_same_update(stage, tmp_path):
+    from arl.procs import free_port
+
+    mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path)), nprocs=2, join=True)
+    res = torch.load(tmp_path / "skip.pt")
+    assert min(res["n_mb"]) >= 2, f"expected several micro-batches per rank, got {res['n_mb']}"
+    assert res["skip_pass_calls"] == 0, "one update, no dropout: the old-logprob pass should not run"
+    assert res["needed"] == {"one_update": False, "two_updates": True}
+    assert res["two_updates_pass_calls"] == 1
+    assert res["dropout_needed"] and res["dropout_pass_calls"] == 1
+    assert any("attention_dropout" in r for r in res["dropout_randomness"])
+    assert "old_logps=None" in res["dropout_refused"]
+    assert [s["ipa"] for s in res["steps"]] == [False, True]
+    for k, s in enumerate(res["steps"]):
+        m_skip, m_keep = s["skip"], s["keep"]
+        assert m_skip["skipped_no_signal"] == m_keep["skipped_no_signal"] == 0.0, k
+        assert set(m_skip) == set(m_keep), k
+        assert ("logp_abs_diff_vs_rollout" in m_skip) == (not s["ipa"]), k  # IPA batches are left out of it
+        for key, v in m_keep.items():
+            assert m_skip[key] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, key)
+        for n, w in s["w_keep"].items():  # after each of the two steps (Adam's moments carry over)
+            torch.testing.assert_close(s["w_skip"][n], w, rtol=1e-5, atol=1e-6, msg=f"step {k + 1}: {n}")
