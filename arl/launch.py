@@ -265,8 +265,12 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
         if cfg.layout.device == "cuda":  # the engine's workers see this node's rollout GPUs only
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, role.rollout_devices))
         batches, orders = connect_queues(host, port + 2, role.engine)
-        rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine,
-                        hooks=rollout_hooks(cfg))
+        ready = ready_file(str(port), role.engine)
+        try:
+            rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine,
+                            hooks=rollout_hooks(cfg), ready_file=str(ready))
+        finally:
+            ready.unlink(missing_ok=True)
         return None
     # a trainer rank: DeepSpeed sees the trainer ranks only (their own group on port + 1); the
     # device stays LOCAL_RANK (rollout GPUs come first on every node)
@@ -276,15 +280,18 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
         _write_config(cfg)
         batches, orders = serve_queues(port + 2, cfg.num_engines())
     engine_proc = None
-    if cfg.layout.colocate:  # the node's engine starts and goes to sleep before any trainer rank loads
-        ready = ready_file(str(port), role.node)
+    if cfg.layout.colocate:  # the engines start and go to sleep before any trainer rank loads
+        # GPU: this node's engine (a child of local rank 0); CPU: every engine's rollout rank
+        engines = [role.node] if cfg.layout.device == "cuda" else range(cfg.num_engines())
         if role.engine is not None:
-            ready.unlink(missing_ok=True)
+            ready_file(str(port), role.engine).unlink(missing_ok=True)
             engine_proc = mp.get_context("spawn").Process(
-                target=_colocated_rollout, args=(cfg.model_dump(), model_dir, host, port + 2, role.engine, str(ready)),
+                target=_colocated_rollout, args=(cfg.model_dump(), model_dir, host, port + 2, role.engine,
+                                                 str(ready_file(str(port), role.engine))),
                 daemon=False, name=f"arl-rollout-{role.engine}")
             engine_proc.start()
-        wait_ready([ready], alive=engine_proc.is_alive if engine_proc is not None else (lambda: True))
+        wait_ready([ready_file(str(port), e) for e in engines],
+                   alive=engine_proc.is_alive if engine_proc is not None else (lambda: True))
     os.environ.update(RANK=str(r), WORLD_SIZE=str(role.trainer_world), MASTER_PORT=str(port + 1),
                       LOCAL_WORLD_SIZE=str(cfg.layout.trainer_gpus or role.trainer_world))
     # torchrun's agent hosts the store of ITS world; this group's store is hosted by trainer rank 0
@@ -298,7 +305,7 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
             engine_proc.join(timeout=60)
             if engine_proc.is_alive():
                 engine_proc.terminate()
-            ready_file(str(port), role.node).unlink(missing_ok=True)
+            ready_file(str(port), role.engine).unlink(missing_ok=True)
     return Path(cfg.output_dir) if r == 0 else None
 
 
