@@ -145,17 +145,18 @@ def plan(cfg: TrainConfig) -> Plan:
         pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
         total = pl.trainer_bytes["total (fused)"]
         if lay.colocate:
-            total = _colocated(pl, cfg, budget, w, stage)
-        if total > lay.gpu_memory_gib * GiB and not lay.colocate:
+            peak = _colocated(pl, cfg, budget, w, stage)
+            if peak > lay.gpu_memory_gib * GiB:
+                raise ValueError(
+                    f"layout.colocate: estimated peak {peak / GiB:.1f} GiB per GPU (trainer + vLLM's "
+                    f"{cfg.rollout.gpu_memory_utilization:g} of the GPU) exceeds layout.gpu_memory_gib = "
+                    f"{lay.gpu_memory_gib} (lower rollout.gpu_memory_utilization or trainer.micro_batch_tokens, "
+                    f"raise trainer.zero_stage)")
+        elif total > lay.gpu_memory_gib * GiB:
             raise ValueError(
                 f"trainer: estimated {total / GiB:.1f} GiB per rank exceeds layout.gpu_memory_gib = "
                 f"{lay.gpu_memory_gib} (raise trainer.zero_stage, enable model.gradient_checkpointing, "
                 f"or lower trainer.micro_batch_tokens)")
-        if lay.colocate and total > lay.gpu_memory_gib * GiB:
-            raise ValueError(
-                f"layout.colocate: estimated peak {total / GiB:.1f} GiB per GPU (trainer + vLLM's "
-                f"{cfg.rollout.gpu_memory_utilization:g} of the GPU) exceeds layout.gpu_memory_gib = {lay.gpu_memory_gib} "
-                f"(lower rollout.gpu_memory_utilization or trainer.micro_batch_tokens, raise trainer.zero_stage)")
         if w > budget:
             raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise rollout.tensor_parallel")
     return pl
