@@ -1,8 +1,9 @@
 """The launchers: where the processes of a run come from, and what each one is.
 
-``python -m arl.train`` started plainly (the CPU layout on one machine): ``launch`` builds the model
-directory and the SFT demonstrations, spawns one rollout process per engine
+``python -m arl.train`` started plainly (the CPU layout, or a colocated GPU node): ``launch`` builds
+the model directory and the SFT demonstrations, spawns one rollout process per engine
 (``arl.rollout.worker``) and ``trainer.world_size`` trainer ranks (``arl.trainer.rank``), and waits.
+Colocated (``layout.colocate``), the trainer ranks start once every engine is up and asleep.
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set; multi-node through ``--hostfile``): ``launch_distributed`` gives this
@@ -13,6 +14,9 @@ process its role (``assign_role``):
   node's local rank 0 leads that node's vLLM engine (engine index = node) over its rollout GPUs
   (tensor parallel x vLLM data parallel); the other rollout processes have nothing to run and exit
   (vLLM starts its own workers on those GPUs).
+* Colocated GPU layout (``layout.colocate``, one node): every local rank is a trainer rank on its
+  own GPU; local rank 0 also spawns the node's rollout process, whose engine spans all the node's
+  GPUs and sleeps while the trainer steps (``arl.rollout.colocate``).
 * CPU layout (how this launcher is tested here): ranks 0..E-1 are the rollout processes of the
   ``rollout.engines`` = E engines, the next trainer.world_size ranks the trainer ranks.
 
@@ -48,6 +52,7 @@ from .env import check_env, env_class, env_kwargs
 from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
 from .procs import free_port
+from .rollout.colocate import ready_file, wait_ready
 from .rollout.episode import ChatFormat
 from .rollout.expert import sft_demonstrations, sft_source
 from .rollout.worker import RolloutHooks, rollout_process, task_set
@@ -114,9 +119,9 @@ def _write_config(cfg: TrainConfig) -> Path:
 def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     """Run SFT + RL with ``cfg`` on this machine; returns the run directory (metrics.jsonl,
     checkpoints, hf/)."""
-    if cfg.layout.device != "cpu":
-        raise ValueError("layout.device: 'cuda' configs run one process per GPU: launch them with torchrun or "
-                         "deepspeed (see README), not plain python")
+    if cfg.layout.device != "cpu" and not cfg.layout.colocate:
+        raise ValueError("layout.device: 'cuda' configs with separate rollout and trainer GPUs run one process per "
+                         "GPU: launch them with torchrun or deepspeed (see README), not plain python")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_dir = model_dir_for(cfg)
     run_dir = _write_config(cfg)
@@ -125,12 +130,16 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     batches, orders = ctx.Queue(), [ctx.Queue() for _ in range(cfg.num_engines())]
     me = os.getpid()  # children die with the launcher (die_with_parent), also when it is SIGKILLed
     hooks = rollout_hooks(cfg)
-    rolls = [ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, q, me, e, hooks),
+    ready = [ready_file(f"spawn{me}", e) for e in range(len(orders))]
+    rolls = [ctx.Process(target=rollout_process, args=(cfg.model_dump(), model_dir, batches, q, me, e, hooks,
+                                                       str(ready[e])),
                          daemon=False, name=f"arl-rollout-{e}")  # vLLM may start helper processes
              for e, q in enumerate(orders)]
     for roll in rolls:
         roll.start()
     try:
+        if cfg.layout.colocate:  # the engines start (and go to sleep) before the trainers take the device
+            wait_ready(ready, alive=lambda: all(r.is_alive() for r in rolls))
         sync_addr = ("127.0.0.1", free_port())  # used with rollout.weight_sync: group
         mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
                                                batches, orders, resume, me, sync_addr),
@@ -140,6 +149,8 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
             roll.join(timeout=60)
             if roll.is_alive():
                 roll.terminate()
+        for f in ready:
+            f.unlink(missing_ok=True)
     return run_dir
 
 
@@ -157,7 +168,7 @@ class Role:
     trainer_rank: Optional[int] = None
     trainer_world: int = 0
     rollout_devices: List[int] = field(default_factory=list)  # local GPU indices of the engine
-    engine: Optional[int] = None  # the engine a rollout leader runs
+    engine: Optional[int] = None  # the engine a rollout leader runs (colocated: the trainer rank that starts it)
 
 
 def assign_role(cfg: TrainConfig, rank: int, world: int, local_rank: int, local_world: int) -> Role:
@@ -169,11 +180,15 @@ def assign_role(cfg: TrainConfig, rank: int, world: int, local_rank: int, local_
         if rank < n_eng:
             return Role("rollout", 0, local_rank, trainer_world=n_tr, engine=rank)
         return Role("trainer", 0, local_rank, trainer_rank=rank - n_eng, trainer_world=n_tr)
-    if world != lay.nodes * lay.gpus_per_node or local_world != lay.gpus_per_node:
+    if world != lay.nodes * lay.gpus_per_node or local_world != lay.gpus_per_node:  # (colocated too)
         raise ValueError(f"WORLD_SIZE: layout {lay.nodes} node(s) x {lay.gpus_per_node} GPUs needs "
                          f"{lay.nodes * lay.gpus_per_node} processes, {lay.gpus_per_node} per node; the launcher "
                          f"started {world}, {local_world} per node")
     node = rank // local_world
+    if lay.colocate:  # every GPU a trainer rank; local rank 0 also starts the node's engine over all of them
+        return Role("trainer", node, local_rank, trainer_rank=node * lay.trainer_gpus + local_rank, trainer_world=n_tr,
+                    rollout_devices=list(range(lay.gpus_per_node)) if local_rank == 0 else [],
+                    engine=node if local_rank == 0 else None)
     if local_rank < lay.rollout_gpus:
         if local_rank == 0:
             return Role("rollout", node, local_rank, trainer_world=n_tr, rollout_devices=list(range(lay.rollout_gpus)),
@@ -250,8 +265,12 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
         if cfg.layout.device == "cuda":  # the engine's workers see this node's rollout GPUs only
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, role.rollout_devices))
         batches, orders = connect_queues(host, port + 2, role.engine)
-        rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine,
-                        hooks=rollout_hooks(cfg))
+        ready = ready_file(str(port), role.engine)
+        try:
+            rollout_process(cfg.model_dump(), model_dir, batches, orders, parent_pid=os.getppid(), engine=role.engine,
+                            hooks=rollout_hooks(cfg), ready_file=str(ready))
+        finally:
+            ready.unlink(missing_ok=True)
         return None
     # a trainer rank: DeepSpeed sees the trainer ranks only (their own group on port + 1); the
     # device stays LOCAL_RANK (rollout GPUs come first on every node)
@@ -260,11 +279,39 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
     if r == 0:
         _write_config(cfg)
         batches, orders = serve_queues(port + 2, cfg.num_engines())
+    engine_proc = None
+    if cfg.layout.colocate:  # the engines start and go to sleep before any trainer rank loads
+        # GPU: this node's engine (a child of local rank 0); CPU: every engine's rollout rank
+        engines = [role.node] if cfg.layout.device == "cuda" else range(cfg.num_engines())
+        if role.engine is not None:
+            ready_file(str(port), role.engine).unlink(missing_ok=True)
+            engine_proc = mp.get_context("spawn").Process(
+                target=_colocated_rollout, args=(cfg.model_dump(), model_dir, host, port + 2, role.engine,
+                                                 str(ready_file(str(port), role.engine))),
+                daemon=False, name=f"arl-rollout-{role.engine}")
+            engine_proc.start()
+        wait_ready([ready_file(str(port), e) for e in engines],
+                   alive=engine_proc.is_alive if engine_proc is not None else (lambda: True))
     os.environ.update(RANK=str(r), WORLD_SIZE=str(role.trainer_world), MASTER_PORT=str(port + 1),
                       LOCAL_WORLD_SIZE=str(cfg.layout.trainer_gpus or role.trainer_world))
     # torchrun's agent hosts the store of ITS world; this group's store is hosted by trainer rank 0
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     demos = sft_demos(cfg, model_dir)
-    trainer_rank(r, role.trainer_world, None, cfg.model_dump(), model_dir, demos, batches, orders, resume,
-                 sync_addr=sync_addr)
+    try:
+        trainer_rank(r, role.trainer_world, None, cfg.model_dump(), model_dir, demos, batches, orders, resume,
+                     sync_addr=sync_addr)
+    finally:
+        if engine_proc is not None:
+            engine_proc.join(timeout=60)
+            if engine_proc.is_alive():
+                engine_proc.terminate()
+            ready_file(str(port), role.engine).unlink(missing_ok=True)
     return Path(cfg.output_dir) if r == 0 else None
+
+
+def _colocated_rollout(cfg_dict: dict, model_dir: str, host: str, queue_port: int, engine: int, ready: str) -> None:
+    """The colocated node's rollout process, a child of its local rank 0 (it sees every GPU of the node)."""
+    cfg = TrainConfig.model_validate(cfg_dict)
+    batches, orders = connect_queues(host, queue_port, engine)
+    rollout_process(cfg_dict, model_dir, batches, orders, parent_pid=os.getppid(), engine=engine,
+                    hooks=rollout_hooks(cfg), ready_file=ready)

