@@ -10,8 +10,9 @@ then only warns (the run itself still fails at once).  ``--print-config`` prints
 config (every key, defaults included) as YAML.
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
-process takes its role in the config's layout (``arl.launch``); started plainly, the CPU
-layout's launcher spawns the trainer ranks and the rollout processes itself (``arl.launch``).
+process takes its role in the config's layout (``arl.launch``); started plainly, the launcher
+spawns the trainer ranks and the rollout processes itself (``arl.launch``): the CPU layout, and a
+colocated CUDA layout on one node (trainer and engine sharing the GPUs).
 """
 from __future__ import annotations
 
