@@ -19,7 +19,7 @@ from arl import LossConfig, available_backends, policy_loss
 from arl.ops._triton import triton_available
 from arl.ops.policy_loss import METRIC_KEYS, LossInputs, reference_policy_loss
 from arl.ops.policy_loss.api import _auto
-from loss_utils import CONFIG_IDS, CONFIGS, make_batch
+from loss_utils import CONFIG_IDS, CONFIGS, Batch, make_batch
 
 GPU = torch.cuda.is_available()
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -447,3 +447,39 @@ def test_gpu_packed_agentic_batch_against_float64_reference(backend):
         torch.testing.assert_close(lp.grad.cpu().double(), lp64.grad, **TOL)
         for k in METRIC_KEYS:
             torch.testing.assert_close(out.metrics[k].cpu().double(), ref.metrics[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+UNDERFLOW_CFGS = [dict(ratio_level="chunk"), dict(ratio_level="chunk", kl_beta=0.1),  # C++: fast and serial path
+                  dict(ratio_level="sequence", mismatch_level="chunk", mismatch_high=5.0)]  # Triton: the chunk table
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_discount_underflow_flushes_at_the_same_delta(dtype, backend):
+    """gamma**Delta past the compute dtype's smallest normal (spec.py's underflow rule): one long
+    sequence of single-token chunks.  Every backend zeroes exactly the tokens whose float64
+    A_s * gamma**Delta is below tiny, counted here with Python floats."""
+    gamma, L = (0.95, 4096) if dtype == torch.float32 else (0.5, 1100)
+    tiny = torch.finfo(dtype).tiny
+    T = L + 1
+    cid = torch.arange(T, dtype=torch.int32)  # sequence 0: L single-token chunks; sequence 1: one token
+    cu = torch.tensor([0, L, T], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(T, generator=gen, dtype=torch.float64) * 3
+    b = dict(logp=old + 0.1 * torch.randn(T, generator=gen, dtype=torch.float64), old_logp=old,
+             rollout_logp=old + 0.01 * torch.randn(T, generator=gen, dtype=torch.float64),
+             ref_logp=old + 0.1 * torch.randn(T, generator=gen, dtype=torch.float64),
+             rewards=torch.tensor([1.0, 0.0], dtype=torch.float64), group_ids=torch.tensor([0, 0]), cu_seqlens=cu,
+             chunk_ids=cid)
+    b = {k: (v.to(dtype) if v.is_floating_point() else v).to(DEVICE[backend]) for k, v in b.items()}
+    a = float(torch.tensor(0.5, dtype=dtype) / (torch.tensor(0.5, dtype=dtype).sqrt() + 1e-6))  # |A_s|, both sequences
+    flush = lambda x: 0.0 if abs(x) < tiny else x  # noqa: E731
+    expect = sum(1 for d in range(L) if flush(a * flush(gamma ** d)) != 0) + 1
+    assert 0 < expect - 1 < L  # the flush lands inside the sequence
+    for cfg in (LossConfig(gamma=gamma, **kw) for kw in UNDERFLOW_CFGS):
+        for be in ("reference", backend):
+            lp = b["logp"].clone().requires_grad_(True)
+            out = policy_loss(lp, **{k: v for k, v in b.items() if k != "logp"}, config=cfg, backend=be)
+            frac = out.metrics["adv_nonzero_frac"].item()
+            assert frac == float(torch.tensor(expect / T, dtype=dtype)), (be, cfg, frac * T, expect)
+        assert_same(Batch(**b, entropy=torch.rand_like(b["logp"])), cfg, backend)
