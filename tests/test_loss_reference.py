@@ -1,6 +1,7 @@
 """The reference policy loss: hand-computed examples, an independent scalar implementation for
 every option, the structural equivalences, micro-batching, gradcheck and bad inputs."""
 import math
+import zlib
 
 import pytest
 import torch
@@ -143,7 +144,7 @@ def test_log_ratio_clamp():
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 def test_reference_matches_scalar_implementation(cfg):
-    b = make_batch(n_seq=7, max_len=24, group_size=3, seed=hash(str(cfg)) % 1000, dtype=torch.float64)
+    b = make_batch(n_seq=7, max_len=24, group_size=3, seed=zlib.crc32(str(cfg).encode()) % 1000, dtype=torch.float64)
     logp = b.logp.clone().requires_grad_()
     out = policy_loss(logp, b.old_logp, config=cfg, **b.kwargs())
     (g,) = torch.autograd.grad(out.loss, logp)
