@@ -33,6 +33,7 @@ The example stream is fixed (hypothesis ``derandomize=True``): CI sees the same 
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -61,31 +62,30 @@ FRACTIONS = ("clip_frac", "dual_clip_frac", "mismatch_masked_frac", "adv_nonzero
 FRACTION_ATOL = 1e-6
 
 
-@st.composite
-def configs(draw):
-    level = st.sampled_from(["token", "sequence", "chunk"])
-    kw = dict(
-        ratio_level=draw(level),
-        surrogate=draw(st.sampled_from(["ppo_clip", "topr"])),
-        clip_low=draw(st.sampled_from([0.1, 0.2])),
-        clip_high=draw(st.sampled_from([0.2, 0.28])),
-        dual_clip=draw(st.sampled_from([None, 3.0])),
-        adv_norm=draw(st.sampled_from(["group_std", "group_mean", "none"])),
-        gamma=draw(st.sampled_from([1.0, 0.95, 0.5])),
-        positive_only=draw(st.booleans()),
-        mismatch_level=draw(st.sampled_from(["none", "token", "sequence", "chunk"])),
-        mismatch_mode=draw(st.sampled_from(["mask", "truncate"])),
-        mismatch_low=draw(st.sampled_from([0.0, 0.8, 0.97])),
-        mismatch_high=draw(st.sampled_from([1.03, 1.2, 5.0])),
-        loss_agg=draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                       "seq-mean-token-sum-norm"])),
-        agg_constant=draw(st.sampled_from([None, 64.0])),
-        kl_beta=draw(st.sampled_from([0.0, 0.1])),
-        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3"])),
-        entropy_coef=draw(st.sampled_from([0.0, 0.01])),
-        log_ratio_clamp=draw(st.sampled_from([20.0, 5.0, None])),
-    )
-    return LossConfig(**kw)
+OPTIONS = dict(  # the whole option space; each example picks uniformly from every row (config_from)
+    ratio_level=["token", "sequence", "chunk"],
+    surrogate=["ppo_clip", "topr"],
+    clip_low=[0.1, 0.2],
+    clip_high=[0.2, 0.28],
+    dual_clip=[None, 3.0],
+    adv_norm=["group_std", "group_mean", "none"],
+    gamma=[1.0, 0.95, 0.5],
+    positive_only=[False, True],
+    mismatch_level=["none", "token", "sequence", "chunk"],
+    mismatch_mode=["mask", "truncate"],
+    mismatch_low=[0.0, 0.8, 0.97],
+    mismatch_high=[1.03, 1.2, 5.0],
+    loss_agg=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
+    agg_constant=[None, 64.0],
+    kl_beta=[0.0, 0.1],
+    kl_estimator=["k1", "k2", "k3"],
+    entropy_coef=[0.0, 0.01],
+    log_ratio_clamp=[20.0, 5.0, None],
+)
+
+
+def config_from(rng: np.random.Generator) -> LossConfig:
+    return LossConfig(**{k: v[int(rng.integers(len(v)))] for k, v in OPTIONS.items()})
 
 
 def layout(rng: np.random.Generator, L: int, mode: str, next_id: int):
@@ -136,7 +136,13 @@ def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False):
     shuffle_groups = draw(st.booleans())
     normalizer = draw(st.sampled_from([None, None, 1.0, 777.5]))
     dtype = torch.float64 if spec else draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
-    return dict(cfg=draw(configs()), lengths=lengths, modes=modes, seed=seed, scale=scale, dtype=dtype,
+    # The config is drawn uniformly from OPTIONS by a generator seeded with everything drawn above:
+    # hypothesis's own choices lean to the first element of each list and repeat its seeds, which
+    # left e.g. token-level dual clip without KL in 2 of 200 examples.  A failure prints it in full.
+    mix = zlib.crc32(repr((n_seq, lengths, modes, seed, scale, rewards_kind, group_size, shuffle_groups, normalizer,
+                           str(dtype))).encode())
+    cfg = config_from(np.random.default_rng([seed, mix]))
+    return dict(cfg=cfg, lengths=lengths, modes=modes, seed=seed, scale=scale, dtype=dtype,
                 rewards_kind=rewards_kind, group_size=group_size, shuffle_groups=shuffle_groups, normalizer=normalizer)
 
 
