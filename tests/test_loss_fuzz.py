@@ -1,9 +1,10 @@
 """Random fuzz of every kernel backend, and of the reference itself, against the spec (hypothesis).
 
-Each example: 1-300 sequences (past 12, and past the GPU's 256-reward group block), lengths 0-4096
-(zero-length sequences included), chunk layouts (agentic turns, single-token chunks, random masks,
-sequences with no trained token), zero-variance groups, log-ratios up to +-30, fp32 or bf16
-inputs, and a random LossConfig from the whole option space.
+Each example: 1-300 sequences (past 12, and past the GPU's 256-reward group block; at most 40
+under the Triton interpreter), lengths 0-4096 (zero-length sequences included), chunk layouts
+(agentic turns, single-token chunks, random masks, sequences with no trained token), zero-variance
+and near-constant reward groups, log-ratios up to +-30, fp32 or bf16 inputs, and a LossConfig
+drawn uniformly from the whole option space (``OPTIONS``).
 
 Backends (every one in ``arl.available_backends()`` but the reference) against the reference, at
 tolerances relative to each value's own scale (``mag``: the same quantity with every term taken by
