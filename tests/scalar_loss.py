@@ -4,6 +4,7 @@ reference against it, so the spec is written down twice, differently."""
 from __future__ import annotations
 
 import math
+import sys
 
 
 def _segments(chunk, cu):
@@ -20,15 +21,8 @@ def _segments(chunk, cu):
     return chunks, seq_tokens
 
 
-def scalar_policy_loss(logp, old, rewards, groups, cu, chunk, cfg, rollout=None, ref=None, entropy=None,
-                       normalizer=None):
-    """Returns (loss, dloss/dlogp list, metrics dict) computed with Python floats."""
-    T = len(logp)
-    chunks, seq_tokens = _segments(chunk, cu)
-    clampc = cfg.log_ratio_clamp
-    cl = (lambda x: max(-clampc, min(clampc, x))) if clampc is not None else (lambda x: x)
-
-    # advantages
+def scalar_group_advantages(rewards, groups, cfg):
+    """Per-trajectory advantages (a list) and {group: [rewards]}, with plain floats."""
     gvals = {}
     for i, g in enumerate(groups):
         gvals.setdefault(g, []).append(rewards[i])
@@ -47,12 +41,25 @@ def scalar_policy_loss(logp, old, rewards, groups, cu, chunk, cfg, rollout=None,
             std = math.sqrt(sum((v - mean) ** 2 for v in vals) / max(len(vals) - 1, 1))
             a = a / (std + cfg.adv_eps)
         adv.append(a)
+    return adv, gvals
+
+
+def scalar_policy_loss(logp, old, rewards, groups, cu, chunk, cfg, rollout=None, ref=None, entropy=None,
+                       normalizer=None):
+    """Returns (loss, dloss/dlogp list, metrics dict) computed with Python floats."""
+    T = len(logp)
+    chunks, seq_tokens = _segments(chunk, cu)
+    clampc = cfg.log_ratio_clamp
+    cl = (lambda x: max(-clampc, min(clampc, x))) if clampc is not None else (lambda x: x)
+
+    adv, gvals = scalar_group_advantages(rewards, groups, cfg)
+    flush = lambda x: 0.0 if abs(x) < sys.float_info.min else x  # noqa: E731 - the spec's underflow rule
     A = [0.0] * T
     chunk_of = {}
     for ci, (s, toks) in enumerate(chunks):
         n_after = sum(1 for (s2, _) in chunks[ci + 1:] if s2 == s)
         for t in toks:
-            A[t] = adv[s] * cfg.gamma ** n_after
+            A[t] = adv[s] if cfg.gamma == 1 else flush(adv[s] * flush(cfg.gamma ** n_after))
             if cfg.positive_only:
                 A[t] = max(A[t], 0.0)
             chunk_of[t] = ci

@@ -25,7 +25,7 @@ def test_cpp_policy_loss_op_matches_the_reference():
     import torch
 
     import arl._C  # noqa: F401  registers torch.ops.arl.*
-    from arl.ops.policy_loss import LossConfig, LossInputs, reference_policy_loss
+    from arl.ops.policy_loss import METRIC_KEYS, LossConfig, LossInputs, reference_policy_loss
     from arl.ops.policy_loss.options import kernel_options, kernel_tensors
     from loss_utils import make_batch
 
@@ -38,10 +38,15 @@ def test_cpp_policy_loss_op_matches_the_reference():
         toks["logp"], toks["old_logp"], toks.get("rollout_logp"), toks.get("ref_logp"), toks.get("entropy"),
         idx["rewards"], idx["group_ids"], idx["cu_seqlens"], idx["chunk_ids"], *kernel_options(cfg, None), True)
     assert grad.shape == b.logp.shape
-    ref = reference_policy_loss(inp, cfg)
-    torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=1e-5)
+    lp = b.logp.clone().requires_grad_(True)
+    ref = reference_policy_loss(LossInputs(logp=lp, old_logp=b.old_logp, **b.kwargs()), cfg)
+    ref.loss.backward()
+    torch.testing.assert_close(loss, ref.loss.detach(), atol=1e-5, rtol=1e-5)
     n_tr = float((b.chunk_ids >= 0).sum())
     torch.testing.assert_close(stats[-1], torch.tensor(1.0 / n_tr), atol=0, rtol=1e-6)
+    torch.testing.assert_close(grad * stats[-1], lp.grad, atol=1e-6, rtol=1e-5)  # the raw op's grad is unnormalized
+    torch.testing.assert_close(stats[:len(METRIC_KEYS)], torch.stack([ref.metrics[k] for k in METRIC_KEYS]),
+                               atol=1e-6, rtol=1e-5)
 
 
 def test_install_script_is_idempotent():

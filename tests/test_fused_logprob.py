@@ -135,6 +135,12 @@ def test_auto_picks_a_cpu_backend_and_empty_input():
     h, w, y, _, _ = _inputs(T=5, V=13)
     lp, e = fused_logprobs(h, w, y)
     assert e is None and lp.shape == (5,)
+    lr, _ = naive_logprobs(h.double(), w.double(), y, 1.0, False)
+    torch.testing.assert_close(lp.double(), lr, atol=1e-5, rtol=1e-5)
+    lp, e = fused_logprobs(h, w, y, 0.7, True)
+    lr, er = naive_logprobs(h.double(), w.double(), y, 0.7, True)
+    torch.testing.assert_close(lp.double(), lr, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e.double(), er, atol=1e-5, rtol=1e-5)
     lp0, e0 = fused_logprobs(h[:0], w, y[:0], with_entropy=True)
     assert lp0.shape == (0,) and e0.shape == (0,)
 

@@ -95,9 +95,13 @@ def test_hidden_states_shape_and_position_ids():
     cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     assert position_ids_from_cu_seqlens(cu).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
     m = _model("llama")
+    ids = torch.arange(3, 11)
     with torch.no_grad():
-        h = packed_hidden_states(m, torch.arange(8), cu)
+        h = packed_hidden_states(m, ids, cu)
+        # each sequence on its own through the base model: the final, normed hidden states
+        ref = torch.cat([m.model(input_ids=ids[a:b][None]).last_hidden_state[0] for a, b in zip(cu[:-1], cu[1:])])
     assert h.shape == (8, 64)
+    torch.testing.assert_close(h, ref, **TOL)
 
 
 @pytest.mark.parametrize(

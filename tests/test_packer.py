@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from arl import LossConfig, policy_loss
 from arl.data import (PackerConfig, Trajectory, TrajectoryStatus, estimated_compute, fill_bins, karmarkar_karp,
                       pack_step)
-from arl.ops.policy_loss.spec import group_advantages
+from scalar_loss import scalar_group_advantages
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -431,9 +431,9 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
         return
     w["rewards"] = torch.tensor([trajs[i].reward for i in idx], dtype=torch.float64)
     # the step's advantages, normalized over the whole step (as arl/stabilizers/advantages.py does
-    # before packing), handed to the packer
+    # before packing), handed to the packer; computed independently of the loss's group_advantages
     step_adv = np.zeros(len(trajs))
-    step_adv[idx] = group_advantages(w["rewards"], w["group_ids"], loss)[0].numpy()
+    step_adv[idx] = scalar_group_advantages(w["rewards"].tolist(), w["group_ids"].tolist(), loss)[0]
     ps = pack_step(trajs, ps_cfg, loss, advantages=step_adv)
     total = policy_loss(w.pop("logp"), torch.cat([old[i] for i in idx]), config=loss, **w).loss
     acc = torch.zeros((), dtype=torch.float64)

@@ -19,7 +19,7 @@ from arl import LossConfig, available_backends, policy_loss
 from arl.ops._triton import triton_available
 from arl.ops.policy_loss import METRIC_KEYS, LossInputs, reference_policy_loss
 from arl.ops.policy_loss.api import _auto
-from loss_utils import CONFIG_IDS, CONFIGS, make_batch
+from loss_utils import CONFIG_IDS, CONFIGS, Batch, make_batch
 
 GPU = torch.cuda.is_available()
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -447,3 +447,152 @@ def test_gpu_packed_agentic_batch_against_float64_reference(backend):
         torch.testing.assert_close(lp.grad.cpu().double(), lp64.grad, **TOL)
         for k in METRIC_KEYS:
             torch.testing.assert_close(out.metrics[k].cpu().double(), ref.metrics[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+UNDERFLOW_CFGS = [dict(ratio_level="chunk"), dict(ratio_level="chunk", kl_beta=0.1),  # C++: fast and serial path
+                  dict(ratio_level="sequence", mismatch_level="chunk", mismatch_high=5.0)]  # Triton: the chunk table
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_discount_underflow_flushes_at_the_same_delta(dtype, backend):
+    """gamma**Delta past the compute dtype's smallest normal (spec.py's underflow rule): one long
+    sequence of single-token chunks.  Every backend zeroes exactly the tokens whose float64
+    A_s * gamma**Delta is below tiny, counted here with Python floats."""
+    gamma, L = (0.95, 4096) if dtype == torch.float32 else (0.5, 1100)
+    tiny = torch.finfo(dtype).tiny
+    T = L + 1
+    cid = torch.arange(T, dtype=torch.int32)  # sequence 0: L single-token chunks; sequence 1: one token
+    cu = torch.tensor([0, L, T], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(T, generator=gen, dtype=torch.float64) * 3
+    b = dict(logp=old + 0.1 * torch.randn(T, generator=gen, dtype=torch.float64), old_logp=old,
+             rollout_logp=old + 0.01 * torch.randn(T, generator=gen, dtype=torch.float64),
+             ref_logp=old + 0.1 * torch.randn(T, generator=gen, dtype=torch.float64),
+             rewards=torch.tensor([1.0, 0.0], dtype=torch.float64), group_ids=torch.tensor([0, 0]), cu_seqlens=cu,
+             chunk_ids=cid)
+    b = {k: (v.to(dtype) if v.is_floating_point() else v).to(DEVICE[backend]) for k, v in b.items()}
+    a = float(torch.tensor(0.5, dtype=dtype) / (torch.tensor(0.5, dtype=dtype).sqrt() + 1e-6))  # |A_s|, both sequences
+    flush = lambda x: 0.0 if abs(x) < tiny else x  # noqa: E731
+    expect = sum(1 for d in range(L) if flush(a * flush(gamma ** d)) != 0) + 1
+    assert 0 < expect - 1 < L  # the flush lands inside the sequence
+    for cfg in (LossConfig(gamma=gamma, **kw) for kw in UNDERFLOW_CFGS):
+        for be in ("reference", backend):
+            lp = b["logp"].clone().requires_grad_(True)
+            out = policy_loss(lp, **{k: v for k, v in b.items() if k != "logp"}, config=cfg, backend=be)
+            frac = out.metrics["adv_nonzero_frac"].item()
+            assert frac == float(torch.tensor(expect / T, dtype=dtype)), (be, cfg, frac * T, expect)
+        assert_same(Batch(**b, entropy=torch.rand_like(b["logp"])), cfg, backend)
+
+
+# ------------------------------------------------------------------ the op's weak places, pinned
+# The C++ op has two loops: a vectorized one (fp32 without KL) and a serial one (KL on, or float64).
+# Each test below runs both (a KL and a KL-free config, fp32 and float64) at every ratio level.
+F64_TOL = dict(atol=1e-12, rtol=1e-10)  # float64 kernels against the float64 reference
+LEVELS = ("token", "chunk", "sequence")
+LOOPS = {"vectorized": {}, "serial": dict(kl_beta=0.1, kl_estimator="k3")}
+
+
+def _dtypes():
+    return [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
+
+
+def _tol(dtype):
+    return F64_TOL if dtype == torch.float64 else TOL
+
+
+def _clamp_batch(C: float, dtype) -> Batch:
+    """Log-ratios exactly at +-C, beyond and inside, at every level.  4 sequences of a prompt token
+    and two 2-token chunks; per token (d = logp - old, exact in fp32):
+      seq 0 (A < 0): [C, C], [C-1, C+1]          every level exactly at +C (token C+1 beyond)
+      seq 1 (A > 0): [-C-1, -C+1], [-C, -C]      every level exactly at -C (token -C-1 beyond)
+      seq 2 (A < 0): [C+2, C+4], [C+2, C+4]      every level beyond +C
+      seq 3 (A > 0): [0.25, 0.75], [-C-4, -C-2]  inside / beyond -C / sequence inside"""
+    d = [[C, C, C - 1, C + 1], [-C - 1, -C + 1, -C, -C], [C + 2, C + 4, C + 2, C + 4], [0.25, 0.75, -C - 4, -C - 2]]
+    T, N = 5 * len(d), len(d)
+    delta = torch.tensor([[0.0] + row for row in d], dtype=torch.float64).reshape(-1)
+    chunk = torch.tensor([[-1, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1] for i in range(N)], dtype=torch.int32).reshape(-1)
+    old = torch.full((T,), -8.0, dtype=torch.float64)
+    logp = old + delta
+    ref = logp.clone()
+    ref[1::5] += C  # k3's x = ref - logp exactly at +C on one token per sequence, -C on another, beyond on a third
+    ref[2::5] -= C
+    ref[3::5] += C + 2.0
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    return Batch(logp=cast(logp), old_logp=cast(old), rollout_logp=cast(old - 0.25 * delta.clamp(-1, 1)),
+                 ref_logp=cast(ref), entropy=cast(torch.linspace(0.1, 2.0, T, dtype=torch.float64)),
+                 rewards=cast(torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)),
+                 group_ids=torch.tensor([0, 0, 1, 1]), cu_seqlens=torch.arange(0, T + 1, 5, dtype=torch.int32),
+                 chunk_ids=chunk)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_log_ratio_at_and_beyond_the_clamp(level, loop, dtype, backend):
+    """The clamp boundary at every level, forward and backward: segments exactly at +-C pass the
+    gradient (torch's clamp is closed), segments beyond it pass none, for both advantage signs."""
+    C = 5.0
+    b = _on(_clamp_batch(C, dtype), backend)
+    cfg = LossConfig(ratio_level=level, log_ratio_clamp=C, gamma=0.9, mismatch_level=level, mismatch_mode="truncate",
+                     mismatch_high=1.2, **LOOPS[loop])
+    assert_same(b, cfg, backend, tol=_tol(dtype))
+    # the spec at the boundary (unclipped there): tokens exactly at +-C, at every level, get a
+    # gradient; sequence 2, beyond at every level, gets none
+    _, g, _ = run(b.to(device="cpu"), LossConfig(ratio_level=level, log_ratio_clamp=C), "reference")
+    assert bool((g[1:3] != 0).all()) and bool((g[8:10] != 0).all()) and not bool(g[11:15].any()), g
+
+
+def _near_constant_batch(dtype) -> Batch:
+    """Reward groups whose std is of the size of adv_eps (1e-6), where eps is ~60% of the
+    denominator, next to ordinary, zero-variance and one-member groups."""
+    groups = [[0.0, 0.0, 0.0, 1e-6], [1e-6, 0.0], [2.0, 2.0 + 2e-6, 2.0], [0.25], [0.5, 0.5], [0.0, 1.0, 0.0, 1.0]]
+    rewards = torch.tensor([r for g in groups for r in g], dtype=torch.float64)
+    gids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+    b = make_batch(n_seq=len(rewards), max_len=12, seed=21, dtype=torch.float64, log_ratio_scale=0.3)
+    b.rewards, b.group_ids = rewards, gids
+    return b.to(dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("adv_norm", ["group_std", "group_mean"])
+def test_near_constant_reward_groups(adv_norm, dtype, backend):
+    """Errors of the size of adv_eps in the group normalization are visible here: in fp32 on the
+    near-constant groups, and in float64 on every group."""
+    b = _on(_near_constant_batch(dtype), backend)
+    for level in LEVELS:
+        for extra in LOOPS.values():
+            cfg = LossConfig(ratio_level=level, adv_norm=adv_norm, **extra)
+            assert_same(b, cfg, backend, tol=_tol(dtype))
+    if adv_norm == "group_std":  # the batch makes eps matter: a test of the test
+        out, _, _ = run(b.to(device="cpu", dtype=torch.float64), LossConfig(adv_eps=0.0), "reference")
+        ref, _, _ = run(b.to(device="cpu", dtype=torch.float64), LossConfig(), "reference")
+        assert abs(out.loss.item() - ref.loss.item()) > 1e-2 * abs(ref.loss.item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("level", LEVELS)
+def test_discount_on_both_loops(level, dtype, backend):
+    """gamma != 1 with and without KL (the C++ serial and vectorized loops), many chunks per sequence."""
+    b = _on(make_batch(n_seq=8, max_len=60, max_chunks=8, seed=22, dtype=dtype, binary_rewards=False), backend)
+    for gamma in (0.9, 0.5):
+        for extra in (LOOPS["vectorized"], LOOPS["serial"], dict(kl_beta=0.05, kl_estimator="k1", positive_only=True)):
+            assert_same(b, LossConfig(ratio_level=level, gamma=gamma, **extra), backend, tol=_tol(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_dual_clip_on_every_level_and_loop(level, loop, dtype, backend):
+    """Dual clip at c = 1.5, low enough that many negative-advantage segments reach it."""
+    b = _on(make_batch(n_seq=10, max_len=40, seed=23, dtype=dtype, binary_rewards=False, log_ratio_scale=1.0),
+            backend)
+    cfg = LossConfig(ratio_level=level, dual_clip=1.5, clip_high=0.28, gamma=0.95 if level == "chunk" else 1.0,
+                     **LOOPS[loop])
+    assert_same(b, cfg, backend, tol=_tol(dtype))
+    ref, _, _ = run(b.to(device="cpu"), cfg, "reference")
+    assert 0 < ref.metrics["dual_clip_frac"].item() < ref.metrics["clip_frac"].item() + 1  # it triggers

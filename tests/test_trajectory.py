@@ -92,8 +92,13 @@ def test_validation_errors(kw, match):
 
 def test_untrained_rollout_logp_may_be_anything():
     lp = np.zeros(12, dtype=np.float32)
-    lp[0] = np.nan  # prompt token: never sampled, never read
-    make(rollout_logp=lp)
+    lp[0], lp[5], lp[11] = np.nan, np.inf, -np.inf  # prompt / observation tokens: never sampled, never read
+    t = make(rollout_logp=lp)
+    np.testing.assert_array_equal(t.rollout_logp, lp)  # kept as given (NaN == NaN here), not cleaned
+    assert t.num_trained_tokens == 6 and not np.isfinite(t.rollout_logp[~t.loss_mask]).all()
+    lp[4] = np.nan  # the same value on a trained token is an error
+    with pytest.raises(ValueError, match="non-finite value nan at trained index 4"):
+        make(rollout_logp=lp)
 
 
 def test_from_dict_key_errors():

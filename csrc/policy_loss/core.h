@@ -69,8 +69,10 @@ struct Load {
 
 ARL_HD inline float xexp(float x) { return expf(x); }
 ARL_HD inline double xexp(double x) { return exp(x); }
-ARL_HD inline float xpow(float x, float y) { return powf(x, y); }
-ARL_HD inline double xpow(double x, double y) { return pow(x, y); }
+// smallest normal number of the compute type (FLT_MIN / DBL_MIN), as a double
+ARL_HD inline double tiny_of(float) { return 1.17549435082228750797e-38; }
+ARL_HD inline double tiny_of(double) { return 2.22507385850720138309e-308; }
+ARL_HD inline double flush_below(double x, double tiny) { return (x < tiny && x > -tiny) ? 0.0 : x; }
 ARL_HD inline float xsqrt(float x) { return sqrtf(x); }
 ARL_HD inline double xsqrt(double x) { return sqrt(x); }
 // torch.clamp / clamp_min / clamp_max semantics (NaN-free inputs)
@@ -86,7 +88,8 @@ template <typename T>
 struct Opts {
   int ratio_level, surrogate, adv_norm, positive_only, mismatch_level, mismatch_mode, loss_agg, kl;
   int entropy_term, has_dual, has_clamp;
-  T lo, hi, dual_c, adv_eps, gamma, mm_low, mm_high, kl_beta, ent_coef, clamp;
+  T lo, hi, dual_c, adv_eps, mm_low, mm_high, kl_beta, ent_coef, clamp;
+  double gamma;  // the discount is evaluated in double whatever T is (see chunk_advantage)
   // which per-sequence prepass quantities the main pass needs
   bool need_seq_pass;
 
@@ -108,14 +111,14 @@ struct Opts {
     o.hi = static_cast<T>(1.0 + fo[kFClipHigh]);
     o.dual_c = static_cast<T>(fo[kFDualClip]);
     o.adv_eps = static_cast<T>(fo[kFAdvEps]);
-    o.gamma = static_cast<T>(fo[kFGamma]);
+    o.gamma = fo[kFGamma];
     o.mm_low = static_cast<T>(fo[kFMismatchLow]);
     o.mm_high = static_cast<T>(fo[kFMismatchHigh]);
     o.kl_beta = static_cast<T>(fo[kFKLBeta]);
     o.ent_coef = static_cast<T>(fo[kFEntropyCoef]);
     o.clamp = static_cast<T>(fo[kFLogRatioClamp]);
     o.need_seq_pass = o.ratio_level == kSequence || o.mismatch_level == kSequence ||
-                      o.loss_agg == kSeqMeanTokenMean || o.gamma != T(1);
+                      o.loss_agg == kSeqMeanTokenMean || o.gamma != 1.0;
     return o;
   }
   ARL_HD T clamp_lr(T x) const { return has_clamp ? clampv(x, -clamp, clamp) : x; }
@@ -139,9 +142,16 @@ ARL_HD inline T group_std(T ss, T cnt) {
 }
 
 // A_c = gamma**Delta(c) * A_s, Delta(c) = chunks after c in the sequence; positive_only clamps at 0.
+// The spec's underflow rule: discount and product in double, each flushed to 0 below T's smallest
+// normal, one rounding to T — no subnormal reaches T arithmetic (a GPU would flush it).
 template <typename T>
 ARL_HD inline T chunk_advantage(T adv_s, int64_t chunks_after, const Opts<T>& o) {
-  T a = o.gamma == T(1) ? adv_s : adv_s * xpow(o.gamma, static_cast<T>(chunks_after));
+  T a = adv_s;
+  if (o.gamma != 1.0) {
+    const double tiny = tiny_of(T(0));
+    const double disc = flush_below(pow(o.gamma, static_cast<double>(chunks_after)), tiny);
+    a = static_cast<T>(flush_below(static_cast<double>(adv_s) * disc, tiny));
+  }
   return o.positive_only ? maxv(a, T(0)) : a;
 }
 

@@ -11,7 +11,11 @@ Advantages (per trajectory i in group g, computed in the compute dtype):
   group_std:  (R_i - mean_g) / (std_g + eps), std unbiased (Bessel); group_mean: R_i - mean_g;
   none: R_i.  A group whose rewards are all equal (incl. size 1) gets advantage exactly 0 under
   group_std and group_mean.  Token t gets A_t = gamma**Delta(c(t)) * A_s(t); positive_only
-  clamps A_t at 0.
+  clamps A_t at 0.  Underflow (gamma < 1 only; gamma = 1 leaves A_t = A_s exactly): gamma**Delta
+  and the product are evaluated in float64, each taken as exactly 0 when below the smallest
+  normal number of the compute dtype (fp32: 2**-126), and the product is rounded once to the
+  compute dtype.  So no backend sees an fp32 subnormal (GPUs flush them, and pow and exp2 reach
+  them at different Delta): every backend flushes at the same Delta.
 
 Ratios: d_t = logp_t - old_logp_t; the level's log-ratio is the mean of d over the token's
   segment (token: itself; chunk: its chunk; sequence: the trained tokens of its sequence; the
@@ -127,6 +131,21 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: LossCo
     return adv, int(zero_var.sum().item()), G
 
 
+def _flush(x: torch.Tensor, tiny: float) -> torch.Tensor:
+    return torch.where(x.abs() < tiny, torch.zeros_like(x), x)
+
+
+def discounted_advantage(adv_seq: torch.Tensor, lay: PackLayout, gamma: float) -> torch.Tensor:
+    """A_t = gamma**Delta(c(t)) * A_s(t) over trained tokens, with the underflow rule of the spec."""
+    a = adv_seq[lay.seq_of_tok[lay.tidx]]
+    if gamma == 1.0:
+        return a
+    tiny = torch.finfo(a.dtype).tiny
+    disc = _flush(torch.pow(torch.tensor(gamma, dtype=torch.float64, device=a.device),
+                            lay.chunks_after.to(torch.float64)), tiny)
+    return _flush(a.double() * disc[lay.chunk_of_trained], tiny).to(a.dtype)
+
+
 def _clamp(x: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     c = cfg.log_ratio_clamp
     return x if c is None else x.clamp(-c, c)
@@ -149,8 +168,7 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
     else:
         adv_seq, n_zero_var, n_groups = group_advantages(inp.rewards.to(cdt), inp.group_ids, cfg)
         zero_var_frac = n_zero_var / n_groups
-    disc = torch.pow(torch.tensor(cfg.gamma, dtype=cdt, device=logp.device), lay.chunks_after.to(cdt))
-    A = adv_seq[lay.seq_of_tok[tidx]] * disc[lay.chunk_of_trained]
+    A = discounted_advantage(adv_seq, lay, cfg.gamma)
     if cfg.positive_only:
         A = A.clamp_min(0)
 

@@ -39,8 +39,9 @@ constexpr-if scoping, fp64 tl.exp/exp2 (fp64 inputs only) and ``tl.debug_barrier
 global-memory stores within a program; BLOCK=1024 / 4 warps is a guess to tune on the device.
 
 Dtypes: fp32 and bf16 logp compute in fp32, fp64 logp in fp64 (gradcheck); prefix sums and
-metric partials are fp64 in both cases.  Scalar options travel in a small tensor of the compute
-dtype, so fp64 runs see the options in fp64 as the reference does.
+metric partials are fp64 in both cases.  Scalar options travel in a small float64 tensor and are
+rounded to the compute dtype on load (as torch rounds python scalars); log2(gamma) stays float64
+for the float64 discount of the spec's underflow rule.
 """
 from __future__ import annotations
 
@@ -106,16 +107,18 @@ def _policy_loss_kernel(
     s = tl.program_id(0)
     start = tl.load(cu_ptr + s)
     L = tl.load(cu_ptr + s + 1) - start
-    clip_lo = tl.load(par_ptr + 0)  # 1 - clip_low
-    clip_hi = tl.load(par_ptr + 1)  # 1 + clip_high
-    dual_c = tl.load(par_ptr + 2)
-    adv_eps = tl.load(par_ptr + 3)
-    log2_gamma = tl.load(par_ptr + 4)
-    m_lo = tl.load(par_ptr + 5)
-    m_hi = tl.load(par_ptr + 6)
-    kl_beta = tl.load(par_ptr + 7)
-    ent_coef = tl.load(par_ptr + 8)
-    lrc = tl.load(par_ptr + 9)
+    # the options arrive in float64 and are rounded to CDT here, as torch rounds python scalars
+    clip_lo = tl.load(par_ptr + 0).to(CDT)  # 1 - clip_low
+    clip_hi = tl.load(par_ptr + 1).to(CDT)  # 1 + clip_high
+    dual_c = tl.load(par_ptr + 2).to(CDT)
+    adv_eps = tl.load(par_ptr + 3).to(CDT)
+    log2_gamma = tl.load(par_ptr + 4)  # float64: the discount is evaluated in float64 (spec.py)
+    m_lo = tl.load(par_ptr + 5).to(CDT)
+    m_hi = tl.load(par_ptr + 6).to(CDT)
+    kl_beta = tl.load(par_ptr + 7).to(CDT)
+    ent_coef = tl.load(par_ptr + 8).to(CDT)
+    lrc = tl.load(par_ptr + 9).to(CDT)
+    tiny = tl.load(par_ptr + 10)  # smallest normal number of CDT, float64: the discount's flush level
 
     # group advantage of sequence s (zero-variance groups -> exactly 0), whether its group has zero
     # variance, and whether s is its group's first member (to count groups for the metric)
@@ -238,7 +241,9 @@ def _policy_loss_kernel(
                                 W = ((mc >= m_lo) & (mc <= m_hi)).to(tl.float64) * n_c
                     else:
                         W = w_seq.to(tl.float64) * n_c
-                    A_c = adv_s * tl.exp2((nch - ci - 1).to(CDT) * log2_gamma)
+                    disc = tl.exp2((nch - ci - 1).to(tl.float64) * log2_gamma)  # spec's underflow rule
+                    A_c = adv_s.to(tl.float64) * tl.where(disc < tiny, 0.0, disc)
+                    A_c = tl.where(tl.abs(A_c) < tiny, 0.0, A_c).to(CDT)
                     if POS_ONLY:
                         A_c = tl.maximum(A_c, 0.0)
                     sp1 = -A_c * r_seq
@@ -335,7 +340,10 @@ def _policy_loss_kernel(
                 alt = keep_m == 0
         # discounted advantage of the token's chunk
         if USE_GAMMA:
-            A = adv_s * tl.exp2((nch - R).to(CDT) * log2_gamma)
+            # spec's underflow rule: float64 discount and product, each flushed below CDT's tiny
+            disc = tl.exp2((nch - R).to(tl.float64) * log2_gamma)
+            A = adv_s.to(tl.float64) * tl.where(disc < tiny, 0.0, disc)
+            A = tl.where(tl.abs(A) < tiny, 0.0, A).to(CDT)
             if POS_ONLY:
                 A = tl.maximum(A, 0.0)
         else:

@@ -22,7 +22,8 @@ _PARAM_CACHE: dict = {}
 
 
 def _params(fo: dict, has_clamp: bool, cdt: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The scalar options as one small tensor of the compute dtype (cached: no copy per call)."""
+    """The scalar options as one small float64 tensor (cached: no copy per call); the kernel rounds
+    them to the compute dtype, except log2(gamma) and the compute dtype's smallest normal number."""
     names = ("clip_low", "clip_high", "dual_clip", "adv_eps", "gamma", "mismatch_low", "mismatch_high", "kl_beta",
              "entropy_coef", "log_ratio_clamp")
     key = tuple(fo[n] for n in names) + (has_clamp, cdt, str(device))
@@ -30,8 +31,8 @@ def _params(fo: dict, has_clamp: bool, cdt: torch.dtype, device: torch.device) -
     if t is None:
         vals = [1.0 - fo["clip_low"], 1.0 + fo["clip_high"], fo["dual_clip"], fo["adv_eps"], math.log2(fo["gamma"]),
                 fo["mismatch_low"], fo["mismatch_high"], fo["kl_beta"], fo["entropy_coef"],
-                fo["log_ratio_clamp"] if has_clamp else math.inf]
-        t = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=cdt, device=device)
+                fo["log_ratio_clamp"] if has_clamp else math.inf, torch.finfo(cdt).tiny]
+        t = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=torch.float64, device=device)
         if len(_PARAM_CACHE) > 256:
             _PARAM_CACHE.clear()
         _PARAM_CACHE[key] = t
