@@ -219,7 +219,9 @@ class PolicyTrainer:
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
-            metrics["loss"].append(float(loss.detach()) * len(mbs))
+            # the step's loss is the sum of every micro-batch's over every rank: averaged over this
+            # rank's micro-batches here and over the ranks when logged, hence the two factors
+            metrics["loss"].append(float(loss.detach()) * len(mbs) * self.world)
             for k, v in lm.items():
                 metrics[k].append(float(v))
             if ent is not None:
