@@ -62,6 +62,21 @@ def _worker(rank, world, port, stage, result_dir, tied):
     import faulthandler
 
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints where every thread was
+    try:
+        _rank_checks(rank, world, port, stage, result_dir, tied)
+    except BaseException:
+        # should the exit of a rank that raised then abort in native code (its process group still
+        # up), mp.spawn reports only the SIGABRT: the cause is printed here first
+        import sys
+        import traceback
+
+        print(f"rank {rank} raised:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+
+
+def _rank_checks(rank, world, port, stage, result_dir, tied):
     from arl.trainer import PolicyTrainer
     from arl.trainer.dist import init_distributed, set_rank_env
 
