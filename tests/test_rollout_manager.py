@@ -121,11 +121,59 @@ def test_limits_max_turns_and_total_tokens(vllm_engine, tiny_tokenizer, arun):
     assert len(t) <= 60 and t.reward == 0.0 and t.metadata["truncated"] == "max_total_tokens"
 
 
-def _manager(engine, tok, env_factory, tasks, groups_per_step, seed=None, **rollout):
+def _manager(engine, tok, env_factory, tasks, groups_per_step, seed=None, first_step=None, in_order=False,
+             **rollout):
     """A manager on the ``rollout`` config section ``rollout`` (YAML key names)."""
     return RolloutManager(engine, env_factory, tok, tasks=tasks, config=RolloutConfig(**rollout),
                           groups_per_step=groups_per_step, episode=EpisodeConfig(max_turns=3, sampling=SAMPLING),
-                          seed=seed)
+                          seed=seed, first_step=first_step, in_order=in_order)
+
+
+class EvenSlowEnv(Environment):
+    """Tasks with an even seed take longer per tool call: later groups finish first."""
+
+    system_prompt = "sys"
+    max_turns = 3
+
+    async def reset(self, seed):
+        self.seed, self.i = seed, 0
+        return f"task {seed}"
+
+    async def step(self, action_text):
+        self.i += 1
+        await asyncio.sleep(0.15 if self.seed % 2 == 0 else 0.0)
+        return StepResult("obs", float(self.i == 3), self.i == 3, {"tool": "t"})
+
+
+@pytest.mark.parametrize("held", [0, 1])
+def test_in_order_batches_sample_each_group_from_one_version(vllm_engine, tiny_tokenizer, arun, held):
+    """trainer.deterministic's rollouts: batch k holds the groups started k-th, whatever finishes
+    first, and new weights wait until the started groups are done, so every turn of a group samples
+    from the version it started at: max(0, k - staleness) batches after the first.  A resumed
+    manager whose checkpoint ``held`` the batch in flight starts after it (``first_step``), one batch
+    ahead of its weights' version: the staleness it had."""
+    G, n, k = 2, 2, 1
+
+    async def go():
+        v0 = vllm_engine.version
+        m = _manager(vllm_engine, tiny_tokenizer, EvenSlowEnv, range(100), group_size=n, groups_per_step=G,
+                     staleness=k, seed=5, first_step=v0 + held if held else None, in_order=True)
+        out = []
+        async with m:
+            for _ in range(3):
+                b = await m.get_batch()
+                out.append((b, [t.metadata["turn_versions"] for t in b.trajectories]))
+                await m.update_weights(vllm_engine.model_path)
+        return v0, out
+
+    v0, out = arun(go())
+    lag = k - held  # the batches made here that started at v0 beyond the first
+    for i, (b, versions) in enumerate(out):
+        assert b.step == v0 + held + i
+        assert [int(t.group_id) for t in b.trajectories] == sorted(int(t.group_id) for t in b.trajectories)
+        assert {t.metadata["task_seed"] for t in b.trajectories} == set(range(i * G, (i + 1) * G))
+        start = v0 + max(0, i - lag)
+        assert all(vs and set(vs) == {start} for vs in versions), (i, versions)
 
 
 def test_faults_keep_batch_size_and_filter_cap(vllm_engine, tiny_tokenizer, arun):

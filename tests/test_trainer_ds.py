@@ -1,6 +1,8 @@
-"""The DeepSpeed trainer step on 2 gloo ranks equals a single-process torch step on the whole batch:
-same loss, same global grad norm, same parameter update (ZeRO 0, 2 and 3), also for a model with
-tied input/output embeddings (one parameter, used twice in forward, stays one after the step)."""
+"""The DeepSpeed trainer step on 2 gloo ranks, 3 micro-batches each, equals a single-process torch
+step on the whole batch: the same loss, the same full gradient of every parameter (gathered from
+the ranks' partitions just before the optimizer applies it), the same global grad norm and the same
+parameter update (ZeRO 0, 2 and 3), also for a model with tied input/output embeddings (one
+parameter, used twice in forward, stays one after the step)."""
 import os
 
 import numpy as np
@@ -28,7 +30,7 @@ def tiny_model(seed=0, tied=False):
     return Qwen2ForCausalLM(cfg).float()
 
 
-def trajectories(n=12, group=4, seed=0):
+def trajectories(n=20, group=4, seed=0):
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -60,6 +62,21 @@ def _worker(rank, world, port, stage, result_dir, tied):
     import faulthandler
 
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints where every thread was
+    try:
+        _rank_checks(rank, world, port, stage, result_dir, tied)
+    except BaseException:
+        # should the exit of a rank that raised then abort in native code (its process group still
+        # up), mp.spawn reports only the SIGABRT: the cause is printed here first
+        import sys
+        import traceback
+
+        print(f"rank {rank} raised:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+
+
+def _rank_checks(rank, world, port, stage, result_dir, tied):
     from arl.trainer import PolicyTrainer
     from arl.trainer.dist import init_distributed, set_rank_env
 
@@ -74,11 +91,28 @@ def _worker(rank, world, port, stage, result_dir, tied):
     # the frozen reference starts as the policy: the same logprobs (partitioned too under ZeRO-3)
     ref_equal = all(a is None and b is None or torch.equal(a, b) for a, b in zip(raw, tr.ref_logprobs(mbs)))
     olds = [None if mb.is_empty else perturbed_old(o, mb) for mb, o in zip(mbs, raw)]
-    metrics = tr.rl_step(mbs, olds, LOSS)
-    state = {}
     import deepspeed
+    from deepspeed.utils import safe_get_full_grad
 
     params = list(tr.module.named_parameters())
+    grads = {}
+    opt_step = tr.engine.optimizer.step
+
+    def step_seeing_grads(*a, **kw):
+        # the gradient the optimizer is about to apply, whole (a collective under ZeRO-2/3: every rank)
+        if not grads:
+            grads.update({n: safe_get_full_grad(p).detach().clone() for n, p in params})
+        return opt_step(*a, **kw)
+
+    tr.engine.optimizer.step = step_seeing_grads
+    metrics = tr.rl_step(mbs, olds, LOSS)
+    tr.engine.optimizer.step = opt_step
+    from arl.trainer.dist import all_mean
+
+    logged = all_mean(metrics, tr.device)  # what the run logs: the metrics averaged over the ranks
+    n_mbs = all_mean({"n": float(len(mbs))}, tr.device)["n"]  # the packer gives every rank the same count
+    state = {}
+
     def gathered():
         return deepspeed.zero.GatheredParameters([p for _, p in params]) if stage == 3 else torch.no_grad()
 
@@ -128,7 +162,8 @@ def _worker(rank, world, port, stage, result_dir, tied):
     except RuntimeError as e:
         skip["raw_refused"] = "to_comm" in str(e)
     if rank == 0:
-        torch.save({"metrics": metrics, "state": state, "n_mb": len(mbs), "skip": skip},
+        torch.save({"metrics": metrics, "logged": logged, "grads": grads, "state": state, "n_mb": len(mbs),
+                    "mean_n_mb": n_mbs, "skip": skip},
                    os.path.join(result_dir, "ds.pt"))
     import torch.distributed as dist
 
@@ -185,8 +220,19 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tied, tmp_path):
     assert turn and "logp/success_mean" in turn
     for k, v in turn.items():
         assert ds["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-    # DeepSpeed averaged the per-rank losses (each scaled by its micro-batch count in rl_step's
-    # bookkeeping); the grad norm is global and exact
+    # several micro-batches on every rank: DeepSpeed accumulates them, then averages over the ranks
+    assert ds["n_mb"] == ds["mean_n_mb"] == 3
+    # the logged loss is the whole step's loss (the sum of the micro-batch losses, each over the
+    # step's global normalizer), whatever the number of ranks
+    assert ds["logged"]["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    # the gradient the optimizer applied, whole, per parameter: the whole batch's (the ranks' sum of
+    # micro-batch gradients); fp32 sums in another order, so relative to each parameter's own scale
+    assert sorted(ds["grads"]) == sorted(grads)
+    for n, g in grads.items():
+        scale = g.abs().max().item()
+        assert scale > 0, n  # every parameter takes part in the loss
+        torch.testing.assert_close(ds["grads"][n], g, atol=1e-5 * scale, rtol=1e-4, msg=n)
+    # the grad norm is global and exact
     assert ds["metrics"]["grad_norm"] == pytest.approx(gn, rel=1e-4)
     gmax = max(g.abs().max().item() for g in grads.values())
     for n, p in ref_state.items():

@@ -97,7 +97,8 @@ class RolloutManager:
                  tasks: Iterable[int] | None = None, config: RolloutConfig | None = None, *,
                  groups_per_step: Optional[int] = None, pool_size: int = 32, episode: Optional[EpisodeConfig] = None,
                  seed: Optional[int] = None, start_for: Callable | None = None, imitate_once_per_group: bool = True,
-                 task_row: Callable[[int], dict] | None = None):
+                 task_row: Callable[[int], dict] | None = None, first_step: Optional[int] = None,
+                 in_order: bool = False):
         """``config``: the ``rollout`` section (group size, staleness, retries, filter cap).
         ``groups_per_step``: groups in one batch (default ``config.tasks_per_step``; an engine's share
         when several engines split a batch).  ``pool_size``: live environments = episodes (and tool
@@ -106,7 +107,12 @@ class RolloutManager:
         a group whose task gets a state starts every sample from that expert prefix and its
         trajectories are tagged (``ipa_prefix_chunks``; ``ipa_imitate`` on sample 0 only when
         ``imitate_once_per_group``, else on all).  ``task_row``: task seed -> the dataset row the
-        environment's reset gets (``env.dataset``; None: the env makes the task from the seed)."""
+        environment's reset gets (``env.dataset``; None: the env makes the task from the seed).
+        ``first_step``: the index of the first batch this manager hands over (default: the engine's
+        version; a resumed run whose checkpoint holds the batches that were in flight starts after
+        them).  ``in_order``: a reproducible run (``trainer.deterministic``): batch k is groups
+        [k*G, (k+1)*G) whatever finishes first, and new weights wait until the started groups are
+        done, so every group samples from its start version alone."""
         self.engine, self.task_row = engine, task_row
         self.start_for, self.imitate_once = start_for, imitate_once_per_group
         self.cfg = config if config is not None else RolloutConfig()
@@ -120,9 +126,11 @@ class RolloutManager:
         self.pool = EnvPool(env_factory, pool_size)
         self._tasks: Iterator[int] = iter(tasks if tasks is not None else itertools.count())
         # versions are the engine's; step counts from the version the manager starts at (a
-        # resumed trainer at step s starts with an engine at version s)
-        self.version = self._base = engine.version
-        self.step = engine.version  # index of the next batch, in policy versions
+        # resumed trainer at step s starts with an engine at version s), or from ``first_step``
+        # past the batches the checkpoint held; the gate counts groups from there
+        self.version = engine.version
+        self.step = self._base = engine.version if first_step is None else int(first_step)  # the next batch's index
+        self.in_order = in_order
         self._groups: list = []  # started, not yet consumed (oldest first)
         self._started = 0
         self._extra = 0  # groups taken by get_groups (dynamic sampling): each lets one more start
@@ -166,6 +174,10 @@ class RolloutManager:
 
     async def update_weights(self, weights_dir: str | os.PathLike, version: int | None = None) -> None:
         """Sync the trainer's weights into the engine; opens the generation gate by one step."""
+        if self.in_order:
+            async with self._cond:
+                while not self._settled():
+                    await self._cond.wait()
         await self.engine.update_weights(weights_dir, version)
         async with self._cond:
             self.version = self.engine.version
@@ -182,14 +194,20 @@ class RolloutManager:
         async with self._cond:
             while True:
                 self._raise_if_failed()
-                due = [g for g in self._groups if g.start_version + k <= self.step]
                 finished = [g for g in self._groups if g.done]
-                if all(g.done for g in due) and len(finished) >= G:
-                    break
+                if self.in_order:
+                    picked = self._oldest(G)
+                    if picked is not None:
+                        break
+                else:
+                    due = [g for g in self._groups if g.start_version + k <= self.step]
+                    if all(g.done for g in due) and len(finished) >= G:
+                        picked = due + [g for g in sorted(finished, key=lambda g: (g.start_version, g.gid))
+                                        if g not in due]
+                        break
                 if self._exhausted and not self._tasks_running and len(finished) < G:
                     raise ValueError("tasks: exhausted before a full batch could be formed")
                 await self._cond.wait()
-            picked = due + [g for g in sorted(finished, key=lambda g: (g.start_version, g.gid)) if g not in due]
             self.step += 1
             return self._hand_over(picked[:G])
 
@@ -209,12 +227,29 @@ class RolloutManager:
             while True:
                 self._raise_if_failed()
                 finished = [g for g in self._groups if g.done]
-                if len(finished) >= n:
+                picked = self._oldest(n) if self.in_order else (
+                    sorted(finished, key=lambda g: (g.start_version, g.gid))[:n] if len(finished) >= n else None)
+                if picked is not None:
                     break
                 if self._exhausted and not self._tasks_running:
                     raise ValueError(f"tasks: exhausted with {len(finished)} of {n} extra groups formed")
                 await self._cond.wait()
-            return self._hand_over(sorted(finished, key=lambda g: (g.start_version, g.gid))[:n])
+            return self._hand_over(picked)
+
+    def _oldest(self, n: int) -> Optional[list]:
+        """The ``n`` oldest unconsumed groups once all of them are done, else None."""
+        oldest = sorted(self._groups, key=lambda g: g.gid)[:n]
+        return oldest if len(oldest) == n and all(g.done for g in oldest) else None
+
+    def _gate(self) -> int:
+        """How many groups may have been started at the current version."""
+        return (self.version - self._base + self.cfg.staleness + 1) * self.groups_per_step + self._extra
+
+    def _settled(self) -> bool:
+        """Every group the gate lets start has started and finished (``in_order``'s weight swap)."""
+        if self._error is not None or self._producer is None:
+            return True
+        return all(g.done for g in self._groups) and (self._exhausted or self._started >= self._gate())
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -231,11 +266,10 @@ class RolloutManager:
 
     # --- generation side ---
     async def _produce(self) -> None:
-        G, k = self.groups_per_step, self.cfg.staleness
         try:
             while True:
                 async with self._cond:
-                    while self._started >= (self.version - self._base + k + 1) * G + self._extra:
+                    while self._started >= self._gate():
                         self.counters["gate_waits"] += 1
                         await self._cond.wait()  # trainer lags: generation pauses
                     try:
@@ -247,6 +281,7 @@ class RolloutManager:
                     g = _Group(self._started, seed, self.version)
                     self._groups.append(g)
                     self._started += 1
+                    self._cond.notify_all()
                 t = asyncio.create_task(self._run_group(g))
                 self._tasks_running.add(t)
                 t.add_done_callback(self._tasks_running.discard)

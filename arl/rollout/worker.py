@@ -7,6 +7,8 @@ It hands its share of every batch to trainer rank 0 on ``batches`` and takes ord
   ``("join_sync", host, port, world, backend)``  the engine's workers join the weight-sync group;
   ``("weights", source, version, chooser_state)`` new weights (a directory, or ``FromGroup``);
   ``("eval", version, n)``                       greedy held-out evaluation on ``n`` tasks;
+  ``("start", step)``                            (before the first weights) the first batch to make:
+                                                 a resumed run's checkpoint holds the ones before it;
   ``("stop",)``.
 
 It sends ``("batch", engine, RolloutBatch)``, ``("eval", version, success)``, ``("stopped", engine)``
@@ -174,6 +176,7 @@ class RolloutWorker:
         self.synced, self.stop = asyncio.Event(), asyncio.Event()
         self.closing = threading.Event()  # the order-taking thread returns once this is set
         self.evals: set = set()
+        self.first_step: Optional[int] = None  # None: the version of the first weights
 
     async def run(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
@@ -189,7 +192,8 @@ class RolloutWorker:
             n_engines = cfg.num_engines()
             # the trainer's version decides where the tasks resume (this node's own view of the
             # checkpoint directory may not be the trainer's)
-            tasks = engine_task_seeds(self.engine.version, r.tasks_per_step, self.index, n_engines)
+            first = self.engine.version if self.first_step is None else self.first_step
+            tasks = engine_task_seeds(first, r.tasks_per_step, self.index, n_engines)
             self.engine.idle_stats(reset=True)  # rates count from here, not from the engine's start
             chooser = self.hooks.start_chooser
             self.manager = RolloutManager(
@@ -197,7 +201,8 @@ class RolloutWorker:
                 groups_per_step=r.tasks_per_step // n_engines, pool_size=cfg.env.pool_size,
                 episode=episode_config(cfg), seed=cfg.seed, task_row=self.tasks.row if self.tasks else None,
                 start_for=expert_start_hook(cfg, self.fmt, chooser) if chooser is not None else None,
-                imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group)
+                imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group, first_step=first,
+                in_order=cfg.trainer.deterministic)
             async with self.manager:
                 await self._produce(orders)
         finally:
@@ -253,6 +258,8 @@ class RolloutWorker:
             if kind == "join_sync":
                 _, host, port, world, backend = msg
                 await self.engine.join_weight_sync(host, port, world, backend)
+            elif kind == "start":
+                self.first_step = int(msg[1])
             elif kind == "weights":
                 await self._load_weights(*msg[1:])
             elif kind == "eval":

@@ -3,6 +3,9 @@
     step<N>/          DeepSpeed's checkpoint of step N (model, optimizer, client state: the run's clock,
                       the stabilizers' state), tag ``step<N>``
     step<N>/hf/       the policy of step N in HF format with the tokenizer (``trainer.checkpoint_hf``)
+    step<N>/rollouts.pkl  the batches of steps N+1 .. N+staleness, generated (from older policies) while
+                      step N trained: the rollouts in flight, which a resumed run trains on as the
+                      uninterrupted run did instead of regenerating them from policy N
     latest_step       N of the newest complete checkpoint: what ``--resume`` and a rollback load
     latest            DeepSpeed's own pointer (not read by arl)
 
@@ -12,6 +15,8 @@ crash at any point leaves a whole checkpoint to resume from.
 """
 from __future__ import annotations
 
+import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -19,6 +24,7 @@ from typing import Optional
 
 LATEST_FILE = "latest_step"
 HF_DIR = "hf"
+ROLLOUTS_FILE = "rollouts.pkl"
 _TAG = re.compile(r"step(\d+)")
 
 
@@ -29,6 +35,27 @@ def checkpoint_tag(step: int) -> str:
 def latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
     f = Path(ckpt_dir) / LATEST_FILE
     return int(f.read_text()) if f.exists() else None
+
+
+def save_rollouts(step_dir: Path, batches: list) -> None:
+    """The rollouts in flight at checkpoint ``step_dir`` (a list of ``RolloutBatch``), written whole
+    or not at all."""
+    path = Path(step_dir) / ROLLOUTS_FILE
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(list(batches), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_rollouts(step_dir: Path) -> list:
+    """What ``save_rollouts`` wrote; [] for a checkpoint without (none in flight, or an older run)."""
+    path = Path(step_dir) / ROLLOUTS_FILE
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def checkpoint_steps(ckpt_dir: Path) -> list:

@@ -27,6 +27,7 @@ class RolloutLink:
         self.batches, self.orders, self.on_eval = batches, list(orders), on_eval
         self._pending: List[deque] = [deque() for _ in self.orders]
         self._stopped: set = set()
+        self._ready: deque = deque()  # merged batches received ahead of their step (checkpoint, resume)
 
     @property
     def engines(self) -> int:
@@ -54,6 +55,20 @@ class RolloutLink:
 
     def next_batch(self):
         """The next step's batch: one from every engine, merged (waits for the slowest)."""
+        return self._ready.popleft() if self._ready else self._receive()
+
+    def ahead(self, n: int) -> list:
+        """The next ``n`` steps' batches, received now (waiting for them) and kept for
+        ``next_batch``: the rollouts in flight, which a checkpoint holds."""
+        while len(self._ready) < n:
+            self._ready.append(self._receive())
+        return list(self._ready)[:n]
+
+    def preload(self, batches: Sequence) -> None:
+        """Batches a resumed run's checkpoint held: the next steps take them first."""
+        self._ready.extend(batches)
+
+    def _receive(self):
         while not all(self._pending):
             self._take(self.batches.get())
         return merge_batches([d.popleft() for d in self._pending])

@@ -23,6 +23,7 @@ from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
 from ..stabilizers.ipa import ipa_mixed_loss
+from . import faults
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 
 
@@ -268,7 +269,10 @@ class PolicyTrainer:
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
-            metrics["loss"].append(float(loss.detach()) * len(mbs))
+            faults.reached("backward")  # test-only kill point (arl/trainer/faults.py)
+            # the step's loss is the sum of every micro-batch's over every rank: averaged over this
+            # rank's micro-batches here and over the ranks when logged, hence the two factors
+            metrics["loss"].append(float(loss.detach()) * len(mbs) * self.world)
             for k, v in lm.items():
                 metrics[k].append(float(v))
             if ent is not None:

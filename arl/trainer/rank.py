@@ -7,8 +7,10 @@ One step, as ``TrainerRank.step`` reads:
     weight sync -> log -> checkpoint                          every rank joins; rank 0 sends and writes
 
 Trainer rank 0 also holds the stabilizers' state and the link to the rollout processes.
-Determinism: with ``rollout.staleness: 0`` and fixed seeds, step k is generated from version k on
-tasks [k*G, (k+1)*G) with per-sample seeds, so a resumed run reproduces an uninterrupted one.
+Determinism: with ``trainer.deterministic: true`` and fixed seeds, step k is generated from version
+max(0, k - staleness) on tasks [k*G, (k+1)*G) with per-sample seeds (arl/rollout/manager.py,
+``in_order``); a checkpoint holds the batches in flight, so a resumed run reproduces an
+uninterrupted one (tests/test_train_e2e.py says where bitwise and where not).
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from ..data.packer import PackerConfig, pack_step
 from ..metrics import MetricsLogger, trajectory_metrics
 from ..procs import die_with_parent
 from ..stabilizers import Stabilizers
-from .checkpoints import HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint, rotate_checkpoints
+from . import faults
+from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint, load_rollouts, rotate_checkpoints,
+                          save_rollouts)
 from .dist import (all_mean, barrier, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env,
                    shutdown)
 from .link import RolloutLink
@@ -149,6 +153,10 @@ class TrainerRank:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode)
         if resume_step is not None:
             self._restore(resume_step, restore_clock=True)
+            if rank == 0:  # the rollouts that were in flight come first; the engines start after them
+                held = load_rollouts(self.ckpt_dir / checkpoint_tag(resume_step))
+                self.link.preload(held)
+                self.link.broadcast(("start", resume_step + len(held)))
         self.sync = WeightSender(cfg, self.tr, rank, self.link, sync_addr)
         self.sync_weights(self.start_step)
         if rank == 0 and resume_step is None and (sft_metrics or 0 in self.evals):
@@ -183,6 +191,7 @@ class TrainerRank:
     def step(self, step: int):
         """One RL step; returns ``(alarm action, out of time)``, the same on every rank."""
         ts = time.perf_counter()
+        faults.step_started(step + 1)
         mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
         wait_s = time.perf_counter() - ts
         m = all_mean(update_on_batch(self.tr, mbs, loss_cfg, self.cfg.trainer.updates_per_batch), self.tr.device)
@@ -245,6 +254,8 @@ class TrainerRank:
         if self.cfg.trainer.checkpoint_hf:  # a collective under ZeRO-3; rank 0 writes
             self.tr.export_hf(str(self.ckpt_dir / tag / HF_DIR), tokenizer=self.tokenizer if self.rank == 0 else None)
         if self.rank == 0:
+            # the next steps' batches, generated while this one trained: they belong to this state
+            save_rollouts(self.ckpt_dir / tag, self.link.ahead(min(self.cfg.rollout.staleness, self.steps - version)))
             (self.ckpt_dir / LATEST_FILE).write_text(str(version))
             rotate_checkpoints(self.ckpt_dir, self.cfg.trainer.keep_last, current=version)
         barrier()  # a rollback right after this reads the same latest_step on every rank

@@ -1,7 +1,7 @@
 """The trainer's side of the weight sync: after every update, the new policy reaches every engine.
 
-``file`` (the CPU default): trainer rank 0 writes the weights to shared memory and orders each
-engine to reload them.  ``group`` (the GPU default): trainer rank 0 broadcasts every tensor over a
+``file`` (the CPU default): trainer rank 0 writes the weights to shared memory (a directory per
+version) and orders each engine to reload them.  ``group`` (the GPU default): trainer rank 0 broadcasts every tensor over a
 process group straight into the engines' workers (arl/rollout/weight_sync.py), the first sync
 having them join it.  Either way the order carries the new policy version and the IPA start
 chooser's state (it advances with the trainer's steps).  Colocated (``layout.colocate``) the file
@@ -21,6 +21,7 @@ from ..rollout.colocate import trainer_turn_ends
 from ..rollout.engine import write_sync_weights
 from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
 from ..rollout.worker import engine_workers
+from . import faults
 from .link import RolloutLink
 from .policy import PolicyTrainer
 
@@ -48,14 +49,23 @@ class WeightSender:
             return
         state = untied_state(state, self.tied)
         if self.mode == "file":
-            write_sync_weights(state, self.weights_dir)
-            self.link.broadcast(("weights", str(self.weights_dir), version, chooser_state))
+            # one directory per version: an engine may take an order only after the trainer has
+            # written newer weights (staleness > 0, a resumed run's held batches), and must load
+            # the version the order names.  Orders older than staleness + 1 versions are taken
+            # (the batch the trainer just trained on needed one of them), so their files go
+            d = write_sync_weights(state, self.weights_dir / f"v{version}")
+            for old in self.weights_dir.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) < version - self.cfg.rollout.staleness - 1:
+                    shutil.rmtree(old, ignore_errors=True)
+            faults.reached("sync")  # test-only kill point (arl/trainer/faults.py)
+            self.link.broadcast(("weights", str(d), version, chooser_state))
             return
         if self.group is None:  # first sync: the engines' workers join, then every sync is broadcasts
             n, backend = 1 + self.link.engines * engine_workers(self.cfg), sender_backend(self.tr.device)
             self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend))  # rank 0 is the source
             self.group = make_group(self.addr[0], self.addr[1], 0, n, backend)
         self.link.broadcast(("weights", FromGroup(tensor_meta(state)), version, chooser_state))
+        faults.reached("sync")
         send(self.group, state, self.tr.device)  # returns once every engine has received every tensor
 
     def close(self) -> None:
