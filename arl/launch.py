@@ -51,7 +51,7 @@ from .data import load_demonstrations
 from .env import check_env, env_class, env_kwargs
 from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
-from .procs import free_port
+from .procs import exit_process, free_port
 from .rollout.colocate import ready_file, wait_ready
 from .rollout.episode import ChatFormat
 from .rollout.expert import sft_demonstrations, sft_source
@@ -141,7 +141,7 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
         if cfg.layout.colocate:  # the engines start (and go to sleep) before the trainers take the device
             wait_ready(ready, alive=lambda: all(r.is_alive() for r in rolls))
         sync_addr = ("127.0.0.1", free_port())  # used with rollout.weight_sync: group
-        mp.start_processes(trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
+        mp.start_processes(_spawned_trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
                                                batches, orders, resume, me, sync_addr),
                            nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
     finally:
@@ -152,6 +152,14 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
         for f in ready:
             f.unlink(missing_ok=True)
     return run_dir
+
+
+def _spawned_trainer_rank(*args) -> None:
+    """A trainer rank started by this launcher: once it has finished and closed everything, the
+    process ends without a finalization that could abort after the fact (``exit_process``).  A
+    failure raises as usual, for the launcher to report."""
+    trainer_rank(*args)
+    exit_process(0)
 
 
 # ---------------------------------------------------------------- torchrun / deepspeed: roles

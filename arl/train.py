@@ -102,4 +102,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if under_launcher():  # a torchrun process whose process group is gone: no finalization (exit_process)
+        from .procs import exit_process
+
+        exit_process(code)
+    sys.exit(code)

@@ -136,6 +136,9 @@ def _worker(rank, world, port, stage, result_dir):
 
     dist.barrier()
     dist.destroy_process_group()
+    from arl.procs import exit_process
+
+    exit_process(0)  # as the launcher's ranks end: no finalization after the group is gone
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -74,6 +74,9 @@ def _worker(rank, world, port, stage, result_dir, tied):
         traceback.print_exc()
         sys.stderr.flush()
         raise
+    from arl.procs import exit_process
+
+    exit_process(0)  # as the launcher's ranks end: no finalization after the group is gone
 
 
 def _rank_checks(rank, world, port, stage, result_dir, tied):
