@@ -1,4 +1,5 @@
-"""Packing benchmark: arl's packer vs a padded baseline and a greedy first-fit packer.
+"""Packing benchmark: arl's packer vs padded baselines (arrival order, and length-sorted), an LPT
+balancer and a greedy first-fit packer.
 
 A step of ``--n`` trajectories with lognormal lengths clipped to [min_len, max_len] (GRPO groups of
 ``--group-size``) goes to ``--ranks`` data-parallel ranks under a ``--token-budget`` per micro-batch.
@@ -6,6 +7,7 @@ A step of ``--n`` trajectories with lognormal lengths clipped to [min_len, max_l
   padded     arrival order, micro-batches of a fixed sequence count (budget // max_len), each padded
              to its longest sequence, dealt round-robin to ranks;
   first_fit  arrival order, varlen micro-batches filled first-fit under the budget, dealt round-robin;
+  sorted_pad, lpt  the two strong baselines of the measured part below, scored by the same model;
   arl        arl.data.pack_step (Karmarkar-Karp over ranks, bucketed best-fit, groups kept whole).
 
 Figures (means over seeds; the rank load ratio also as the worst seed):
@@ -201,6 +203,21 @@ def run_plan(model, trajs, plan, pad: bool):
     return np.asarray(out)
 
 
+def plan_figures(plan, lengths, ranks, budget, attn, pad: bool):
+    """Cost-model figures of a plan (sequence-index micro-batches per rank)."""
+    slots, real, comp, rank_of = [], [], [], []
+    for r, mbs in enumerate(plan):
+        for mb in mbs:
+            L = lengths[mb]
+            width = int(L.max()) if pad else None
+            slots.append(len(mb) * width if pad else int(L.sum()))
+            real.append(int(L.sum()))
+            comp.append(len(mb) * float(estimated_compute([width], attn)[0]) if pad
+                        else float(estimated_compute(L, attn).sum()))
+            rank_of.append(r)
+    return figures(slots, real, comp, rank_of, ranks, budget)
+
+
 def arl_plan(trajs, ranks, budget, attn, seed):
     """arl's micro-batches as sequence-index lists per rank (the packer's own truncation aside)."""
     ps = pack_step(trajs, PackerConfig(token_budget=budget, num_ranks=ranks, attn_coef=attn, seed=seed))
@@ -298,7 +315,7 @@ def main():
         raise SystemExit(f"--token-budget={a.token_budget} must be >= --max-len={a.max_len}")
     per_mb = max(1, a.token_budget // a.max_len)
     seeds = range(1 if a.quick else a.seeds)
-    rows = {"arl": [], "padded": [], "first_fit": []}
+    rows = {"arl": [], "padded": [], "first_fit": [], "sorted_pad": [], "lpt": []}
     totals = []
     for seed in seeds:
         rng = np.random.default_rng(seed)
@@ -307,6 +324,10 @@ def main():
         rows["arl"].append(arl_packer(trajs, lengths, a.ranks, a.token_budget, a.attn_coef, seed))
         rows["padded"].append(padded_baseline(lengths, a.ranks, a.token_budget, per_mb, a.attn_coef))
         rows["first_fit"].append(first_fit_baseline(lengths, a.ranks, a.token_budget, a.attn_coef))
+        rows["sorted_pad"].append(plan_figures(sorted_pad_plan(lengths, a.ranks, a.token_budget), lengths, a.ranks,
+                                               a.token_budget, a.attn_coef, pad=True))
+        rows["lpt"].append(plan_figures(lpt_plan(lengths, a.ranks, a.token_budget, a.attn_coef), lengths, a.ranks,
+                                        a.token_budget, a.attn_coef, pad=False))
         r = rows["arl"][-1]
         print(f"seed {seed}: tokens {int(lengths.sum())}  arl waste {r['padding_waste_pct']:.2f}% "
               f"load {r['rank_load_max_over_mean']:.4f} mbs {r['micro_batches']}  |  padded waste "
@@ -338,7 +359,12 @@ def main():
         "first_fit_lockstep_max_over_mean": res["first_fit"]["lockstep_max_over_mean"],
         "first_fit_micro_batches_per_rank_min_max": [res["first_fit"]["micro_batches_per_rank_min"],
                                                      res["first_fit"]["micro_batches_per_rank_max"]],
-        "baselines": {"padded": res["padded"], "first_fit": res["first_fit"]},
+        "sorted_pad_padding_waste_pct": res["sorted_pad"]["padding_waste_pct"],
+        "sorted_pad_rank_load_max_over_mean": res["sorted_pad"]["rank_load_max_over_mean"],
+        "sorted_pad_lockstep_max_over_mean": res["sorted_pad"]["lockstep_max_over_mean"],
+        "lpt_rank_load_max_over_mean": res["lpt"]["rank_load_max_over_mean"],
+        "lpt_lockstep_max_over_mean": res["lpt"]["lockstep_max_over_mean"],
+        "baselines": {k: res[k] for k in ("padded", "first_fit", "sorted_pad", "lpt")},
         "config": {"n": a.n, "ranks": a.ranks, "token_budget": a.token_budget, "min_len": a.min_len,
                    "max_len": a.max_len, "median": a.median, "sigma": a.sigma, "group_size": a.group_size,
                    "attn_coef": a.attn_coef, "seeds": len(seeds), "padded_seqs_per_micro_batch": per_mb},
