@@ -64,20 +64,13 @@ def train_mode_randomness(model: torch.nn.Module) -> list:
     return found
 
 
-DS_BUCKET = 500_000_000  # DeepSpeed's default reduce / all-gather bucket, in elements
-
-
-def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype, n_params: int = DS_BUCKET) -> dict:
-    # ZeRO allocates a whole bucket per backward (1.9 GiB in fp32 at the default) even for a model
-    # smaller than it; a bucket of the model's size holds every gradient, as the default does there
-    bucket = max(1, min(DS_BUCKET, int(n_params)))
+def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,  # step() is the boundary: any number of micro-batches
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True,
-                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True},
         "zero_allow_untested_optimizer": True,  # torch AdamW: no run-time C++ build of DeepSpeed's Adam
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": False},
@@ -107,8 +100,7 @@ class PolicyTrainer:
         self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype,
-                                                                          sum(p.numel() for p in params)))
+            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype))
         self.world = world_size()
         self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
         self.last_old_logps: list = []  # the old logprobs the last rl_step trained against
