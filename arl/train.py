@@ -24,6 +24,7 @@ from .config import ConfigError, dump_config, load_config
 from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 from .model.resolve import arch_mismatches, resolve_model
+from .procs import exit_process
 
 
 def parse_args(argv=None):
@@ -104,7 +105,5 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     code = main()
     if under_launcher():  # a torchrun process whose process group is gone: no finalization (exit_process)
-        from .procs import exit_process
-
         exit_process(code)
     sys.exit(code)
