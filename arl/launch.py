@@ -145,13 +145,19 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
                                                batches, orders, resume, me, sync_addr),
                            nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
     finally:
-        for roll in rolls:
-            roll.join(timeout=60)
-            if roll.is_alive():
-                roll.terminate()
+        _reap(rolls)
         for f in ready:
             f.unlink(missing_ok=True)
     return run_dir
+
+
+def _reap(procs) -> None:
+    """The rollout processes, once the trainers are done: a minute to stop on their own, then
+    terminated."""
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.terminate()
 
 
 def _spawned_trainer_rank(*args) -> None:
@@ -310,9 +316,7 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
                      sync_addr=sync_addr)
     finally:
         if engine_proc is not None:
-            engine_proc.join(timeout=60)
-            if engine_proc.is_alive():
-                engine_proc.terminate()
+            _reap([engine_proc])
             ready_file(str(port), role.engine).unlink(missing_ok=True)
     return Path(cfg.output_dir) if r == 0 else None
 

@@ -185,7 +185,7 @@ def run_steps(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from arl.stabilizers import Stabilizers
-    from arl.trainer.rank import engine_mismatch
+    from arl.trainer.rank import update_on_batch
 
     start_rank(args.device)
     cfg, batches = load_prepared(args.data)
@@ -205,12 +205,10 @@ def run_steps(args) -> dict:
         mbs, loss_cfg = step_batch(cfg, stab, batches[step % len(batches)], step)
         sync(args.device)
         t0 = time.perf_counter()
-        old = tr.old_logprobs(mbs)
-        for _ in range(updates(cfg, args)):
-            m = tr.rl_step(mbs, old, loss_cfg)
+        m = update_on_batch(tr, mbs, loss_cfg, updates(cfg, args))  # the trainer's own step
         sync(args.device)
         dt = time.perf_counter() - t0
-        m.update(engine_mismatch(mbs, old))
+        old = tr.last_old_logps
         tokens = sum(mb.num_tokens for mb in mbs)
         steps.append({"step": step, "time_s": dt, "tokens": int(tokens), "tokens_per_s": tokens / dt,
                       **{k: float(v) for k, v in m.items()}})
@@ -364,6 +362,7 @@ def cmd_perf(args) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from arl.stabilizers import Stabilizers
+    from arl.trainer.rank import update_on_batch
 
     start_rank(args.device)
     cfg, batches = load_prepared(args.data)
@@ -384,17 +383,16 @@ def cmd_perf(args) -> int:
             mb.rollout_logp = torch.where(mb.loss_mask, lp.cpu(), torch.zeros_like(lp.cpu()))
     lens = [int(n) for mb in mbs for n in (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()]
     tokens = sum(lens)
-    n_up = updates(cfg, args)  # the old-logprob forward, then each update's forward+backward
-    flops = model_flops(arch, lens, forward_passes=1 + n_up, backward_passes=n_up)
+    n_up = updates(cfg, args)  # the old-logprob forward (when the step needs it), then each update's fwd+bwd
+    n_old = 1 if tr.old_pass_needed(n_up) else 0
+    flops = model_flops(arch, lens, forward_passes=n_old + n_up, backward_passes=n_up)
     times = []
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.warmup + args.steps):
         sync(args.device)
         t0 = time.perf_counter()
-        old = tr.old_logprobs(mbs)
-        for _ in range(updates(cfg, args)):
-            m = tr.rl_step(mbs, old, loss_cfg)
+        m = update_on_batch(tr, mbs, loss_cfg, n_up)
         sync(args.device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)

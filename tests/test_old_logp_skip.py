@@ -14,6 +14,8 @@ from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.ops.policy_loss import LossConfig
 
+from two_rank import random_chunk_ids, tiny_qwen
+
 # token-level truncated mismatch weight: the old logprobs reach the loss twice (ratio and weight)
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28, mismatch_level="token", mismatch_mode="truncate",
                   mismatch_high=2.0)
@@ -22,12 +24,7 @@ BUDGET = 96  # tokens per micro-batch: several micro-batches per rank
 
 
 def tiny_model(dropout=0.0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=256, attention_dropout=dropout)
-    return Qwen2ForCausalLM(cfg).float()
+    return tiny_qwen(attention_dropout=dropout)
 
 
 def trajectories(n=16, group=4, seed=0, ipa=False):
@@ -35,13 +32,7 @@ def trajectories(n=16, group=4, seed=0, ipa=False):
     out = []
     for i in range(n):
         L = int(rng.integers(12, 48))
-        chunk = np.full(L, -1, dtype=np.int32)
-        pos, k = int(rng.integers(2, 6)), 0
-        while pos < L - 1:
-            span = int(rng.integers(1, 8))
-            chunk[pos:pos + span] = k
-            k += 1
-            pos += span + int(rng.integers(1, 5))
+        chunk = random_chunk_ids(rng, L)
         meta = {"ipa_prefix_chunks": 1, "ipa_imitate": i % group == 0} if ipa else {}
         # near the model's own logprobs (log 1/64 = -4.2), so the mismatch weight varies and truncates
         out.append(Trajectory(tokens=rng.integers(0, 64, L), chunk_ids=chunk,

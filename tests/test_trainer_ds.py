@@ -17,17 +17,14 @@ from arl.model.tied import is_tied
 from arl.ops.policy_loss import LossConfig, policy_loss
 from arl.stabilizers.advantages import step_advantages
 
+from two_rank import random_chunk_ids, tiny_qwen
+
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
 
 
 def tiny_model(seed=0, tied=False):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=tied)
-    return Qwen2ForCausalLM(cfg).float()
+    return tiny_qwen(seed, tie_word_embeddings=tied)
 
 
 def trajectories(n=20, group=4, seed=0):
@@ -35,13 +32,7 @@ def trajectories(n=20, group=4, seed=0):
     out = []
     for i in range(n):
         L = int(rng.integers(12, 60))
-        chunk = np.full(L, -1, dtype=np.int32)
-        pos, k = int(rng.integers(2, 6)), 0
-        while pos < L - 1:
-            span = int(rng.integers(1, 8))
-            chunk[pos:pos + span] = k
-            k += 1
-            pos += span + int(rng.integers(1, 5))
+        chunk = random_chunk_ids(rng, L)
         out.append(Trajectory(tokens=rng.integers(0, 64, L), chunk_ids=chunk,
                               rollout_logp=rng.normal(0, 1, L).astype(np.float32),  # used as old-logp noise
                               reward=float(rng.random() > 0.5), group_id=i // group))

@@ -105,7 +105,7 @@ def update_on_batch(tr: PolicyTrainer, mbs, loss_cfg, updates: int) -> dict:
     m = {}
     for _ in range(updates):
         m = tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
-    m.update(engine_mismatch(mbs, old if old is not None else tr.last_old_logps))
+    m.update(engine_mismatch(mbs, tr.last_old_logps))  # the old logprobs the updates used
     return m
 
 
