@@ -5,6 +5,9 @@ Each panel is a title and a list of glob patterns over metric keys (``fnmatch``)
 matches under any prefix (``clip_frac`` matches ``train/clip_frac``).  Panels with no matching key in any run are
 left out.  Several runs share each panel (one colour per run, one line style per series), which is
 how IPA and GRPO runs are compared.
+
+``--group NAME=DIR,DIR,...`` (repeatable) draws one metric (``--key``, default held-out success)
+instead: per group the mean over its runs and their min-max band, e.g. one method's seeds.
 """
 from __future__ import annotations
 
@@ -110,14 +113,84 @@ def plot_runs(run_dirs: Sequence, out: Optional[str] = None, x: str = "step", nc
     return path
 
 
+def _group_curve(run_dirs: Sequence, key: str, xkey: str):
+    """Mean, min and max of ``key`` over runs, on the union of their x values: each run holds its
+    last value until its next record (a step function: what the run had reached by then); a run
+    counts only from its first record on."""
+    series = []
+    for d in run_dirs:
+        pts = [(r[xkey], r[key]) for r in load_run(d) if r.get(key) is not None and r.get(xkey) is not None]
+        if pts:
+            series.append(sorted(pts))
+    xs = sorted({x for s in series for x, _ in s})
+    mean, lo, hi = [], [], []
+    for x in xs:
+        vals = [next(v for px, v in reversed(s) if px <= x) for s in series if s[0][0] <= x]
+        mean.append(sum(vals) / len(vals))
+        lo.append(min(vals))
+        hi.append(max(vals))
+    return xs, mean, lo, hi, len(series)
+
+
+def plot_groups(groups: dict, out, key: str = "success/heldout", x: str = "wall") -> Path:
+    """One panel of ``key`` vs ``x``: per group (a name and its runs, e.g. one method's seeds) the
+    mean over its runs and the min-max band; returns the PNG's path."""
+    if x not in X_AXES:
+        raise ValueError(f"x: {x!r} not in {sorted(X_AXES)}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = 0
+    for i, (name, dirs) in enumerate(groups.items()):
+        xs, mean, lo, hi, n = _group_curve(dirs, key, X_AXES[x])
+        if not xs:
+            continue
+        c = colors[i % len(colors)]
+        ax.step(xs, mean, where="post", color=c, lw=1.6, label=f"{name} (n={n})")
+        if n > 1:
+            ax.fill_between(xs, lo, hi, step="post", color=c, alpha=0.15)
+        drawn += 1
+    if not drawn:
+        raise ValueError(f"no run of {sorted(groups)} has {key!r}")
+    ax.set_xlabel("wall time (s)" if x == "wall" else "step")
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _parse_group(spec: str):
+    name, sep, dirs = spec.partition("=")
+    if not sep or not name or not dirs:
+        raise ValueError(f"--group: {spec!r} is not NAME=DIR[,DIR...]")
+    return name, [d for d in dirs.split(",") if d]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arl.plot", description="Render run directories into a PNG of curves.")
-    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    ap.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
+    ap.add_argument("--group", action="append", default=[], metavar="NAME=DIR[,DIR...]",
+                    help="instead of RUN_DIRs: mean and min-max band of --key over each group's runs")
+    ap.add_argument("--key", default="success/heldout", help="the metric of --group plots")
     ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png of the first run)")
     ap.add_argument("--x", default="step", choices=sorted(X_AXES), help="x axis: step or wall time")
     args = ap.parse_args(argv)
     try:
-        path = plot_runs(args.run_dirs, args.out, args.x)
+        if args.group:
+            if args.run_dirs:
+                raise ValueError("give RUN_DIRs or --group, not both")
+            path = plot_groups(dict(_parse_group(g) for g in args.group), args.out or "curves.png", args.key, args.x)
+        else:
+            path = plot_runs(args.run_dirs, args.out, args.x)
     except (ValueError, OSError) as e:
         print(f"arl.plot: error: {e}", file=sys.stderr)
         return 2

@@ -355,3 +355,25 @@ def test_plot_errors(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         runpy.run_module("arl.plot", run_name="__main__")
     assert e.value.code == 2 and "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_plot_groups_mean_and_band(tmp_path, capsys):
+    from arl.plot import _group_curve
+
+    for i, speed in enumerate((3.0, 6.0)):
+        _synthetic_run(tmp_path / f"ipa{i}", speed=speed)
+    _synthetic_run(tmp_path / "grpo0", speed=9.0)
+    out = tmp_path / "groups.png"
+    args = ["--group", f"ipa={tmp_path / 'ipa0'},{tmp_path / 'ipa1'}", "--group", f"grpo={tmp_path / 'grpo0'}",
+            "--x", "wall", "--out", str(out)]
+    assert plot_main(args) == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    xs, mean, lo, hi, n = _group_curve([tmp_path / "ipa0", tmp_path / "ipa1"], "success/heldout", "wall_s")
+    assert n == 2 and xs == [2.0 * s for s in range(12)]
+    p = [0.9 * (1 - math.exp(-s / 3.0)) for s in range(12)], [0.9 * (1 - math.exp(-s / 6.0)) for s in range(12)]
+    assert mean == pytest.approx([(a + b) / 2 for a, b in zip(*p)])
+    assert lo == pytest.approx(p[1]) and hi == pytest.approx(p[0])
+    capsys.readouterr()
+    assert plot_main(["--group", "broken", "--out", str(out)]) == 2
+    assert "NAME=DIR" in capsys.readouterr().err
+    assert plot_main([str(tmp_path / "ipa0"), "--group", f"x={tmp_path / 'ipa0'}"]) == 2
+    assert plot_main(["--group", f"x={tmp_path / 'ipa0'}", "--key", "nope/none", "--out", str(out)]) == 2

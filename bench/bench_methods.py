@@ -1,0 +1,310 @@
+"""The method table: RL methods (and continued SFT) from one SFT start, one wall budget per run.
+
+Every run starts from the same SFT checkpoint (made once, first, by ``arl.train`` with
+``trainer.steps=0``) and gets the same wall budget (``trainer.max_wall_s``, default 900 s); only
+the method's own keys differ (``METHODS``).  Phase 1 (grid): every method at every learning rate
+of ``--lrs``, seed 0; each method's best rate is the one with the largest mean held-out success
+over its evaluations (the area under its success-vs-wall curve, so a fast riser beats a late one;
+ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best methods again at their
+best rate for every seed of ``--seeds``; the other methods keep their one seed (the table says
+which).  Per method: held-out greedy success vs step and wall (mean and min/max over seeds),
+wall and step to 50% and 80%, collapse events, trained tokens/s.  A *collapse event* is an
+evaluation that falls 0.3 or more below the run's best success so far, after that best reached
+0.5; consecutive such evaluations count as one event.
+
+    python bench/bench_methods.py --quick                         # 2 methods, 1 rate, a few steps
+    python bench/bench_methods.py --out runs/methods              # the table (hours on 2 cores)
+    python bench/bench_methods.py --out runs/methods --resume     # reuse finished runs in --out
+
+``--resume`` reads the runs already finished in ``--out`` (their ``metrics.jsonl`` and the
+``run.json`` written when the run ended) instead of running them again, so the table can be built
+over several sessions; each run records its own date, commit and load average.  The last stdout
+line is the JSON of the table; ``table.json`` and ``curves.png`` (``arl.plot``: mean and spread
+per method) are written into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_CONFIG = "configs/long_horizon_cpu.yaml"
+COLLAPSE_DROP, COLLAPSE_AFTER = 0.3, 0.5
+THRESHOLDS = (0.5, 0.8)
+
+
+@dataclass(frozen=True)
+class Method:
+    doc: str
+    overrides: tuple = ()
+    kind: str = "rl"  # rl: arl.train from the SFT start; sft: continued SFT from it
+    needs: tuple = field(default=())  # config keys that must exist (features still to land)
+
+
+_NO_TC = "stabilizers.turn_credit.enabled=false"
+_TC = "stabilizers.turn_credit.enabled=true"
+_TOKEN = ("loss.ratio_level=token", "loss.surrogate=ppo_clip", "loss.clip_low=0.2", "loss.gamma=1.0",
+          "loss.loss_agg=token-mean", "loss.adv_norm=group_std")
+_IPA = ("loss.ratio_level=chunk", "loss.surrogate=ppo_clip", "loss.clip_low=0.2", "loss.clip_high=0.28",
+        "loss.gamma=0.95", "loss.mismatch_level=chunk", "loss.mismatch_mode=mask", "loss.mismatch_low=0.8",
+        "loss.mismatch_high=5.0", "loss.loss_agg=token-mean", "loss.adv_norm=group_std")
+
+METHODS: dict[str, Method] = {
+    "grpo_token": Method("token-level GRPO: token ratio, symmetric clip 0.2, group-std advantages, no mask",
+                         (*_TOKEN, "loss.clip_high=0.2", "loss.mismatch_level=none", _NO_TC)),
+    "grpo_recommended": Method(
+        "GRPO with the recommended settings: clip-higher 0.28, Dr.GRPO (group-mean advantages, "
+        "constant-length sum normalization), token mismatch mask, dynamic sampling filter",
+        ("loss.ratio_level=token", "loss.surrogate=ppo_clip", "loss.clip_low=0.2", "loss.clip_high=0.28",
+         "loss.gamma=1.0", "loss.adv_norm=group_mean", "loss.loss_agg=seq-mean-token-sum-norm",
+         "loss.mismatch_level=token", "loss.mismatch_mode=mask", "loss.mismatch_low=0.8",
+         "loss.mismatch_high=2.0", "stabilizers.dynamic_sampling.enabled=true", _NO_TC)),
+    "grpo_token_turn_credit": Method("token-level GRPO + turn credit (separates the ratio level from the credit)",
+                                     (*_TOKEN, "loss.clip_high=0.2", "loss.mismatch_level=none", _TC)),
+    "ipa_chunk": Method("IPA chunk level: chunk ratio, chunk mismatch mask, gamma 0.95", (*_IPA, _NO_TC)),
+    "ipa_turn_credit": Method("IPA chunk level + turn credit (the main job's method)", (*_IPA, _TC)),
+    "sft_continue": Method("continued SFT on the demonstrations for the same wall time", kind="sft"),
+}
+DEFAULT_METHODS = tuple(METHODS)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _clean(v):
+    """JSON without NaN/inf (a figure that does not exist is null)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+# ------------------------------------------------------------------ one run
+def run_config(config: str, out: Path, overrides: list):
+    from arl.config import load_config
+
+    return load_config(str(ROOT / config), [f"output_dir={out}", "logging.progress=false",
+                                            "logging.tensorboard=false", *overrides])
+
+
+def make_start(config: str, out: Path, overrides: list) -> Path:
+    """The shared SFT start: the config's SFT warm start and no RL step; its HF export."""
+    from arl.launch import launch
+
+    hf = out / "hf"
+    if not (hf / "config.json").is_file():
+        launch(run_config(config, out, [*overrides, "trainer.steps=0"]))
+    if not (hf / "config.json").is_file():
+        raise RuntimeError(f"the SFT start was not exported to {hf}")
+    return hf
+
+
+def run_method(name: str, config: str, start: Path, out: Path, lr: float, seed: int, wall_s: float,
+               common: list) -> None:
+    from arl.launch import launch
+
+    m = METHODS[name]
+    load = os.getloadavg()[0]
+    t0 = time.time()
+    if m.kind == "sft":
+        from arl.trainer.sft_baseline import run_sft_baseline  # noqa: PLC0415 (lands with the task)
+
+        run_sft_baseline(run_config(config, out, [*common, f"seed={seed}", f"model.name_or_path={start}",
+                                                  f"sft.lr={lr}", f"trainer.max_wall_s={wall_s}"]))
+    else:
+        launch(run_config(config, out, [*common, *m.overrides, f"seed={seed}", f"model.name_or_path={start}",
+                                        "sft.enabled=false", f"trainer.optim.lr={lr}",
+                                        f"trainer.max_wall_s={wall_s}"]))
+    (out / "run.json").write_text(json.dumps({
+        "method": name, "lr": lr, "seed": seed, "wall_budget_s": wall_s, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": _git_commit(), "load_before": load, "load_after": os.getloadavg()[0],
+        "elapsed_s": time.time() - t0}))
+
+
+def summarize_run(out: Path) -> dict:
+    """One finished run's figures from its ``metrics.jsonl``."""
+    from arl.metrics.logger import read_metrics
+
+    recs = read_metrics(out / "metrics.jsonl")
+    evals = [(r["step"], r["wall_s"], float(r["success/heldout"])) for r in recs
+             if r.get("success/heldout") is not None]
+    tps = [r["perf/train_tokens_per_s"] for r in recs if r.get("perf/train_tokens_per_s") is not None]
+    res = {"curve": [{"step": s, "wall_s": round(w, 1), "success": v} for s, w, v in evals],
+           "success_start": evals[0][2] if evals else float("nan"),
+           "success_end": evals[-1][2] if evals else float("nan"),
+           "success_best": max((v for *_, v in evals), default=float("nan")),
+           "success_mean": sum(v for *_, v in evals) / len(evals) if evals else float("nan"),
+           "train_tokens_per_s": sum(tps) / len(tps) if tps else float("nan"),
+           "collapses": collapse_events([v for *_, v in evals])}
+    for th in THRESHOLDS:
+        hit = next(((s, w) for s, w, v in evals if v >= th), None)
+        res[f"step_to_{int(th * 100)}"] = hit[0] if hit else None
+        res[f"wall_to_{int(th * 100)}"] = round(hit[1], 1) if hit else None
+    meta = out / "run.json"
+    if meta.is_file():
+        res["run"] = json.loads(meta.read_text())
+    return res
+
+
+def collapse_events(successes: list) -> int:
+    best, events, inside = 0.0, 0, False
+    for v in successes:
+        down = best >= COLLAPSE_AFTER and v <= best - COLLAPSE_DROP + 1e-9  # success is k/n: no float miss
+        if down and not inside:
+            events += 1
+        inside = down
+        best = max(best, v)
+    return events
+
+
+# ------------------------------------------------------------------ the table
+def _rank_key(r: dict):
+    mean = r["success_mean"] if math.isfinite(r["success_mean"]) else -1.0
+    end = r["success_end"] if math.isfinite(r["success_end"]) else -1.0
+    return (mean, end)
+
+
+def _spread(vals: list) -> dict:
+    vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def method_row(name: str, lr: float, runs: list) -> dict:
+    """Mean and spread over the seeds of one method at its chosen rate; a threshold a seed never
+    reached counts as not reached (``reached`` says how many did)."""
+    row = {"method": name, "doc": METHODS[name].doc, "lr": lr, "seeds": [r["run"]["seed"] for r in runs if "run" in r]}
+    for k in ("success_start", "success_end", "success_best", "success_mean", "train_tokens_per_s"):
+        row[k] = _spread([r[k] for r in runs])
+    for th in THRESHOLDS:
+        for unit in ("wall", "step"):
+            key = f"{unit}_to_{int(th * 100)}"
+            row[key] = _spread([r[key] for r in runs])
+            row[key]["reached"] = sum(r[key] is not None for r in runs)
+    row["collapses"] = sum(r["collapses"] for r in runs)
+    return row
+
+
+def print_table(rows: list) -> None:
+    def f(s: dict, fmt="{:.2f}") -> str:
+        if s["mean"] is None:
+            return "-"
+        if s["n"] > 1:
+            return (fmt + " [" + fmt + "-" + fmt + "]").format(s["mean"], s["min"], s["max"])
+        return fmt.format(s["mean"])
+
+    def reach(r: dict, key: str) -> str:
+        s = r[key]
+        return f(s, "{:.0f}") + " ({}/{})".format(s["reached"], len(r["seeds"]))
+
+    print(f"\n{'method':24} {'lr':>8} {'seeds':>5}  {'start':>5}  {'end (mean [min-max])':>22}  "
+          f"{'wall to 50%':>16}  {'wall to 80%':>16}  collapses")
+    for r in rows:
+        print(f"{r['method']:24} {r['lr']:8.1e} {len(r['seeds']):>5}  {f(r['success_start']):>5}  "
+              f"{f(r['success_end']):>22}  {reach(r, 'wall_to_50'):>16}  {reach(r, 'wall_to_80'):>16}  "
+              f"{r['collapses']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=DEFAULT_CONFIG, help="the task's config (SFT start + env + base loss)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {sorted(METHODS)}")
+    ap.add_argument("--lrs", default="2e-4,4e-4,8e-4", help="the learning-rate grid (seed 0)")
+    ap.add_argument("--sft-lrs", default=None, help="grid for continued SFT (default: sft.lr x 0.5, 1, 2)")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of the --top methods")
+    ap.add_argument("--top", type=int, default=3, help="methods that get every seed")
+    ap.add_argument("--wall", type=float, default=900.0, help="wall budget of one run in seconds")
+    ap.add_argument("--out", default=None, help="run directories and table.json (default: a temp dir)")
+    ap.add_argument("--resume", action="store_true", help="read runs already finished in --out")
+    ap.add_argument("--quick", action="store_true", help="2 methods, 1 rate, 1 seed, a few steps: the harness")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every run (the SFT start too)")
+    args = ap.parse_args()
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
+    lrs = [float(x) for x in args.lrs.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    common = list(args.set)
+    if args.quick:
+        if args.methods == ",".join(DEFAULT_METHODS):
+            methods = ["grpo_token", "ipa_turn_credit"]
+        lrs, seeds = lrs[:1], seeds[:1]
+        args.wall = min(args.wall, 120.0)
+        common += ["trainer.steps=2", "trainer.eval_every=2", "sft.steps=5", "sft.episodes=32",
+                   "env.eval_tasks=8", "rollout.tasks_per_step=4"]
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="arl-bench-methods-"))
+    base.mkdir(parents=True, exist_ok=True)
+
+    start_cfg = run_config(args.config, base / "sft_start", common)
+    start = make_start(args.config, base / "sft_start", common)
+    sft_lrs = ([float(x) for x in args.sft_lrs.split(",")] if args.sft_lrs
+               else [start_cfg.sft.lr * f for f in (0.5, 1.0, 2.0)])
+    if args.quick:
+        sft_lrs = sft_lrs[:1]
+
+    def run(name: str, lr: float, seed: int) -> dict:
+        out = base / name / f"lr{lr:g}" / f"seed{seed}"
+        if not (args.resume and (out / "run.json").is_file()):
+            if out.exists():
+                import shutil
+
+                shutil.rmtree(out)  # an unfinished run: its metrics would mix with the new one's
+            run_method(name, args.config, start, out, lr, seed, args.wall, common)
+        r = summarize_run(out)
+        r["dir"] = str(out)
+        print(f"[methods] {name} lr={lr:g} seed={seed}: success {r['success_start']:.3f} -> "
+              f"{r['success_end']:.3f} (best {r['success_best']:.3f}), wall to 80% {r['wall_to_80']}", flush=True)
+        return r
+
+    grid = {m: {lr: run(m, lr, seeds[0]) for lr in (sft_lrs if METHODS[m].kind == "sft" else lrs)}
+            for m in methods}
+    best_lr = {m: max(g, key=lambda lr: _rank_key(g[lr])) for m, g in grid.items()}
+    order = sorted(methods, key=lambda m: _rank_key(grid[m][best_lr[m]]), reverse=True)
+    runs = {m: [grid[m][best_lr[m]]] for m in methods}
+    for m in order[:args.top]:
+        runs[m] += [run(m, best_lr[m], s) for s in seeds[1:]]
+    rows = [method_row(m, best_lr[m], runs[m]) for m in order]
+    print_table(rows)
+
+    from arl.plot import plot_groups
+
+    png = plot_groups({m: [r["dir"] for r in runs[m]] for m in order}, base / "curves.png", key="success/heldout",
+                      x="wall")
+    table = {"bench": "methods", "quick": args.quick, "config": args.config, "wall_budget_s": args.wall,
+             "lrs": lrs, "sft_lrs": sft_lrs, "seeds": seeds, "top": args.top, "date": time.strftime("%Y-%m-%d"),
+             "commit": _git_commit(), "nproc": os.cpu_count(), "png": str(png),
+             "grid": {m: {f"{lr:g}": {k: v for k, v in g[lr].items() if k != "curve"} for lr in g}
+                      for m, g in grid.items()},
+             "rows": rows,
+             "curves": {m: [{"seed": r.get("run", {}).get("seed"), "curve": r["curve"]} for r in runs[m]]
+                        for m in order}}
+    table = _clean(table)
+    (base / "table.json").write_text(json.dumps(table, indent=1))
+    print(json.dumps(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""bench/bench_methods.py's bookkeeping (the runs themselves are hours: bench/, not tests): a run's
+figures from its metrics, collapse events, the rows' mean and spread over seeds, the method
+registry's overrides against the config schema."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from arl.config import load_config
+from arl.metrics.logger import MetricsLogger
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_methods", ROOT / "bench" / "bench_methods.py")
+bm = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bm  # dataclasses look their module up
+spec.loader.exec_module(bm)
+
+
+def _run(d: Path, successes, seed=0, dt=10.0):
+    with MetricsLogger(d, tensorboard=False, progress=False) as lg:
+        for i, v in enumerate(successes):
+            lg.log(5 * i, {"success/heldout": v, "perf/train_tokens_per_s": 1000.0 + i}, wall_s=dt * i)
+    (d / "run.json").write_text(json.dumps({"seed": seed, "method": "m", "lr": 1e-4}))
+
+
+def test_collapse_events():
+    assert bm.collapse_events([0.1, 0.5, 0.9, 0.5, 0.55, 0.95, 0.6, 0.2, 0.9]) == 2
+    assert bm.collapse_events([0.4, 0.0, 0.4]) == 0  # the best never reached 0.5
+    assert bm.collapse_events([0.6, 0.3, 0.6, 0.31]) == 1 and bm.collapse_events([0.7, 0.4, 0.7, 0.25]) == 2
+    assert bm.collapse_events([]) == 0
+
+
+def test_summarize_run_thresholds(tmp_path):
+    _run(tmp_path, [0.1, 0.3, 0.55, 0.85, 0.4, 0.9])
+    r = bm.summarize_run(tmp_path)
+    assert (r["step_to_50"], r["wall_to_50"], r["step_to_80"], r["wall_to_80"]) == (10, 20.0, 15, 30.0)
+    assert r["success_start"] == 0.1 and r["success_end"] == 0.9 and r["success_best"] == 0.9
+    assert r["success_mean"] == pytest.approx(sum([0.1, 0.3, 0.55, 0.85, 0.4, 0.9]) / 6)
+    assert r["collapses"] == 1 and r["train_tokens_per_s"] == pytest.approx(1002.5)
+    _run(tmp_path / "never", [0.0, 0.2])
+    r = bm.summarize_run(tmp_path / "never")
+    assert r["wall_to_50"] is None and r["step_to_80"] is None
+
+
+def test_method_row_spread(tmp_path):
+    runs = []
+    for seed, curve in enumerate(([0.1, 0.6, 0.9], [0.1, 0.2, 0.5], [0.1, 0.9, 0.9])):
+        _run(tmp_path / str(seed), curve, seed=seed)
+        runs.append(bm.summarize_run(tmp_path / str(seed)))
+    row = bm.method_row("ipa_turn_credit", 4e-4, runs)
+    assert row["seeds"] == [0, 1, 2]
+    assert row["success_end"] == pytest.approx({"mean": 2.3 / 3, "min": 0.5, "max": 0.9, "n": 3})
+    assert row["wall_to_80"]["reached"] == 2 and row["wall_to_80"]["mean"] == pytest.approx(15.0)
+    assert row["wall_to_50"]["reached"] == 3
+    bm.print_table([row])  # renders without error
+    assert json.loads(json.dumps(bm._clean({"a": float("nan"), "b": [float("inf"), 1.0]}))) == {"a": None, "b": [None, 1.0]}
+
+
+@pytest.mark.parametrize("name", [m for m, v in bm.METHODS.items() if v.kind == "rl"])
+def test_method_overrides_are_valid_config(name):
+    """Every RL method's keys exist and pass the config's cross-checks (turn credit's loss levels)."""
+    m = bm.METHODS[name]
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [*m.overrides, "sft.enabled=false"])
+    assert cfg.stabilizers.turn_credit.enabled == ("turn_credit" in name)
