@@ -158,6 +158,8 @@ def plot_groups(groups: dict, out, key: str = "success/heldout", x: str = "wall"
         raise ValueError(f"no run of {sorted(groups)} has {key!r}")
     ax.set_xlabel("wall time (s)" if x == "wall" else "step")
     ax.set_ylabel(key)
+    if key.startswith("success"):
+        ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
