@@ -204,7 +204,7 @@ def check(tmp_path):
         assert not hasattr(m, VALUE_HEAD)
         for n, t in m.state_dict().items():
             torch.testing.assert_close(t, r["w2"][n], msg=f"ZeRO-{stage} export {n}")
-    assert moved > 0.8 * total, (moved, total)  # most weights are compared
+    assert moved > 0.95 * total, (moved, total)  # nearly every weight is compared
     s2 = res["stages"][2]
     for n in s2["w1"]:
         torch.testing.assert_close(s2["w1_old_pass"][n], s2["w1"][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -80,9 +80,11 @@ class Critic:
         if mb.critic is None:
             raise ValueError("critic: the micro-batch has no value points (Stabilizers(critic=...).apply sets them)")
         pos = mb.critic["pos"].to(hidden.device)
-        if pos.numel() == 0:
-            return hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
-        v = getattr(model, VALUE_HEAD)(hidden.index_select(0, pos)).squeeze(-1)
+        P = pos.numel()
+        # the head runs once per micro-batch on every rank, also without a value point (then on one
+        # token, sliced away): ZeRO-3 gathers its weight in forward and reduces its gradient in backward
+        idx = pos if P else torch.zeros(1, dtype=torch.int64, device=hidden.device)
+        v = getattr(model, VALUE_HEAD)(hidden.index_select(0, idx)).squeeze(-1)[:P]
         v = v.to(torch.promote_types(v.dtype, torch.float32))
         if not bool(torch.isfinite(v).all()):
             bad = int((~torch.isfinite(v)).nonzero()[0])
@@ -102,7 +104,7 @@ class Critic:
         advantage (from ``old_v``) added, and this micro-batch's share of the step's value loss."""
         c = mb.critic
         if v.numel() == 0:
-            return seg_adv, v.sum()
+            return seg_adv, v.sum()  # an exact 0 that still reaches the head in backward
         adv, ret = gae(old_v, c["rewards"], c["seq"], self.cfg.gamma, self.cfg.lam)
         seg_adv = seg_adv.to(torch.float64).clone()
         seg_adv.index_add_(0, c["seg"], adv)

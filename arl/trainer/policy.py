@@ -311,8 +311,6 @@ class PolicyTrainer:
                 loss, lm = out.loss, out.metrics
             total = loss
             if self.critic is not None:
-                if v.numel() == 0:  # no value point here: the head still joins the backward's collectives
-                    vloss = self.critic.touch(self.engine.module, hidden)
                 total = loss + self.critic.cfg.value_coef * vloss
             self.engine.backward(total * self.world, scale_wrt_gas=False)
             faults.reached("backward")  # test-only kill point (arl/trainer/faults.py)
