@@ -250,3 +250,18 @@ def test_critic_off_prepares_exactly_what_it_did():
             if x.segments is not None:
                 for k in x.segments:
                     assert torch.equal(x.segments[k], y.segments[k])
+
+
+def test_dry_run_plan_shows_the_critic_memory():
+    from arl.layout import plan
+
+    on = plan(load_config("configs/tiny_cpu.yaml", ["critic.enabled=true"]))
+    off = plan(load_config("configs/tiny_cpu.yaml"))
+    H, T = 128, 4096
+    assert on.trainer_bytes["critic head+grads+optim"] == pytest.approx((4 + 12 / 2) * (H + 1))  # fp32, ZeRO-2, dp 2
+    assert on.trainer_bytes["critic values (micro-batch)"] == 3 * 4 * T
+    assert on.trainer_bytes["total (fused)"] == pytest.approx(
+        off.trainer_bytes["total (fused)"] + on.trainer_bytes["critic head+grads+optim"] + 3 * 4 * T)
+    text = on.render()
+    assert "critic head+grads+optim" in text and f"{H + 1} parameters" in text
+    assert "critic" not in off.render()
