@@ -11,9 +11,10 @@ class CriticConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
-    gamma: float = Field(1.0, gt=0, le=1)  # discount per chunk in GAE (the loss's gamma does not act: one chunk per segment)
+    # discount per chunk in GAE (the loss's own gamma does not act on a one-chunk segment)
+    gamma: float = Field(1.0, gt=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)  # GAE lambda: 0 = one-step TD advantages, 1 = Monte-Carlo return - V
-    lr_mult: float = Field(1.0, gt=0)  # the value head's learning rate = trainer.optim.lr * lr_mult (its own param group)
+    lr_mult: float = Field(1.0, gt=0)  # the value head's lr = trainer.optim.lr * lr_mult (its own param group)
     value_coef: float = Field(0.5, ge=0)  # weight of the value loss beside the policy loss (one backward)
     clip: Optional[float] = Field(0.2, gt=0)  # PPO value clip: |V - V_old| <= clip inside the loss; None: unclipped
 

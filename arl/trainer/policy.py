@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..config import OptimConfig
+from ..config import CriticConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig, policy_loss
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
@@ -83,7 +83,8 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
-                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", critic=None):
+                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto",
+                 critic: Optional[CriticConfig] = None):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
@@ -274,8 +275,8 @@ class PolicyTrainer:
                 continue
             if self.critic is not None:
                 logp, ent, hidden = self.logprobs(mb, with_entropy=True, return_hidden=True)
-                v = self.critic.values(self.engine.module, hidden, mb)
-                old_v = v.detach() if old_values is None else old_values[i].to(self.device)
+                val = self.critic.values(self.engine.module, hidden, mb)
+                old_val = val.detach() if old_values is None else old_values[i].to(self.device)
             else:
                 logp, ent = self.logprobs(mb, with_entropy=True)
             old = logp.detach() if old_logps is None else old_logps[i]
@@ -301,10 +302,11 @@ class PolicyTrainer:
                     kw.update(mb.segments)
                     adv = kw.pop("advantages")
                     if self.critic is not None:  # + GAE over this micro-batch's values
-                        adv, vloss = self.critic.micro_batch(v, old_v, mb, adv)
+                        adv, vloss = self.critic.micro_batch(val, old_val, mb, adv)
                     adv = adv.to(self.device, torch.float32)
                 elif self.critic is not None:
-                    raise ValueError("rl_step: the critic needs per-chunk loss segments (Stabilizers(critic=...).apply)")
+                    raise ValueError("rl_step: the critic needs per-chunk loss segments "
+                                     "(Stabilizers(critic=...).apply)")
                 kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
                 out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
                                   advantages=adv, backend=self.loss_backend, **kw)
@@ -381,8 +383,9 @@ class PolicyTrainer:
         return client_state or {}
 
     def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True) -> Optional[dict]:
-        """The whole policy's HF-named state dict (never the critic's value head), copied to CPU (or detached views on the device
-        when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on ranks > 0 when ``rank0_only``.
+        """The whole policy's HF-named state dict (never the critic's value head), copied to CPU (or
+        detached views on the device when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on
+        ranks > 0 when ``rank0_only``.
         Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
         every rank calls it."""
         import deepspeed
