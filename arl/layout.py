@@ -5,7 +5,9 @@ Trainer memory per rank follows the usual mixed-precision AdamW accounting (byte
 stage 0: 16P; 1: 4P + 12P/dp; 2: 2P + 14P/dp; 3: 16P/dp.  Activations of a packed micro-batch
 of T tokens: ~34·T·H bytes per layer without checkpointing (flash/varlen attention, no T² term),
 2·T·H per layer plus one full layer with it.  The fused lm_head→logprob op never materializes
-[T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison).
+[T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison).  The
+critic (``critic.enabled``) is a value head on the trunk: (H + 1) parameters at the same per-parameter
+cost, and three floats per chunk start of a micro-batch (values, returns, advantages).
 
 Colocated (``layout.colocate``) every GPU holds a trainer rank and the engine's share: vLLM's
 budget is ``rollout.gpu_memory_utilization`` x the GPU (weights + KV cache).  Alternating
@@ -75,6 +77,7 @@ class Plan:
     rollout_bytes: dict = field(default_factory=dict)
     colocated_bytes: dict = field(default_factory=dict)  # one GPU shared by a trainer rank and the engine
     schedule: str = ""
+    notes: list = field(default_factory=list)  # lines after the estimates
 
     def render(self) -> str:
         lines = [f"model parameters: {self.params / 1e9:.3f} B"]
@@ -93,6 +96,7 @@ class Plan:
             lines.append("memory estimate per colocated GPU (trainer rank + engine share):")
             for k, v in self.colocated_bytes.items():
                 lines.append(f"  {k:<36} {v / GiB:9.2f} GiB")
+        lines.extend(self.notes)
         return "\n".join(lines)
 
 
@@ -138,6 +142,13 @@ def plan(cfg: TrainConfig) -> Plan:
         "logits (fused op)": 3 * 4 * T,
         "logits if naive (not used)": 8 * T * a.vocab_size,
     }
+    if cfg.critic.enabled:  # a linear head on the trunk (arl/trainer/critic.py): H + 1 parameters, no second model
+        head, vals = per_param * (H + 1), 3 * 4 * T  # values, returns, advantages: at most one per token
+        pl.trainer_bytes["critic head+grads+optim"] = head
+        pl.trainer_bytes["critic values (micro-batch)"] = vals
+        pl.notes.append(f"critic: a value head on the policy's trunk, {H + 1} parameters (no second model): "
+                        f"{head / 1024:.1f} KiB with gradients and optimizer state, <= {vals / 1024:.1f} KiB of "
+                        "values per micro-batch")
     pl.trainer_bytes["total (fused)"] = sum(v for k, v in pl.trainer_bytes.items() if "naive" not in k)
     if lay.device == "cuda":
         w = 2 * P / cfg.rollout.tensor_parallel

@@ -9,6 +9,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..ops.policy_loss.config import LossConfig
+from .critic import CriticConfig, check_critic
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
 
@@ -238,6 +239,7 @@ class TrainConfig(Section):
     layout: LayoutConfig = LayoutConfig()
     logging: LoggingConfig = LoggingConfig()
     stabilizers: StabilizerConfig = StabilizerConfig()
+    critic: CriticConfig = CriticConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainConfig":
@@ -246,6 +248,7 @@ class TrainConfig(Section):
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         check_turn_credit_loss(self.stabilizers, self.loss)
+        check_critic(self.critic, self.stabilizers, self.loss)
         lay = self.layout
         if lay.device == "cuda" and lay.colocate:
             if not lay.rollout_gpus == lay.trainer_gpus == lay.gpus_per_node:

@@ -103,6 +103,7 @@ class MicroBatch:
     complete_groups: bool  # every group present here is entirely here
     ipa: Optional[dict] = None  # IPA resampling's loss roles (Stabilizers.apply): il_mask, rl_chunk_ids, normalizers
     segments: Optional[dict] = None  # turn credit (Stabilizers.apply): per-chunk loss segments, policy_loss overrides
+    critic: Optional[dict] = None  # the critic (Stabilizers.apply): value points, arl/stabilizers/gae.py critic_points
 
     @property
     def num_tokens(self) -> int:

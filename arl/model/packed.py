@@ -211,9 +211,11 @@ _ALIGN = {"target": 1, "next": 0}  # offset from the predicting position to the 
 
 def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
                     with_entropy: bool = False, align: str = "target", attn: str = "auto",
-                    backend: str = "auto", **tiles) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                    backend: str = "auto", return_hidden: bool = False, **tiles):
     """Per-token logprobs [T] (float32) of the packed tokens under ``model`` (see the module
-    docstring for ``align`` and the boundary convention), and entropies [T] when asked."""
+    docstring for ``align`` and the boundary convention), and entropies [T] when asked.  With
+    ``return_hidden`` a third output: the final hidden states [T, H] the logprobs came from (the
+    critic's value head reads them: one forward for both)."""
     if align not in _ALIGN:
         raise ValueError(f"align: unknown {align!r}; choose from {sorted(_ALIGN)}")
     hidden = packed_hidden_states(model, input_ids, cu_seqlens, attn=attn)
@@ -227,4 +229,6 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
     zeros = torch.zeros(T, dtype=torch.float32, device=device)
     logp = zeros.index_copy(0, dst, lp)
     entropy = zeros.index_copy(0, dst, ent) if with_entropy else None
+    if return_hidden:
+        return logp, entropy, hidden
     return logp, entropy

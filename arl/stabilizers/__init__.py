@@ -35,7 +35,8 @@ behaviour monitors     after the step       monitor/tool_freq/<tool>, tool_calls
 
 Weights reach the loss only through per-trajectory advantages (``policy_loss(...,
 advantages=mb.advantages)``), so every kernel backend supports them unchanged; masking goes
-through the packer's MASKED status (chunk ids -1).  Turn credit's per-chunk advantages go in the same way,
+through the packer's MASKED status (chunk ids -1).  The critic (not a stabilizer: ``critic:``) has its
+GAE math here (gae.py): rank 0 attaches each micro-batch's value points, the trainer adds GAE.  Turn credit's per-chunk advantages go in the same way,
 with each chunk scored as its own loss segment (``mb.segments``).  ``Stabilizers`` (pipeline.py) is the facade the
 RL loop calls a few times per step.
 """
@@ -46,6 +47,7 @@ from ..config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamp
 from .curriculum import PositiveOnlyCurriculum
 from .dynamic_sampling import DynamicSampler, filter_zero_variance_groups
 from .extreme import control_extremes, length_metrics, reweight_negatives
+from .gae import critic_chunk_inputs, critic_points, gae
 from .ipa import IPAResampler, ipa_mixed_loss, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics
 from .pipeline import PreparedBatch, Stabilizers
@@ -60,5 +62,5 @@ __all__ = [
     "StepAdvantages", "advantage_metrics", "group_step_advantages", "step_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
     "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
     "reweight_negatives", "shape_rewards", "split_chunk_roles",
-    "TurnCreditConfig", "chunk_segments", "turn_advantages",
+    "TurnCreditConfig", "chunk_segments", "turn_advantages", "critic_chunk_inputs", "critic_points", "gae",
 ]

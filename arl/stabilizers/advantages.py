@@ -6,6 +6,8 @@
                 ``group_advantages``; FILTERED trajectories are left out and get 0)
     A_i      *= negative reweighting and extreme weights         (extreme.py; when on)
     A_{i,k}   = gamma^(K-1-k) A_i + w * step advantage of chunk k (turn_credit.py; when on)
+    critic:     A_i is not used; the chunk rewards r_{i,k} and the base A_{i,k} = w * step
+                advantage (0 without turn credit) go to the trainer, which adds GAE (gae.py)
 
 The packer carries ``A_i`` into every micro-batch (``pack_step(..., advantages=)``), the trainer passes
 them to ``policy_loss(..., advantages=)`` (turn credit: one segment per chunk with ``A_{i,k}``), and
@@ -25,6 +27,7 @@ from ..errors import finite_vector
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
 from ..ops.policy_loss.spec import group_advantages
+from .gae import critic_chunk_inputs
 from .extreme import control_extremes, reweight_negatives
 from .shaping import shape_rewards
 from .turn_credit import turn_advantages
@@ -37,6 +40,7 @@ class StepAdvantages:
     advantages: np.ndarray  # [N] float64 A_i, aligned with ``trajectories`` (0 for FILTERED)
     metrics: dict = field(default_factory=dict)
     chunk_advantages: Optional[list] = None  # turn credit: [K_i] float64 A_{i,k} per trajectory
+    chunk_rewards: Optional[list] = None  # critic: [K_i] float64 r_{i,k} per trajectory (GAE's rewards)
 
 
 def group_step_advantages(trajs: Sequence[Trajectory], rewards, loss_cfg: LossConfig):
@@ -68,8 +72,9 @@ def advantage_metrics(trajs: Sequence[Trajectory], adv: np.ndarray, zero_var_gro
 
 
 def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
-                    cfg: Optional[StabilizerConfig] = None) -> StepAdvantages:
-    """The step's advantages (see the module doc) with their metrics."""
+                    cfg: Optional[StabilizerConfig] = None, critic=None) -> StepAdvantages:
+    """The step's advantages (see the module doc) with their metrics.  ``critic``: the critic section
+    (``CriticConfig``); when enabled the per-chunk inputs of GAE replace turn credit's advantages."""
     cfg = cfg if cfg is not None else StabilizerConfig()
     rewards, metrics = shape_rewards(trajs, cfg.shaping)
     out, weights, m = control_extremes(trajs, cfg.extreme)
@@ -78,9 +83,12 @@ def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
     if cfg.extreme.enabled:
         adv = reweight_negatives(adv, cfg.extreme.negative_weight) * weights
     metrics.update(advantage_metrics(out, adv, n_zero, n_groups))
-    per_chunk = None
-    if cfg.turn_credit.enabled:
+    per_chunk = chunk_rew = None
+    if critic is not None and critic.enabled:
+        per_chunk, chunk_rew, m = critic_chunk_inputs(out, rewards, loss_cfg, cfg.turn_credit)
+        metrics.update(m)
+    elif cfg.turn_credit.enabled:
         tc = cfg.turn_credit
         per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward)
         metrics.update(m)
-    return StepAdvantages(out, rewards, adv, metrics, per_chunk)
+    return StepAdvantages(out, rewards, adv, metrics, per_chunk, chunk_rew)

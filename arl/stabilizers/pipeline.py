@@ -12,6 +12,7 @@ from .extreme import length_metrics
 from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
+from .gae import critic_points
 from .turn_credit import chunk_segments
 
 
@@ -34,8 +35,9 @@ class Stabilizers:
     """
 
     def __init__(self, cfg: Optional[StabilizerConfig] = None, loss_cfg: Optional[LossConfig] = None,
-                 decode: Optional[Callable] = None):
+                 decode: Optional[Callable] = None, critic=None):
         self.cfg = cfg if cfg is not None else StabilizerConfig()
+        self.critic = critic  # CriticConfig or None: GAE's per-chunk inputs instead of turn credit's advantages
         self.loss_cfg = loss_cfg if loss_cfg is not None else LossConfig()
         self.decode = decode  # tokenizer decode, for monitors when trajectories carry no turn texts
         self.curriculum = PositiveOnlyCurriculum(self.cfg.curriculum)
@@ -53,20 +55,28 @@ class Stabilizers:
                 raise ValueError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
         loss_cfg = loss_cfg if loss_cfg is not None else self.loss_cfg
         metrics = length_metrics(trajs, self.cfg.extreme)  # early-warning signals, always on
-        adv = step_advantages(trajs, loss_cfg, self.cfg)
+        adv = step_advantages(trajs, loss_cfg, self.cfg, self.critic)
         adv.metrics = {**metrics, **adv.metrics}
         if self.cfg.monitors.enabled:
             adv.metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
         return adv
 
     def apply(self, packed, prep: PreparedBatch, loss_cfg: Optional[LossConfig] = None) -> None:
-        """What the loss needs beyond the packed advantages: turn credit's per-chunk segments, and with
+        """What the loss needs beyond the packed advantages: turn credit's (or the critic's) per-chunk
+        segments and the critic's value points, and with
         IPA resampling on, each micro-batch's loss roles (imitated prefix tokens, resampled chunk ids,
         step-global normalizers)."""
         trajs = prep.trajectories
         if prep.chunk_advantages is not None:
             for mb in packed.all_micro_batches():
                 mb.segments = chunk_segments(mb, trajs, prep.chunk_advantages) if not mb.is_empty else None
+        if prep.chunk_rewards is not None:  # the critic: each micro-batch's value points, one per trained chunk
+            mbs = [mb for mb in packed.all_micro_batches() if not mb.is_empty]
+            for mb in mbs:
+                mb.critic = critic_points(mb, trajs, prep.chunk_rewards)
+            total = sum(int(mb.critic["pos"].numel()) for mb in mbs)
+            for mb in mbs:  # the value loss is the mean over the step's chunks (all ranks)
+                mb.critic["normalizer"] = float(max(total, 1))
         if self.cfg.ipa.enabled:
             il_n, rl_n = ipa_normalizers(trajs, loss_cfg if loss_cfg is not None else self.loss_cfg)
             for mb in packed.all_micro_batches():

@@ -119,6 +119,14 @@ def turn_advantages(trajs: Sequence[Trajectory], traj_adv: np.ndarray, loss_cfg:
     return chunk_adv, metrics
 
 
+def packed_chunks(mb, j: int, t: Trajectory):
+    """``(starts, present)``: trajectory ``t``'s chunk starts (``chunk_starts``) and its chunks that are
+    trained in micro-batch ``mb`` as its sequence ``j`` (in order; the packer may have cut the tail)."""
+    a, b = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
+    starts = chunk_starts(t)
+    return starts, [k for k in range(starts.size) if 0 <= starts[k] < b - a and (mb.chunk_ids[a + starts[k]] >= 0)]
+
+
 def chunk_segments(mb, trajs: Sequence[Trajectory], chunk_adv: Sequence[np.ndarray]) -> dict:
     """The micro-batch's sequences cut at every chunk start after the first, as ``policy_loss`` kwargs
     overrides: ``cu_seqlens`` [S+1], ``advantages`` [S] (the chunk's own advantage), ``rewards`` and
@@ -128,8 +136,7 @@ def chunk_segments(mb, trajs: Sequence[Trajectory], chunk_adv: Sequence[np.ndarr
     for j, i in enumerate(mb.traj_indices.tolist()):
         a, b = cu[j], cu[j + 1]
         t, ca = trajs[i], chunk_adv[i]
-        starts = chunk_starts(t)
-        present = [k for k in range(starts.size) if 0 <= starts[k] < b - a and (mb.chunk_ids[a + starts[k]] >= 0)]
+        starts, present = packed_chunks(mb, j, t)
         if not present or ca.size == 0:  # nothing trained (MASKED, or every chunk cut off)
             bounds.append(b)
             adv.append(0.0)

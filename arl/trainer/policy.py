@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..config import OptimConfig
+from ..config import CriticConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig, policy_loss
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
@@ -24,6 +24,7 @@ from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
 from ..stabilizers.ipa import ipa_mixed_loss
 from . import faults
+from .critic import Critic, attach_value_head, param_groups, without_value_head
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 
 
@@ -82,7 +83,8 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
-                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto"):
+                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto",
+                 critic: Optional[CriticConfig] = None):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
@@ -95,7 +97,13 @@ class PolicyTrainer:
         self.attn = attn
         self.zero3 = zero_stage == 3
         self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
-        params = [p for p in model.parameters() if p.requires_grad]
+        # the critic (arl/trainer/critic.py): a value head on this model, in its own param group
+        self.critic = Critic(critic) if critic is not None and critic.enabled else None
+        if self.critic is not None:
+            attach_value_head(model)
+            params = param_groups(model, optim.lr, critic.lr_mult)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
         self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
@@ -152,11 +160,12 @@ class PolicyTrainer:
         if model is self.engine.module and hasattr(opt, "clear_backward_seen_flag"):
             opt.clear_backward_seen_flag()
 
-    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None):
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None, return_hidden: bool = False):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
         return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
-                               temperature=self.temperature, with_entropy=with_entropy, attn=self.attn)
+                               temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
+                               return_hidden=return_hidden)
 
     def old_pass_needed(self, updates_per_batch: int) -> bool:
         """Whether ``old_logprobs`` must run before the updates of a batch.  With one update per batch
@@ -167,9 +176,11 @@ class PolicyTrainer:
         return updates_per_batch > 1 or bool(self.train_randomness)
 
     @torch.no_grad()
-    def old_logprobs(self, mbs: Sequence[MicroBatch], model=None) -> list:
-        """Logprobs of the current weights (the PPO 'old' policy), or of ``model`` (reference)."""
+    def old_logprobs(self, mbs: Sequence[MicroBatch], model=None, values: Optional[list] = None) -> list:
+        """Logprobs of the current weights (the PPO 'old' policy), or of ``model`` (reference).  With
+        the critic on and ``values`` a list, the same pass appends each micro-batch's old values."""
         m = model if model is not None else self.engine.module
+        with_values = values is not None and self.critic is not None and m is self.engine.module
         was = m.training
         m.eval()
         out = []
@@ -177,11 +188,23 @@ class PolicyTrainer:
             if mb.is_empty:
                 if self.zero3:
                     self._dummy_forward(m)  # ZeRO-3 gathers parameters in forward: every rank joins
+                    if with_values:
+                        self.critic.touch(m, torch.zeros(1, self.critic_width, device=self.device, dtype=self.dtype))
                 out.append(None)
+                if with_values:
+                    values.append(None)
+            elif with_values:
+                logp, _, hidden = self.logprobs(mb, model=m, return_hidden=True)
+                out.append(logp.float())
+                values.append(self.critic.values(m, hidden, mb).detach())
             else:
                 out.append(self.logprobs(mb, model=m)[0].float())
         m.train(was)
         return out
+
+    @property
+    def critic_width(self) -> int:
+        return int(self.engine.module.config.hidden_size)
 
     def _dummy_forward(self, model):
         self._begin_forward(model)
@@ -193,7 +216,11 @@ class PolicyTrainer:
         # an empty micro-batch still runs forward/backward so every rank joins the same gradient
         # collectives (ZeRO reduces in backward hooks); its loss is exactly 0
         lp = self._dummy_forward(self.engine.module)
-        self.engine.backward(lp.sum() * 0.0, scale_wrt_gas=False)
+        loss = lp.sum() * 0.0
+        if self.critic is not None:  # the value head's parameters join the same collectives
+            h = torch.zeros(1, self.critic_width, device=self.device, dtype=self.dtype)
+            loss = loss + self.critic.touch(self.engine.module, h)
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def _finish_step(self, metrics: dict, apply_update: bool = True) -> dict:
         if apply_update:
@@ -215,7 +242,8 @@ class PolicyTrainer:
     # ------------------------------------------------------------ steps
     def rl_step(self, mbs: Sequence[MicroBatch], old_logps: Optional[Sequence[Optional[torch.Tensor]]],
                 loss_cfg: LossConfig,
-                ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None, success_threshold: float = 1.0) -> dict:
+                ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None, success_threshold: float = 1.0,
+                old_values: Optional[Sequence[Optional[torch.Tensor]]] = None) -> dict:
         """One optimizer step of the policy loss over this rank's micro-batches.  ``old_logps``: the
         'old' policy's logprobs per micro-batch, or None when the weights being updated ARE the old
         policy (one update per batch, no dropout: ``old_pass_needed``): then each micro-batch's
@@ -223,8 +251,17 @@ class PolicyTrainer:
         ``last_old_logps`` holds what was used, for metrics against the rollout.  Besides the loss
         metrics: ``entropy/turn_k`` (mean entropy of the k-th model turn's tokens) and
         ``logp/success_mean`` (mean logprob of successful trajectories' trained tokens, reward >=
-        ``success_threshold``), both over every rank; a collective, so every rank calls it."""
+        ``success_threshold``), both over every rank; a collective, so every rank calls it.
+
+        With the critic on, each micro-batch's forward also gives the values at its chunk starts:
+        GAE over them (``old_values``, the old pass's, or this pass's own, detached, exactly when
+        ``old_logps`` is None) gives the chunks' advantages before the loss, and the clipped value
+        loss joins the policy loss in the one backward (``value/*`` metrics; ``loss`` stays the
+        policy loss)."""
         self.engine.train()
+        if self.critic is not None and (old_values is None) != (old_logps is None):
+            raise ValueError("rl_step: with the critic, old_values come with old_logps (both from old_logprobs(mbs, "
+                             "values=[])) or neither (both from the gradient pass)")
         metrics = defaultdict(list)
         parts = defaultdict(list)  # per micro-batch: entropy, logp, chunk_ids, cu_seqlens, success
         if old_logps is None and self.train_randomness:
@@ -236,7 +273,12 @@ class PolicyTrainer:
                 self._dummy_backward()
                 used_old.append(None)
                 continue
-            logp, ent = self.logprobs(mb, with_entropy=True)
+            if self.critic is not None:
+                logp, ent, hidden = self.logprobs(mb, with_entropy=True, return_hidden=True)
+                val = self.critic.values(self.engine.module, hidden, mb)
+                old_val = val.detach() if old_values is None else old_values[i].to(self.device)
+            else:
+                logp, ent = self.logprobs(mb, with_entropy=True)
             old = logp.detach() if old_logps is None else old_logps[i]
             used_old.append(old)
             ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
@@ -245,6 +287,9 @@ class PolicyTrainer:
             # the loss normalizes the micro-batch's rewards itself
             adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
             if mb.ipa is not None:  # IPA resampling: imitation on the expert prefix + RL on the resampled chunks
+                if self.critic is not None:
+                    raise ValueError("rl_step: the critic cannot train IPA micro-batches (critic.enabled excludes "
+                                     "stabilizers.ipa.enabled)")
                 r = mb.ipa
                 loss, lm = ipa_mixed_loss(
                     logp, old.to(self.device), mb=mb, il_mask=r["il_mask"], rl_chunk_ids=r["rl_chunk_ids"],
@@ -253,14 +298,23 @@ class PolicyTrainer:
                     backend=self.loss_backend)
             else:
                 kw = mb.loss_kwargs()
-                if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
+                if mb.segments is not None:  # turn credit / critic: each chunk a segment with its own advantage
                     kw.update(mb.segments)
-                    adv = kw.pop("advantages").to(self.device, torch.float32)
+                    adv = kw.pop("advantages")
+                    if self.critic is not None:  # + GAE over this micro-batch's values
+                        adv, vloss = self.critic.micro_batch(val, old_val, mb, adv)
+                    adv = adv.to(self.device, torch.float32)
+                elif self.critic is not None:
+                    raise ValueError("rl_step: the critic needs per-chunk loss segments "
+                                     "(Stabilizers(critic=...).apply)")
                 kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
                 out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics
-            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            total = loss
+            if self.critic is not None:
+                total = loss + self.critic.cfg.value_coef * vloss
+            self.engine.backward(total * self.world, scale_wrt_gas=False)
             faults.reached("backward")  # test-only kill point (arl/trainer/faults.py)
             # the step's loss is the sum of every micro-batch's over every rank: averaged over this
             # rank's micro-batches here and over the ranks when logged, hence the two factors
@@ -275,8 +329,10 @@ class PolicyTrainer:
         # no advantage on any rank and no KL / entropy term: nothing to learn from this batch
         signal = (any(v > 0 for v in metrics.get("adv_nonzero_frac", ())) or any(v > 0 for v in metrics.get("ipa/il_tokens", ()))
                   or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
-        signal = any_rank(signal, self.device)
+        value = self.critic.step_metrics(self.device) if self.critic is not None else {}
+        signal = any_rank(signal or bool(value), self.device)  # value metrics: the value loss has points to fit
         out = self._finish_step(metrics, apply_update=signal)
+        out.update(value)
         out["skipped_no_signal"] = float(not signal)
         out.update(turn)
         return out
@@ -327,8 +383,9 @@ class PolicyTrainer:
         return client_state or {}
 
     def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True) -> Optional[dict]:
-        """The whole model's HF-named state dict, copied to CPU (or detached views on the device
-        when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on ranks > 0 when ``rank0_only``.
+        """The whole policy's HF-named state dict (never the critic's value head), copied to CPU (or
+        detached views on the device when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on
+        ranks > 0 when ``rank0_only``.
         Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
         every rank calls it."""
         import deepspeed
@@ -340,10 +397,12 @@ class PolicyTrainer:
         with ctx:
             if not keep:
                 return None
+            # the policy only: the critic's value head (arl/trainer/critic.py) is neither synced nor exported
+            state = without_value_head(module.state_dict())
             if to_cpu or self.zero3:  # gathered ZeRO-3 tensors are released when the context exits
                 return {k: v.detach().to("cpu" if to_cpu else v.device, copy=True).contiguous()
-                        for k, v in module.state_dict().items()}
-            return {k: v.detach() for k, v in module.state_dict().items()}
+                        for k, v in state.items()}
+            return {k: v.detach() for k, v in state.items()}
 
     def export_hf(self, directory: str, tokenizer=None) -> None:
         """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3.  A tied

@@ -99,12 +99,16 @@ def update_on_batch(tr: PolicyTrainer, mbs, loss_cfg, updates: int) -> dict:
     """The ``updates`` optimizer steps on one batch, and this rank's metrics.  The old logprobs come
     from a no-grad pass over the batch only when they can differ from the first gradient pass's
     (``PolicyTrainer.old_pass_needed``: several updates, or dropout); else ``rl_step`` takes them
-    from its own forward, and the mismatch metric reads those."""
-    old = tr.old_logprobs(mbs) if tr.old_pass_needed(updates) else None
+    from its own forward, and the mismatch metric reads those.  The critic's old values follow the
+    same rule: from that pass when it runs, else from each gradient pass."""
+    old = old_v = None
+    if tr.old_pass_needed(updates):
+        old_v = [] if tr.critic is not None else None
+        old = tr.old_logprobs(mbs, values=old_v)
     ref = tr.ref_logprobs(mbs) if loss_cfg.kl_beta > 0 else None
     m = {}
     for _ in range(updates):
-        m = tr.rl_step(mbs, old, loss_cfg, ref_logps=ref)
+        m = tr.rl_step(mbs, old, loss_cfg, ref_logps=ref, old_values=old_v)
     m.update(engine_mismatch(mbs, tr.last_old_logps))  # the old logprobs the updates used
     return m
 
@@ -148,9 +152,10 @@ class TrainerRank:
         ref = reference_model(cfg, model, self.model_dir, rank, fresh=resume_step is None, sft_done=bool(sft_metrics))
         self.tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage,
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
-                                temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation)
+                                temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
+                                critic=cfg.critic)
         if rank == 0:
-            self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode)
+            self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, critic=cfg.critic)
         if resume_step is not None:
             self._restore(resume_step, restore_clock=True)
             if rank == 0:  # the rollouts that were in flight come first; the engines start after them

@@ -1,0 +1,111 @@
+"""Turn-level GAE: advantages from a value baseline at every chunk (model turn), for the critic.
+
+Per trajectory with chunks k = 0..K-1 (in order) and the critic's values V_k of the context each
+chunk acts in (arl/trainer/critic.py reads them at the token before the chunk's first token):
+
+  r_k   = process_reward * [turn k reached a new state]     (turn credit's, when turn credit is on)
+          + R on the last chunk                             (R: the step's reward, shaped when shaping is on)
+  delta_k = r_k + gamma * V_{k+1} - V_k                     (V_K = 0: the episode has ended)
+  A_k   = sum_l (gamma * lam)^l delta_{k+l}                 (lam 0: delta_k; lam 1: sum_l gamma^l r_{k+l} - V_k)
+  G_k   = A_k + V_k                                          (the value target)
+
+Rank 0 computes what does not depend on the values, once per step (``critic_chunk_inputs``: the chunk
+rewards and the base per-chunk advantages, which are turn credit's step advantages when it is on and
+0 otherwise: the critic's baseline replaces the group's), and each micro-batch carries its chunks'
+positions and rewards (``critic_points``).  The values themselves come from the trainer's forward
+(the gradient pass's own, detached, with one update per batch; the old pass's otherwise), so ``gae``
+runs per micro-batch; a trajectory is never split over micro-batches (the packer keeps it whole or
+truncates it; a chunk cut off by truncation adds its reward to the last chunk that was packed).
+
+Advantages are not normalized over the step: they are in reward units, centred by the critic.  A
+step-wide mean/std would need every value of the step before the first micro-batch's loss, i.e. the
+extra no-grad pass that one update per batch avoids.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..data.trajectory import Trajectory, TrajectoryStatus
+from ..ops.policy_loss.config import LossConfig
+from .turn_credit import chunk_process_rewards, chunk_starts, packed_chunks, turn_advantages
+
+
+def gae(values: torch.Tensor, rewards: torch.Tensor, seq: torch.Tensor, gamma: float, lam: float):
+    """``(advantages, returns)`` [P] float64 (CPU) of P chunks laid out sequence after sequence, each
+    sequence's chunks in order: ``values`` [P] V_k, ``rewards`` [P] r_k, ``seq`` [P] which sequence each
+    chunk belongs to (equal ids contiguous).  The last chunk of each sequence bootstraps from 0."""
+    v = values.detach().to("cpu", torch.float64).tolist()
+    r = rewards.to("cpu", torch.float64).tolist()
+    s = seq.tolist()
+    P = len(v)
+    if not (len(r) == len(s) == P):
+        raise ValueError(f"gae: values ({P}), rewards ({len(r)}) and seq ({len(s)}) must have one entry per chunk")
+    adv = [0.0] * P
+    acc = nxt = 0.0
+    for p in range(P - 1, -1, -1):
+        if p == P - 1 or s[p + 1] != s[p]:
+            acc = nxt = 0.0  # the sequence's last chunk: the episode ends after it
+        delta = r[p] + gamma * nxt - v[p]
+        acc = delta + gamma * lam * acc
+        adv[p], nxt = acc, v[p]
+    a = torch.tensor(adv, dtype=torch.float64)
+    return a, a + torch.tensor(v, dtype=torch.float64)
+
+
+def chunk_rewards(t: Trajectory, K: int, reward: float, process_reward: float) -> np.ndarray:
+    """[K] r_k of one trajectory: the process reward per new state (0 when ``process_reward`` is 0) and
+    ``reward`` on the last chunk."""
+    r = chunk_process_rewards(t, K, process_reward) if process_reward else np.zeros(K, dtype=np.float64)
+    if K:
+        r[K - 1] += float(reward)
+    return r
+
+
+def critic_chunk_inputs(trajs: Sequence[Trajectory], rewards: np.ndarray, loss_cfg: LossConfig, turn_credit):
+    """``(base_chunk_adv, chunk_rewards, metrics)`` per trajectory ([K_i] float64 each; empty for those
+    that train nothing).  ``turn_credit``: its config section; when on, its process reward enters the
+    chunk rewards and its anchor step advantages (without the trajectory part) are the base."""
+    on = turn_credit.enabled
+    proc = float(turn_credit.process_reward) if on else 0.0
+    base, metrics = ([np.zeros(0, dtype=np.float64) for _ in trajs], {})
+    if on:
+        base, metrics = turn_advantages(trajs, np.zeros(len(trajs)), loss_cfg, weight=turn_credit.weight,
+                                        process_reward=proc)
+    out = []
+    for i, t in enumerate(trajs):
+        K = chunk_starts(t).size if t.status is TrajectoryStatus.OK else 0
+        out.append(chunk_rewards(t, K, float(rewards[i]), proc))
+        if not on:
+            base[i] = np.zeros(K, dtype=np.float64)
+    return base, out, metrics
+
+
+def critic_points(mb, trajs: Sequence[Trajectory], chunk_rew: Sequence[np.ndarray]) -> dict:
+    """The micro-batch's value points, one per trained chunk, in ``chunk_segments``' order:
+    ``pos`` [P] the token before the chunk's first token (its hidden state has read exactly the
+    context the chunk acts in), ``seg`` [P] the chunk's loss segment, ``seq`` [P] its sequence in the
+    micro-batch, ``rewards`` [P] r_k (a cut-off tail's rewards on the last packed chunk)."""
+    pos, seg, seq, rew = [], [], [], []
+    s = 0
+    for j, i in enumerate(mb.traj_indices.tolist()):
+        a = int(mb.cu_seqlens[j])
+        starts, present = packed_chunks(mb, j, trajs[i])
+        r = chunk_rew[i]
+        if not present or r.size == 0:
+            s += 1  # one segment, nothing trained
+            continue
+        for n, k in enumerate(present):
+            if starts[k] < 1:
+                raise ValueError(f"trajectories[{i}]: chunk {k} starts at token 0; a model turn needs a context "
+                                 "before it (the prompt)")
+            pos.append(a + int(starts[k]) - 1)
+            seg.append(s)
+            seq.append(j)
+            rew.append(float(r[k:].sum()) if n == len(present) - 1 else float(r[k]))
+            s += 1
+    return {"pos": torch.tensor(pos, dtype=torch.int64), "seg": torch.tensor(seg, dtype=torch.int64),
+            "seq": torch.tensor(seq, dtype=torch.int64), "rewards": torch.tensor(rew, dtype=torch.float64),
+            "normalizer": 1.0}

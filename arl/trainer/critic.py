@@ -1,0 +1,143 @@
+"""The turn-level critic: a linear value head on the policy's final hidden state, trained with the
+policy in the same backward (GAE over chunks: arl/stabilizers/gae.py).
+
+Why a head on the shared trunk and not a separate critic model: the values are read from the hidden
+states the policy's forward computes anyway, so the critic costs one [H] -> 1 projection per chunk
+and H + 1 parameters (with their Adam state); no second model's weights, optimizer state, forward or
+ZeRO partitioning.  The price is that the value loss's gradient also reaches the trunk, so its
+weight (``critic.value_coef``) and the head's own learning rate (``critic.lr_mult``, a separate
+param group) are the knobs that keep the critic from pulling the policy around.
+
+The head is a submodule of the Hugging Face model (``VALUE_HEAD``), so DeepSpeed wraps, partitions
+(ZeRO-3), checkpoints and restores it with the policy and its optimizer state; it is taken out of
+every whole-model state dict (``without_value_head``), so neither the weight sync to vLLM nor the HF
+export ever sees it.  It starts at 0 (V = 0: identical on every rank, no seed to agree on).
+
+Where a value is read: at the token just before a chunk's first token; its hidden state has read the
+prompt, the earlier turns and their observations, i.e. exactly the context the chunk acts in.
+
+Value loss (PPO's clipped form), per chunk with GAE target G = A + V_old:
+
+    l = 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -c, c) - G)^2)
+
+summed over the step's chunks and divided by their number (all ranks, ``critic_points``'
+normalizer).  With one update per batch V_old is the gradient pass's own value, detached (as the old
+logprobs are), so the clip cannot bite on that update; with more updates the old pass gives V_old.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..stabilizers.gae import gae
+from .dist import all_sum
+
+VALUE_HEAD = "arl_value_head"  # the head's submodule name on the policy (and its state-dict prefix)
+
+
+def attach_value_head(model: torch.nn.Module) -> torch.nn.Linear:
+    """Add the zero-initialized value head [H] -> 1 to ``model`` (before DeepSpeed wraps it)."""
+    if hasattr(model, VALUE_HEAD):
+        raise ValueError(f"model: already has a {VALUE_HEAD!r} submodule")
+    hidden = getattr(model.config, "hidden_size", None)
+    if not isinstance(hidden, int) or hidden < 1:
+        raise ValueError(f"model.config.hidden_size: {hidden!r}; the value head needs the hidden width")
+    p = next(model.parameters())
+    head = torch.nn.Linear(hidden, 1, device=p.device, dtype=p.dtype)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    model.add_module(VALUE_HEAD, head)
+    return head
+
+
+def without_value_head(state: dict) -> dict:
+    """A whole-model state dict without the head's entries: what weight sync and HF export take."""
+    prefix = VALUE_HEAD + "."
+    return {k: v for k, v in state.items() if not k.startswith(prefix)}
+
+
+def param_groups(model: torch.nn.Module, lr: float, lr_mult: float) -> list:
+    """The optimizer's two param groups: the policy at ``lr``, the value head at ``lr * lr_mult``."""
+    head = {id(p) for p in getattr(model, VALUE_HEAD).parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if id(p) not in head]},
+            {"params": [p for p in trainable if id(p) in head], "lr": lr * lr_mult}]
+
+
+# the per-step sums behind the value metrics, in this order (all-reduced once per step)
+_SUMS = ("n", "v", "ret", "ret2", "res", "res2", "loss", "clipped")
+
+
+class Critic:
+    """The value head's part of one trainer step (``PolicyTrainer`` calls it per micro-batch)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+
+    def values(self, model, hidden: torch.Tensor, mb) -> torch.Tensor:
+        """[P] values (float32, float64 for a float64 model) at the micro-batch's value points, with
+        the graph; NaN/inf raise."""
+        if mb.critic is None:
+            raise ValueError("critic: the micro-batch has no value points (Stabilizers(critic=...).apply sets them)")
+        pos = mb.critic["pos"].to(hidden.device)
+        P = pos.numel()
+        # the head runs once per micro-batch on every rank, also without a value point (then on one
+        # token, sliced away): ZeRO-3 gathers its weight in forward and reduces its gradient in backward
+        idx = pos if P else torch.zeros(1, dtype=torch.int64, device=hidden.device)
+        v = getattr(model, VALUE_HEAD)(hidden.index_select(0, idx)).squeeze(-1)[:P]
+        v = v.to(torch.promote_types(v.dtype, torch.float32))
+        if not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).nonzero()[0])
+            raise FloatingPointError(f"critic: value head output {float(v[bad])} at value point {bad} of micro-batch "
+                                     f"{mb.index} (rank {mb.rank}); the critic diverged (lower critic.lr_mult or "
+                                     "critic.value_coef)")
+        return v
+
+    @staticmethod
+    def touch(model, hidden: torch.Tensor) -> torch.Tensor:
+        """An exact 0 that depends on the head, so every rank's backward reaches its parameters (ZeRO
+        reduces gradients in backward hooks: a rank that skipped them would hang the others)."""
+        return getattr(model, VALUE_HEAD)(hidden[:1].detach()).sum() * 0.0
+
+    def micro_batch(self, v: torch.Tensor, old_v: torch.Tensor, mb, seg_adv: torch.Tensor):
+        """``(segment advantages, value loss)``: the loss segments' advantages with each chunk's GAE
+        advantage (from ``old_v``) added, and this micro-batch's share of the step's value loss."""
+        c = mb.critic
+        if v.numel() == 0:
+            return seg_adv, v.sum()  # an exact 0 that still reaches the head in backward
+        adv, ret = gae(old_v, c["rewards"], c["seq"], self.cfg.gamma, self.cfg.lam)
+        seg_adv = seg_adv.to(torch.float64).clone()
+        seg_adv.index_add_(0, c["seg"], adv)
+        ret = ret.to(v.device, v.dtype)
+        old_v = old_v.to(v.device, v.dtype)
+        sq = (v - ret) ** 2
+        clipped = torch.zeros_like(sq, dtype=torch.bool)
+        if self.cfg.clip is not None:
+            vc = old_v + (v - old_v).clamp(-self.cfg.clip, self.cfg.clip)
+            sqc = (vc - ret) ** 2
+            clipped = sqc > sq
+            sq = torch.maximum(sq, sqc)
+        per = 0.5 * sq
+        loss = per.sum() / c["normalizer"]
+        vd, r = v.detach().double(), ret.double()
+        res = r - vd
+        self.sums += torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), vd.sum().cpu(), r.sum().cpu(),
+                                  (r * r).sum().cpu(), res.sum().cpu(), (res * res).sum().cpu(),
+                                  per.detach().double().sum().cpu(), clipped.double().sum().cpu()])
+        return seg_adv, loss
+
+    def step_metrics(self, device) -> dict:
+        """``value/*`` over the whole step (every rank; a collective), then the sums restart."""
+        s = dict(zip(_SUMS, all_sum(self.sums, device).tolist()))
+        self.sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        n = s["n"]
+        if n == 0:
+            return {}
+        out = {"value/loss": s["loss"] / n, "value/mean": s["v"] / n, "value/clip_frac": s["clipped"] / n,
+               "value/return_mean": s["ret"] / n}
+        var_ret = s["ret2"] / n - (s["ret"] / n) ** 2
+        var_res = s["res2"] / n - (s["res"] / n) ** 2
+        if var_ret > 1e-12:  # returns that all agree explain nothing: no figure rather than a NaN
+            out["value/explained_var"] = 1.0 - var_res / var_ret
+        return out
+

@@ -1,0 +1,267 @@
+"""The critic's math and plumbing in one process: GAE against a hand computation (several
+trajectories, lambda 0 and 1), the value points the packer's micro-batches carry, the clipped value
+loss and its autograd gradients, the config checks, and the head kept out of what is synced/exported.
+The 2-rank DeepSpeed step (ZeRO 0-3), checkpoint/resume and export: tests/test_critic_ds.py."""
+import numpy as np
+import pytest
+import torch
+
+from arl.config import ConfigError, CriticConfig, StabilizerConfig, load_config
+from arl.data import Trajectory
+from arl.data.packer import PackerConfig, pack_step
+from arl.ops.policy_loss import LossConfig
+from arl.stabilizers import Stabilizers
+from arl.stabilizers.gae import gae
+from arl.trainer.critic import VALUE_HEAD, Critic, attach_value_head, param_groups, without_value_head
+
+from two_rank import random_chunk_ids, tiny_qwen
+
+LOSS = LossConfig(ratio_level="chunk", gamma=0.95, loss_agg="token-mean")
+
+# three trajectories: values V_k and rewards r_k per chunk (laid out one after the other)
+V = [0.5, 0.2, 0.8, 0.3, 0.1, 0.4]
+R = [0.0, 0.1, 1.0, 0.0, 0.0, 1.0]
+SEQ = [0, 0, 0, 1, 2, 2]
+
+
+def _gae(gamma, lam):
+    a, ret = gae(torch.tensor(V, dtype=torch.float64), torch.tensor(R, dtype=torch.float64), torch.tensor(SEQ), gamma, lam)
+    return a.tolist(), ret.tolist()
+
+
+def test_gae_matches_a_hand_computation():
+    a, ret = _gae(0.9, 0.5)
+    # trajectory 0: delta_2 = 1 - 0.8 = 0.2; delta_1 = 0.1 + 0.9*0.8 - 0.2 = 0.62; delta_0 = 0.9*0.2 - 0.5 = -0.32
+    # A_2 = 0.2, A_1 = 0.62 + 0.45*0.2 = 0.71, A_0 = -0.32 + 0.45*0.71 = -0.0005
+    # trajectory 1 (one chunk, reward 0): A = -0.3; trajectory 2: delta_1 = 0.6, delta_0 = 0.9*0.4 - 0.1 = 0.26,
+    # A_1 = 0.6, A_0 = 0.26 + 0.45*0.6 = 0.53
+    want = [-0.0005, 0.71, 0.2, -0.3, 0.53, 0.6]
+    assert a == pytest.approx(want, abs=1e-12)
+    assert ret == pytest.approx([x + v for x, v in zip(want, V)], abs=1e-12)
+
+
+def test_gae_lambda_edges():
+    a0, _ = _gae(0.9, 0.0)  # one-step TD errors
+    assert a0 == pytest.approx([-0.32, 0.62, 0.2, -0.3, 0.26, 0.6], abs=1e-12)
+    a1, ret1 = _gae(0.9, 1.0)  # Monte-Carlo: discounted return - V, and the return as target
+    mc = [0.9 * 0.1 + 0.81 * 1.0, 0.1 + 0.9 * 1.0, 1.0, 0.0, 0.9 * 1.0, 1.0]
+    assert a1 == pytest.approx([g - v for g, v in zip(mc, V)], abs=1e-12)
+    assert ret1 == pytest.approx(mc, abs=1e-12)
+    a, _ = gae(torch.tensor([0.0, 0.0]), torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([0, 0]), 1.0, 1.0)
+    assert a.tolist() == [1.0, 1.0]  # V = 0, gamma = lambda = 1: every chunk gets the outcome
+
+
+def test_gae_rejects_misaligned_inputs():
+    with pytest.raises(ValueError, match="one entry per chunk"):
+        gae(torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.long), 1.0, 1.0)
+
+
+def trajectories(n=12, group=4, seed=0, masked=()):
+    from arl.data import TrajectoryStatus
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        L = int(rng.integers(12, 40))
+        out.append(Trajectory(tokens=rng.integers(0, 64, L), chunk_ids=random_chunk_ids(rng, L),
+                              rollout_logp=np.zeros(L, np.float32), reward=float(rng.random() > 0.5),
+                              group_id=i // group,
+                              status=TrajectoryStatus.MASKED if i in masked else TrajectoryStatus.OK))
+    return out
+
+
+def prepared(trajs, critic=CriticConfig(enabled=True), stab=StabilizerConfig(), budget=80, world=2):
+    s = Stabilizers(stab, LOSS, critic=critic)
+    prep = s.prepare(trajs, LOSS)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=budget, num_ranks=world), LOSS,
+                       advantages=prep.advantages)
+    s.apply(packed, prep, LOSS)
+    return prep, packed
+
+
+def test_value_points_sit_before_each_packed_chunk():
+    trajs = trajectories(masked=(3,))
+    prep, packed = prepared(trajs)
+    total = 0
+    for mb in packed.all_micro_batches():
+        if mb.is_empty:
+            assert mb.critic is None
+            continue
+        c, seg = mb.critic, mb.segments
+        cid, cu = mb.chunk_ids, mb.cu_seqlens
+        P = c["pos"].numel()
+        total += P
+        # one point per trained chunk; the token after each point starts a new chunk of the same sequence
+        assert P == int(cid.max()) + 1 if (cid >= 0).any() else P == 0
+        for p, s, j in zip(c["pos"].tolist(), c["seg"].tolist(), c["seq"].tolist()):
+            assert cid[p + 1] >= 0 and (cid[p] < 0 or cid[p] != cid[p + 1])
+            assert int(cu[j]) <= p < int(cu[j + 1]) - 1
+            assert int(seg["cu_seqlens"][s]) <= p + 1 < int(seg["cu_seqlens"][s + 1])  # its loss segment
+            assert seg["advantages"][s] == 0.0  # no turn credit: the critic's baseline replaces the group's
+        # the outcome reward on each sequence's last chunk, 0 elsewhere
+        for j, i in enumerate(mb.traj_indices.tolist()):
+            r = c["rewards"][c["seq"] == j].tolist()
+            if r:
+                assert r[:-1] == [0.0] * (len(r) - 1) and r[-1] == trajs[i].reward
+            else:
+                assert i == 3  # the MASKED placeholder trains nothing
+    assert total > 0 and all(mb.critic["normalizer"] == total for mb in packed.all_micro_batches() if not mb.is_empty)
+
+
+def test_turn_credit_process_reward_and_step_advantage_enter_the_critic():
+    trajs = trajectories()
+    for t in trajs:  # every turn reached a new state
+        t.metadata["turn_info"] = [{"new_state": True}] * 16
+    stab = StabilizerConfig(turn_credit=dict(enabled=True, weight=1.0, process_reward=0.1))
+    prep, packed = prepared(trajs, stab=stab)
+    mb = next(m for m in packed.all_micro_batches() if not m.is_empty)
+    for j, i in enumerate(mb.traj_indices.tolist()):
+        r = mb.critic["rewards"][mb.critic["seq"] == j].tolist()
+        assert r[:-1] == pytest.approx([0.1] * (len(r) - 1)) and r[-1] == pytest.approx(0.1 + trajs[i].reward)
+    # the base chunk advantages are turn credit's step part only (the trajectory advantage is left out)
+    from arl.stabilizers.turn_credit import turn_advantages
+
+    step_only, _ = turn_advantages(prep.trajectories, np.zeros(len(trajs)), LOSS, weight=1.0, process_reward=0.1)
+    for a, b in zip(prep.chunk_advantages, step_only):
+        np.testing.assert_array_equal(a, b)
+
+
+class _MB:
+    def __init__(self, pos, seg, seq, rewards, normalizer):
+        self.critic = {"pos": torch.tensor(pos), "seg": torch.tensor(seg), "seq": torch.tensor(seq),
+                       "rewards": torch.tensor(rewards, dtype=torch.float64), "normalizer": normalizer}
+        self.index, self.rank = 0, 0
+
+
+def _head_model(H=6, dtype=torch.float64):
+    m = torch.nn.Module()
+    m.config = type("C", (), {"hidden_size": H})()
+    m.register_parameter("w", torch.nn.Parameter(torch.zeros(1, dtype=dtype)))
+    attach_value_head(m)
+    return m
+
+
+def test_value_loss_and_metrics_by_hand():
+    cfg = CriticConfig(enabled=True, gamma=1.0, lam=1.0, clip=0.1)
+    cr = Critic(cfg)
+    mb = _MB([0, 1], [0, 1], [0, 0], [0.0, 1.0], normalizer=4.0)
+    old_v = torch.tensor([0.0, 0.5], dtype=torch.float64)
+    v = torch.tensor([0.3, 0.55], dtype=torch.float64, requires_grad=True)
+    seg_adv, loss = cr.micro_batch(v, old_v, mb, torch.tensor([0.25, 0.0, 7.0], dtype=torch.float64))
+    # lambda = gamma = 1: A = return - V_old = [1, 0.5], G = [1, 1]; segment 2 has no value point
+    assert seg_adv.tolist() == pytest.approx([1.25, 0.5, 7.0])
+    # chunk 0: unclipped (0.3-1)^2 = 0.49, clipped V = 0.1: 0.81 -> clipped term wins; chunk 1: 0.2025 both ways
+    assert float(loss.detach()) == pytest.approx(0.5 * (0.81 + 0.2025) / 4.0)
+    loss.backward()
+    assert v.grad.tolist() == pytest.approx([0.0, (0.55 - 1.0) / 4.0])  # the clipped branch has no gradient in V
+    m = cr.step_metrics(torch.device("cpu"))
+    assert m["value/clip_frac"] == 0.5 and m["value/mean"] == pytest.approx(0.425)
+    assert m["value/loss"] == pytest.approx(0.5 * (0.81 + 0.2025) / 2)
+    res = np.array([1 - 0.3, 1 - 0.55])
+    assert "value/explained_var" not in m  # returns that all agree: no figure
+    cr.micro_batch(torch.tensor([0.0, 0.1], dtype=torch.float64), torch.tensor([0.0, 0.1], dtype=torch.float64),
+                   _MB([0, 1], [0, 1], [0, 1], [0.0, 1.0], 2.0), torch.zeros(2, dtype=torch.float64))
+    m = cr.step_metrics(torch.device("cpu"))
+    ret, res = np.array([0.0, 1.0]), np.array([0.0, 0.9])
+    assert m["value/explained_var"] == pytest.approx(1 - res.var() / ret.var())
+
+
+def test_value_head_gradients_autograd_check():
+    """d(value loss)/d(head weight, bias, hidden) against finite differences (float64), clipped and not."""
+    torch.manual_seed(0)
+    H = 6
+    for clip in (None, 0.05):
+        cr = Critic(CriticConfig(enabled=True, gamma=0.9, lam=0.8, clip=clip))
+        model = _head_model(H)
+        head = getattr(model, VALUE_HEAD)
+        del head.weight, head.bias  # plain tensors from here: gradcheck's inputs
+        mb = _MB([0, 2, 3, 5], [0, 1, 2, 3], [0, 0, 1, 1], [0.0, 1.0, 0.1, 0.0], normalizer=5.0)
+        old_v = torch.randn(4, dtype=torch.float64) * 0.3
+
+        def f(w, b, h):
+            head.weight, head.bias = w, b
+            v = cr.values(model, h, mb)
+            return cr.micro_batch(v, old_v, mb, torch.zeros(4, dtype=torch.float64))[1]
+
+        w = (torch.randn(1, H, dtype=torch.float64) * 0.3).requires_grad_()
+        b = torch.randn(1, dtype=torch.float64).requires_grad_()
+        h = torch.randn(7, H, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(f, (w, b, h), eps=1e-6, atol=1e-7)
+
+
+def test_nan_values_fail_loudly():
+    model = _head_model(4)
+    mb = _MB([1], [0], [0], [1.0], 1.0)
+    h = torch.zeros(3, 4, dtype=torch.float64)
+    h[1, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="value head output nan at value point 0"):
+        Critic(CriticConfig(enabled=True)).values(model, h, mb)
+    with pytest.raises(ValueError, match="no value points"):
+        Critic(CriticConfig(enabled=True)).values(model, h, type("M", (), {"critic": None})())
+
+
+def test_head_is_zero_in_its_own_param_group_and_kept_out_of_the_policy_state():
+    model = tiny_qwen()
+    keys = set(model.state_dict())
+    head = attach_value_head(model)
+    assert float(head.weight.abs().sum() + head.bias.abs().sum()) == 0.0
+    groups = param_groups(model, 1e-3, 10.0)
+    assert groups[1]["lr"] == pytest.approx(1e-2) and "lr" not in groups[0]
+    assert {id(p) for p in groups[1]["params"]} == {id(head.weight), id(head.bias)}
+    assert len(groups[0]["params"]) + 2 == len(list(model.parameters()))
+    assert set(without_value_head(model.state_dict())) == keys
+    with pytest.raises(ValueError, match="already has"):
+        attach_value_head(model)
+
+
+def test_config_checks():
+    ok = load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "critic.lam=0.9"])
+    assert ok.critic.enabled and ok.critic.lam == 0.9
+    bad = {
+        "critic.lam=1.5": "critic.lam",
+        "critic.gamma=0": "critic.gamma",
+        "critic.lr_mult=0": "critic.lr_mult",
+        "critic.clip=-1": "critic.clip",
+        "critic.bogus=1": "critic.bogus: unknown key",
+    }
+    for ov, msg in bad.items():
+        with pytest.raises(ConfigError, match=msg) as e:
+            load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", ov])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="critic.enabled: needs loss.ratio_level token or chunk"):
+        load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "stabilizers.turn_credit.enabled=false",
+                                              "loss.ratio_level=sequence"])
+    with pytest.raises(ConfigError, match="critic.enabled: cannot be combined with stabilizers.ipa.enabled"):
+        load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "stabilizers.turn_credit.enabled=false",
+                                              "stabilizers.ipa.enabled=true"])
+    assert not load_config("configs/tiny_cpu.yaml").critic.enabled  # off by default
+
+
+def test_critic_off_prepares_exactly_what_it_did():
+    trajs = trajectories(seed=3)
+    for stab in (StabilizerConfig(), StabilizerConfig(turn_credit=dict(enabled=True))):
+        a = prepared(trajs, critic=None, stab=stab)
+        b = prepared(trajs, critic=CriticConfig(enabled=False), stab=stab)
+        assert b[0].chunk_rewards is None
+        np.testing.assert_array_equal(a[0].advantages, b[0].advantages)
+        for x, y in zip(a[1].all_micro_batches(), b[1].all_micro_batches()):
+            assert y.critic is None
+            assert (x.segments is None) == (y.segments is None)
+            if x.segments is not None:
+                for k in x.segments:
+                    assert torch.equal(x.segments[k], y.segments[k])
+
+
+def test_dry_run_plan_shows_the_critic_memory():
+    from arl.layout import plan
+
+    on = plan(load_config("configs/tiny_cpu.yaml", ["critic.enabled=true"]))
+    off = plan(load_config("configs/tiny_cpu.yaml"))
+    H, T = 128, 4096
+    assert on.trainer_bytes["critic head+grads+optim"] == pytest.approx((4 + 12 / 2) * (H + 1))  # fp32, ZeRO-2, dp 2
+    assert on.trainer_bytes["critic values (micro-batch)"] == 3 * 4 * T
+    assert on.trainer_bytes["total (fused)"] == pytest.approx(
+        off.trainer_bytes["total (fused)"] + on.trainer_bytes["critic head+grads+optim"] + 3 * 4 * T)
+    text = on.render()
+    assert "critic head+grads+optim" in text and f"{H + 1} parameters" in text
+    assert "critic" not in off.render()
