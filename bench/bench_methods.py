@@ -74,6 +74,8 @@ METHODS: dict[str, Method] = {
                                      (*_TOKEN, "loss.clip_high=0.2", "loss.mismatch_level=none", _TC)),
     "ipa_chunk": Method("IPA chunk level: chunk ratio, chunk mismatch mask, gamma 0.95", (*_IPA, _NO_TC)),
     "ipa_turn_credit": Method("IPA chunk level + turn credit (the main job's method)", (*_IPA, _TC)),
+    "ipa_critic": Method("IPA chunk level + turn-level critic (value head, GAE over chunks; no turn credit)",
+                         (*_IPA, _NO_TC, "critic.enabled=true")),
     "sft_continue": Method("continued SFT on the demonstrations for the same wall time", kind="sft"),
 }
 DEFAULT_METHODS = tuple(METHODS)
