@@ -8,7 +8,9 @@ the run's own engine and evaluation code (``arl.rollout.worker.evaluate``, the `
 of an RL run), until the wall budget (``--wall-s``, default ``trainer.max_wall_s``) or ``--steps``.
 ``metrics.jsonl`` in ``output_dir`` has the RL run's format (``step``: SFT steps after the warm
 start, ``wall_s`` from the model load as in RL, SFT included; ``success/heldout``; ``sft/*``), so
-``python -m arl.plot RL_RUN SFT_RUN --x wall`` draws both.
+``python -m arl.plot RL_RUN SFT_RUN --x wall`` draws both.  Every evaluated policy is kept in
+``output_dir/snapshots/sft<N>`` (HF format with the tokenizer, N = SFT steps in all): an RL run can
+start from any of them (``model.name_or_path=... sft.enabled=false``).
 
 Wall time counts training only: the trainers wait while the engine evaluates, and that pause is not
 counted (an RL run's evaluations share the CPU with its training), which favours this baseline.
@@ -81,6 +83,7 @@ def sft_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, d
              requests, results, parent_pid: int) -> None:
     """One trainer rank: the warm start, then continued SFT with evaluations (rank 0 logs)."""
     import torch
+    from transformers import AutoTokenizer
 
     from arl.config import TrainConfig
     from arl.metrics import MetricsLogger
@@ -103,7 +106,8 @@ def sft_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, d
     model = load_policy(cfg, model_dir)
     t0, paused = time.perf_counter(), 0.0  # the RL run's clock: from the model load, SFT included
     run = SFTSteps(cfg, model, demos, rank, world)
-    weights = Path(cfg.output_dir) / "eval_weights"
+    tok = AutoTokenizer.from_pretrained(model_dir) if rank == 0 else None
+    snapshots = Path(cfg.output_dir) / "snapshots"
     last = {}
     while True:
         extra = run.done - cfg.sft.steps  # SFT steps after the warm start (the RL run's step axis)
@@ -112,7 +116,8 @@ def sft_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, d
             over = broadcast_from_rank0(extra >= plan["stop_extra"] or wall > plan["wall_s"], rank)
             if over or extra % plan["eval_every"] == 0:  # the policy the run ends with is evaluated too
                 pause = time.perf_counter()
-                run.tr.export_hf(str(weights))  # a collective under ZeRO-3; rank 0 writes
+                weights = snapshots / f"sft{run.done}"  # each evaluated policy, loadable as model.name_or_path
+                run.tr.export_hf(str(weights), tokenizer=tok)  # a collective under ZeRO-3; rank 0 writes
                 acc = ev_s = None
                 if rank == 0:
                     requests.put((str(weights), run.done))
@@ -137,7 +142,7 @@ def sft_rank(rank: int, world: int, port: int, cfg_dict: dict, model_dir: str, d
     if rank == 0:
         requests.put(None)
         log.close()
-    run.tr.export_hf(str(Path(cfg.output_dir) / "hf"))
+    run.tr.export_hf(str(Path(cfg.output_dir) / "hf"), tokenizer=tok)
     shutdown()
     exit_process(0)
 
