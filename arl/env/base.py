@@ -72,6 +72,13 @@ class Environment(abc.ABC):
     async def close(self) -> None:  # release processes, temp dirs
         return None
 
+    @classmethod
+    def demo_kwargs(cls, kwargs: dict) -> dict:
+        """The constructor arguments of the environment the SFT demonstrator plays, from the run's
+        (default: the same): a demonstrator that knows only part of the task family.  IPA's expert
+        prefixes play the run's own tasks."""
+        return kwargs
+
     def expert_turns(self) -> list[str] | None:
         """Model turns of an expert demonstration for the current episode (for SFT), if the
         environment has a demonstrator; otherwise None."""

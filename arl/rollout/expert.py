@@ -32,7 +32,8 @@ def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool) -> dict:
 def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000) -> list:
     """Up to ``n`` successful expert demonstrations (tasks from ``seed_base`` on), rendered exactly as
     the rollout renders a model's turns: the SFT warm start's data."""
-    env = make_env(cfg.env.name, **expert_env_kwargs(cfg, keep_task_definition=False))
+    kwargs = env_class(cfg.env.name).demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
+    env = make_env(cfg.env.name, **kwargs)
     ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
 
     async def one(seed):

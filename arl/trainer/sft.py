@@ -10,19 +10,36 @@ from .models import dtype_of
 from .policy import PolicyTrainer
 
 
+class SFTSteps:
+    """SFT of ``model`` in place on ``demos`` (trajectories), one ``step()`` at a time: the warm start
+    runs ``sft.steps`` of them; continued SFT (``bench/sft_continue.py``) keeps calling ``step()``, on
+    the same demonstration draws and learning rate the warm start would have gone on with."""
+
+    def __init__(self, cfg: TrainConfig, model, demos: list, rank: int, world: int):
+        s = cfg.sft
+        optim = OptimConfig(lr=s.lr, grad_clip=cfg.trainer.optim.grad_clip)  # constant lr: no end to reach
+        self.tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1),
+                                dtype=dtype_of(cfg), attn=cfg.model.attn_implementation)
+        self.cfg, self.demos, self.rank, self.world = cfg, demos, rank, world
+        self.rng = random.Random(cfg.seed)
+        self.per_step = max(world, min(len(demos), s.batch_size))
+        self.done = 0  # steps taken
+
+    def step(self) -> dict:
+        demos, n = self.demos, self.per_step
+        batch = self.rng.sample(demos, n) if len(demos) >= n else demos
+        packed = pack_step(batch, PackerConfig(token_budget=self.cfg.sft.micro_batch_tokens, num_ranks=self.world,
+                                               seed=self.done))
+        self.done += 1
+        return self.tr.sft_step(packed.ranks[self.rank], normalizer=packed.normalizer)
+
+
 def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> Tuple[dict, Optional[dict]]:
     """SFT of ``model`` in place on ``demos`` (trajectories); returns the last step's metrics and,
     under ZeRO-3 (whose engine leaves ``model``'s parameters partitioned), the gathered state dict on
     every rank."""
-    s = cfg.sft
-    optim = OptimConfig(lr=s.lr, grad_clip=cfg.trainer.optim.grad_clip)
-    tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1),
-                       dtype=dtype_of(cfg), attn=cfg.model.attn_implementation)
-    rng = random.Random(cfg.seed)
-    per_step = max(world, min(len(demos), s.batch_size))
+    run = SFTSteps(cfg, model, demos, rank, world)
     last = {}
-    for step in range(s.steps):
-        batch = rng.sample(demos, per_step) if len(demos) >= per_step else demos
-        packed = pack_step(batch, PackerConfig(token_budget=s.micro_batch_tokens, num_ranks=world, seed=step))
-        last = tr.sft_step(packed.ranks[rank], normalizer=packed.normalizer)
-    return last, (tr.full_state_dict(rank0_only=False) if tr.zero3 else None)
+    for _ in range(cfg.sft.steps):
+        last = run.step()
+    return last, (run.tr.full_state_dict(rank0_only=False) if run.tr.zero3 else None)

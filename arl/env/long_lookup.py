@@ -1,0 +1,161 @@
+"""``long_lookup``: a long key chain with forks, where one wrong call early wastes the episode.
+
+A task hides a chain of 12-16 keys ``k17 -> k03 -> ... -> v42``, as ``toy_lookup`` does, so a solution
+is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, the one to
+follow after ``go``, a trap after ``no`` (in random order): ``go k03 no k55`` or ``no k55 go k03``.
+The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
+Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
+trap (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest of the episode is wasted.
+Two distractor tools cost a turn and never help: ``peek(key)`` says whether a key exists (decoys do
+too), ``values()`` lists the value among two others.
+
+Why it separates methods: the outcome reward is 1 only when every one of ~15 calls and every fork
+choice was right, so a trajectory's reward says little about which call mattered; the env reports
+``new_state`` (the first lookup of each chain key: progress) per turn for turn-level credit.
+
+The SFT demonstrator knows only part of the task family: ``demo_kwargs`` gives it tasks with
+``demo_forks`` forks (default 0: plain chains).  The demonstrations teach the call format and key
+copying, never a fork, so the SFT start picks a fork's branch by position, not by ``go`` (about
+half right per fork), and more SFT cannot change that; RL has to learn to read ``go``.  The expert
+itself (``expert_turns``, also IPA's resampling anchors) solves every task, forks included.
+
+Deterministic: the task depends on ``seed`` only (``reset(seed, sample=...)`` takes ``sample`` for
+the rollout's API; nothing here is random per sample).  Training seeds count up from 0, held-out
+ones from ``arl.data.tasks.EVAL_SEED_BASE``, SFT demonstrations from 2,000,000: disjoint seeds.
+Malformed turns get an ``error: ...`` observation and use a turn; nothing raises on model text.
+"""
+from __future__ import annotations
+
+import random
+from typing import List, Optional
+
+from .base import Environment, Fault, StepResult
+from .registry import register_env
+from .toolcall import ToolSpec, describe_tools, format_answer, format_tool_call, parse_turn
+
+LOOKUP = ToolSpec("lookup", {"key": "string"}, "the next key, a fork, or the value")
+PEEK = ToolSpec("peek", {"key": "string"}, "yes if the key exists")
+VALUES = ToolSpec("values", {}, "three values, one of them right")
+NOT_FOUND, DEAD_END = "none", "dead end"
+GO, NO = "go", "no"
+
+
+@register_env("long_lookup")
+class LongLookupEnv(Environment):
+    tool_specs = (LOOKUP, PEEK, VALUES)  # described in the system prompt
+
+    def __init__(self, min_hops: int = 12, max_hops: int = 16, min_forks: int = 3, max_forks: int = 4,
+                 decoy_hops: int = 2, slack: int = 1, num_keys: int = 100, demo_forks: Optional[int] = 0,
+                 max_turns: Optional[int] = None):
+        if not 2 <= min_hops <= max_hops:
+            raise ValueError(f"min_hops/max_hops: need 2 <= min_hops <= max_hops, got {min_hops}/{max_hops}")
+        if not 0 <= min_forks <= max_forks < min_hops:
+            raise ValueError(f"min_forks/max_forks: need 0 <= min_forks <= max_forks < min_hops ({min_hops}), "
+                             f"got {min_forks}/{max_forks}")
+        if demo_forks is not None and not 0 <= demo_forks < min_hops:
+            raise ValueError(f"demo_forks: need 0 <= demo_forks < min_hops ({min_hops}) or null, got {demo_forks}")
+        if decoy_hops < 0 or slack < 0:
+            raise ValueError(f"decoy_hops/slack: need >= 0, got {decoy_hops}/{slack}")
+        need_keys = max_hops + max(max_forks, demo_forks or 0) * (1 + decoy_hops)
+        if num_keys < need_keys:
+            raise ValueError(f"num_keys: need >= {need_keys} (chain + traps + decoys), got {num_keys}")
+        self.min_hops, self.max_hops, self.min_forks, self.max_forks = min_hops, max_hops, min_forks, max_forks
+        self.decoy_hops, self.slack, self.num_keys, self.demo_forks = decoy_hops, slack, num_keys, demo_forks
+        longest = max_hops + 1 + slack  # the longest chain's budget: every lookup, the answer, the slack
+        self.max_turns = max_turns if max_turns is not None else longest
+        if self.max_turns < max_hops + 1:
+            raise ValueError(f"max_turns (env.max_turns): need >= max_hops + 1 ({max_hops + 1}) to answer the longest "
+                             f"chain, got {self.max_turns}")
+        self._width = len(str(num_keys - 1))
+        self.system_prompt = (
+            "Find the value for a key. Tools:\n" + describe_tools(self.tool_specs) + "\n"
+            f"Look keys up until you get a value, then answer it. At a fork follow the key after {GO}, "
+            f"not after {NO}: that way is a {DEAD_END}.\n"
+            + format_tool_call("lookup", {"key": self._key(17 % num_keys)}) + "\n"
+            + format_answer(self._val(42 % num_keys)))
+        self._active = False
+
+    @classmethod
+    def demo_kwargs(cls, kwargs: dict) -> dict:
+        """The demonstrator's tasks: ``demo_forks`` forks (None: the run's own task family)."""
+        d = kwargs.get("demo_forks", 0)
+        return kwargs if d is None else {**kwargs, "min_forks": d, "max_forks": d}
+
+    def _key(self, i: int) -> str:
+        return f"k{i:0{self._width}d}"
+
+    def _val(self, i: int) -> str:
+        return f"v{i:0{self._width}d}"
+
+    # -- episode ---------------------------------------------------------------------------------
+    async def reset(self, seed: int, *, sample: int = 0) -> str:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"reset: seed must be an int, got {type(seed).__name__}")
+        rng = random.Random(f"long_lookup/task/{seed}")
+        hops = rng.randint(self.min_hops, self.max_hops)
+        forks = rng.randint(self.min_forks, self.max_forks)
+        keys = [self._key(i) for i in rng.sample(range(self.num_keys), hops + forks * (1 + self.decoy_hops))]
+        chain, rest = keys[:hops], keys[hops:]
+        self.value = self._val(rng.randrange(self.num_keys))
+        self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
+        # forks on the lookups of chain keys 0..hops-2 (the last one answers the value)
+        self.forks = sorted(rng.sample(range(hops - 1), forks))
+        for n, i in enumerate(self.forks):
+            trap, *decoys = rest[n * (1 + self.decoy_hops):(n + 1) * (1 + self.decoy_hops)]
+            right = chain[i + 1]
+            self.table[chain[i]] = (f"{GO} {right} {NO} {trap}" if rng.random() < 0.5 else
+                                    f"{NO} {trap} {GO} {right}")
+            path = [trap] + decoys
+            self.table.update(zip(path, path[1:] + [DEAD_END]))
+        others = rng.sample([i for i in range(self.num_keys) if self._val(i) != self.value], 2)
+        vals = [self.value] + [self._val(i) for i in others]
+        rng.shuffle(vals)
+        self._values_obs = " ".join(vals)
+        self.chain, self.seed, self.budget = chain, seed, hops + 1 + self.slack
+        self.turns, self._active, self._looked_up = 0, True, set()
+        return f"Find the value for {chain[0]}."
+
+    def expert_turns(self) -> Optional[List[str]]:
+        """The exact model turns that solve the current episode: every chain key, then the value."""
+        if not hasattr(self, "chain"):
+            return None
+        return [format_tool_call("lookup", {"key": k}) for k in self.chain] + [format_answer(self.value)]
+
+    async def step(self, action_text: str) -> StepResult:
+        if not self._active:
+            raise ValueError("step: no episode in progress; call reset(seed) first")
+        self.turns += 1
+        turn = parse_turn(action_text, self.tool_specs)
+        info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
+                "turn": self.turns, "new_state": False}
+        if turn.kind == "answer":
+            correct = turn.answer == self.value
+            return self._end("done", 1.0 if correct else 0.0, info, correct=correct)
+        if turn.kind == "error":
+            return self._budget(StepResult(turn.error, 0.0, False, info))
+        key = turn.arguments.get("key")
+        if turn.tool == "peek":
+            obs = "yes" if key in self.table else "no"
+        elif turn.tool == "values":
+            obs = self._values_obs
+        else:
+            obs = self.table.get(key, NOT_FOUND)
+            # progress for turn credit: a chain key looked up for the first time reveals the next one
+            info["new_state"] = key in self.chain and key not in self._looked_up
+            info["fork"] = GO in obs.split()
+            info["dead_end"] = obs == DEAD_END
+            self._looked_up.add(key)
+        return self._budget(StepResult(obs, 0.0, False, info))
+
+    def _budget(self, res: StepResult) -> StepResult:
+        """Ends the episode (reward 0) once the task's budget or the run's turn limit is used up."""
+        if self.turns >= min(self.budget, self.max_turns):
+            res.done = True
+            res.info.update(truncated=True, correct=False)
+            self._active = False
+        return res
+
+    def _end(self, obs: str, reward: float, info: dict, correct: bool) -> StepResult:
+        self._active = False
+        info.update(correct=correct)
+        return StepResult(obs, reward, True, info)

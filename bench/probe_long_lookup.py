@@ -1,0 +1,91 @@
+"""Where a ``long_lookup`` policy fails: greedy held-out success on the whole task family and on
+fork-free chains, and what its call is right after a fork (the ``go`` key, the ``no`` key, or
+anything else, malformed calls included).
+
+    python bench/probe_long_lookup.py runs/cal/lh_sft/snapshots/sft500 --tasks 32
+    python bench/probe_long_lookup.py MODEL_DIR --quick
+
+It runs the config's engine and episode code (``arl.rollout``) on the HF model in MODEL_DIR; the
+last stdout line is one JSON object: per family ``success`` and ``after_fork`` counts.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FAMILIES = {"whole": {}, "fork_free": {"min_forks": 0, "max_forks": 0}}
+
+
+async def probe(config: str, model: str, n: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from arl.config import load_config
+    from arl.data.tasks import EVAL_SEED_BASE
+    from arl.env.long_lookup import GO, NO, LongLookupEnv
+    from arl.env.toolcall import parse_turn
+    from arl.rollout.episode import ChatFormat, run_episode
+    from arl.rollout.worker import episode_config, run_engine
+
+    cfg = load_config(config, [f"model.name_or_path={model}"])
+    engine = run_engine(cfg, model)
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(model))
+    out = {}
+    try:
+        for name, kw in FAMILIES.items():
+            after, wins = Counter(), []
+
+            async def one(i):
+                env = LongLookupEnv(**{**cfg.env.kwargs, **kw}, max_turns=cfg.env.max_turns)
+                step, last = env.step, [None]
+
+                async def recorded(text):
+                    words = last[0].split() if isinstance(last[0], str) else []
+                    if GO in words:  # this turn answers a fork
+                        t = parse_turn(text, env.tool_specs)
+                        key = t.arguments.get("key") if t.kind == "tool" else None
+                        after["go" if key == words[words.index(GO) + 1] else
+                              "no" if key == words[words.index(NO) + 1] else
+                              "malformed" if t.kind == "error" else "other"] += 1
+                    res = await step(text)
+                    last[0] = res.observation
+                    return res
+
+                env.step = recorded
+                t = await run_episode(engine, env, fmt, EVAL_SEED_BASE + i, episode_config(cfg, greedy=True))
+                wins.append(t.reward > 0)
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+            out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after)}
+    finally:
+        await engine.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="HF model directory with its tokenizer (a snapshot or a run's hf/)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "long_horizon_cpu.yaml"))
+    ap.add_argument("--tasks", type=int, default=32, help="held-out tasks per family")
+    ap.add_argument("--quick", action="store_true", help="4 tasks per family")
+    args = ap.parse_args(argv)
+    for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1"),
+                 ("VLLM_LOGGING_LEVEL", "WARNING")):
+        os.environ.setdefault(k, v)
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"probe_long_lookup: error: {args.model} is no HF model directory (no config.json)", file=sys.stderr)
+        return 2
+    print(json.dumps(asyncio.run(probe(args.config, args.model, 4 if args.quick else args.tasks))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The long-horizon task (arl/env/long_lookup.py): seeded tasks, an expert that solves every one,
+forks whose trap wastes the episode, distractor tools, error observations, ``new_state`` per turn,
+and the demonstrator's fork-free part of the family."""
+import asyncio
+
+import pytest
+
+from arl.config import load_config
+from arl.data.tasks import EVAL_SEED_BASE
+from arl.env import env_class, make_env
+from arl.env.expert import expert_transcript
+from arl.env.long_lookup import DEAD_END, LongLookupEnv
+from arl.env.toolcall import format_answer, format_tool_call
+from arl.rollout.expert import expert_env_kwargs
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def lookup(key):
+    return format_tool_call("lookup", {"key": key})
+
+
+async def play(env, seed, turns):
+    await env.reset(seed)
+    out = []
+    for t in turns:
+        r = await env.step(t)
+        out.append(r)
+        if r.done:
+            break
+    return out
+
+
+def fork_of(env, i):
+    """(right, trap) keys of the fork on chain key ``i``'s lookup."""
+    words = env.table[env.chain[i]].split()
+    return words[words.index("go") + 1], words[words.index("no") + 1]
+
+
+def test_registered_and_deterministic_with_disjoint_heldout():
+    a, b = make_env("long_lookup"), make_env("long_lookup")
+    for seed in (0, 1, 7, EVAL_SEED_BASE + 3):
+        assert run(a.reset(seed)) == run(b.reset(seed))
+        assert a.expert_turns() == b.expert_turns() and a.table == b.table
+    run(a.reset(3)); first = a.expert_turns()
+    run(a.reset(4)); run(a.reset(3))
+    assert a.expert_turns() == first  # a seed replays exactly, whatever ran before
+    train, held = set(), set()
+    for s in range(200):
+        run(a.reset(s)); train.add(tuple(a.chain))
+        run(a.reset(EVAL_SEED_BASE + s)); held.add(tuple(a.chain))
+    assert len(train) == len(held) == 200 and not train & held  # held-out tasks are not training tasks
+
+
+def test_expert_solves_every_task_with_12_to_16_calls_and_3_to_4_forks():
+    env = LongLookupEnv()
+    calls_seen, forks_seen = set(), set()
+    for seed in range(150):
+        task, steps = run(expert_transcript(env, seed))
+        assert task == f"Find the value for {env.chain[0]}."
+        *calls, (ans, last) = steps
+        assert last.done and last.reward == 1.0 and last.info["correct"]
+        assert all(not r.done and r.info["new_state"] and not r.info["tool_error"] for _, r in calls)
+        assert sum(r.info["fork"] for _, r in calls) == len(env.forks)
+        calls_seen.add(len(calls))
+        forks_seen.add(len(env.forks))
+        assert env.budget == len(calls) + 2  # every lookup, the answer, one spare turn
+    assert calls_seen == set(range(12, 17)) and forks_seen == {3, 4}
+
+
+def test_fork_shows_go_and_no_in_either_order():
+    env = LongLookupEnv()
+    orders = set()
+    for seed in range(40):
+        run(env.reset(seed))
+        for i in env.forks:
+            obs = env.table[env.chain[i]].split()
+            assert len(obs) == 4 and sorted(obs[::2]) == ["go", "no"]
+            right, trap = fork_of(env, i)
+            assert right == env.chain[i + 1] and trap not in env.chain
+            orders.add(obs[0])
+    assert orders == {"go", "no"}  # position alone does not tell the way
+
+
+def test_a_trap_at_the_first_fork_wastes_the_episode():
+    env = LongLookupEnv()
+
+    async def trapped(seed):
+        await env.reset(seed)
+        f = env.forks[0]
+        for k in env.chain[:f + 1]:
+            assert not (await env.step(lookup(k))).done
+        r = await env.step(lookup(fork_of(env, f)[1]))
+        wasted = 1
+        while not r.done and r.observation != DEAD_END:  # decoys look like chain keys
+            assert r.observation.startswith("k") and not r.info["new_state"] and not r.info["dead_end"]
+            r = await env.step(lookup(r.observation))
+            wasted += 1
+        assert r.done or r.info["dead_end"]
+        for t in env.expert_turns()[f + 1:]:  # the way back: the right key and the rest of the chain
+            if r.done:
+                break
+            r = await env.step(t)
+        return r, wasted
+
+    for seed in range(30):
+        r, wasted = run(trapped(seed))
+        assert wasted == 1 + env.decoy_hops
+        assert r.done and r.reward == 0.0 and r.info["truncated"] and env.turns == env.budget
+
+
+def test_wrong_or_early_answers_and_budget_get_zero():
+    env = LongLookupEnv()
+    for seed in range(20):
+        run(env.reset(seed))
+        turns = env.expert_turns()
+        wrong = format_answer("v" + str((int(env.value[1:]) + 1) % 100).zfill(2))
+        for bad in (turns[:-1] + [wrong], [turns[0], format_answer(env.chain[1])], [format_answer("")]):
+            res = run(play(env, seed, bad))
+            assert res[-1].done and res[-1].reward == 0.0 and not res[-1].info["correct"]
+        # repeating a lookup is no progress, and the spare turns run out
+        res = run(play(env, seed, [turns[0]] * 40))
+        assert [r.info["new_state"] for r in res] == [True] + [False] * (len(res) - 1)
+        assert len(res) == env.budget and res[-1].done and res[-1].reward == 0.0
+
+
+def test_malformed_turns_get_an_error_observation_and_cost_a_turn():
+    env = LongLookupEnv()
+    run(env.reset(0))
+    bad = ["", "lookup k17", "<tool_call>{bad json</tool_call>", '<tool_call>{"name": "open", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "lookup", "arguments": {"key": 17}}</tool_call>', "<answer>v1", None, "\x00" * 50]
+    for i, text in enumerate(bad, 1):
+        r = run(env.step(text))
+        assert r.observation.startswith("error: ") and r.info["tool_error"] and not r.info["new_state"]
+        assert r.info["turn"] == i and r.reward == 0.0 and not r.done
+    r = run(env.step(lookup("k99999")))
+    assert r.observation == "none" and not r.info["new_state"]
+
+
+def test_distractor_tools_never_help():
+    env = LongLookupEnv()
+    for seed in range(20):
+        run(env.reset(seed))
+        trap = fork_of(env, env.forks[0])[1]
+        peeks = [format_tool_call("peek", {"key": k}) for k in (env.chain[0], trap, "k99999")]
+        res = run(play(env, seed, peeks + [format_tool_call("values", {})]))
+        assert [r.observation for r in res[:3]] == ["yes", "yes", "no"]  # decoys exist too
+        vals = res[3].observation.split()
+        assert len(vals) == 3 and env.value in vals and len(set(vals)) == 3
+        assert not any(r.info["new_state"] or r.info["tool_error"] for r in res)
+
+
+def test_demonstrator_plays_fork_free_tasks_only():
+    cfg = load_config("configs/long_horizon_cpu.yaml")
+    kw = env_class("long_lookup").demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
+    demo, run_env = make_env("long_lookup", **kw), make_env("long_lookup", **expert_env_kwargs(cfg, True))
+    for seed in range(2_000_000, 2_000_020):
+        run(demo.reset(seed)); run(run_env.reset(seed))
+        assert demo.forks == [] and 3 <= len(run_env.forks) <= 4
+    whole = LongLookupEnv.demo_kwargs({"demo_forks": None, "min_forks": 3})
+    assert whole == {"demo_forks": None, "min_forks": 3}  # null: the whole family is demonstrated
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"min_hops": 10, "max_hops": 8}, "min_hops/max_hops"),
+    ({"min_forks": 5, "max_forks": 4}, "min_forks/max_forks"),
+    ({"max_forks": 12}, "min_forks/max_forks"),
+    ({"num_keys": 20}, "num_keys"),
+    ({"max_turns": 10}, "max_turns"),
+    ({"slack": -1}, "decoy_hops/slack"),
+    ({"demo_forks": 20}, "demo_forks"),
+])
+def test_bad_arguments_fail_with_one_line(kwargs, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        LongLookupEnv(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_step_before_reset_and_bad_seed_raise():
+    env = LongLookupEnv()
+    with pytest.raises(ValueError, match="no episode"):
+        run(env.step(lookup("k01")))
+    with pytest.raises(ValueError, match="seed must be an int"):
+        run(env.reset("0"))
