@@ -5,9 +5,13 @@ Every run starts from the same SFT checkpoint (made once, first, by ``arl.train`
 the method's own keys differ (``METHODS``).  Phase 1 (grid): every method at every learning rate
 of ``--lrs``, seed 0; each method's best rate is the one with the largest mean held-out success
 over its evaluations (the area under its success-vs-wall curve, so a fast riser beats a late one;
-ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best methods again at their
+ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best RL methods again at their
 best rate for every seed of ``--seeds``; the other methods keep their one seed (the table says
-which).  Per method: held-out greedy success vs step and wall (mean and min/max over seeds),
+which).  Continued SFT (``bench/sft_continue.py``) replays the same warm start and goes on with
+its own learning rate, optimizer state and draws: it runs once (seed 0, no rate grid; either would
+change the start), for the start's SFT wall plus the budget.  Every curve's clock starts at the
+evaluation of the start policy (step 0), so engine start-up and the replayed warm start are not
+counted.  Per method: held-out greedy success vs step and wall (mean and min/max over seeds),
 wall and step to 50% and 80%, collapse events, trained tokens/s.  A *collapse event* is an
 evaluation that falls 0.3 or more below the run's best success so far, after that best reached
 0.5; consecutive such evaluations count as one event.
@@ -25,6 +29,7 @@ per method) are written into ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -108,30 +113,39 @@ def run_config(config: str, out: Path, overrides: list):
                                             "logging.tensorboard=false", *overrides])
 
 
-def make_start(config: str, out: Path, overrides: list) -> Path:
-    """The shared SFT start: the config's SFT warm start and no RL step; its HF export."""
+def make_start(config: str, out: Path, overrides: list) -> tuple:
+    """The shared SFT start: the config's SFT warm start and no RL step; ``(its HF export, the
+    warm start's wall seconds)``."""
     from arl.launch import launch
+    from arl.metrics.logger import read_metrics
 
     hf = out / "hf"
     if not (hf / "config.json").is_file():
         launch(run_config(config, out, [*overrides, "trainer.steps=0"]))
     if not (hf / "config.json").is_file():
         raise RuntimeError(f"the SFT start was not exported to {hf}")
-    return hf
+    sft_wall = next((r["sft/wall_s"] for r in read_metrics(out / "metrics.jsonl") if "sft/wall_s" in r), 0.0)
+    return hf, float(sft_wall)
+
+
+def _sft_continue():
+    spec = importlib.util.spec_from_file_location("sft_continue", ROOT / "bench" / "sft_continue.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_method(name: str, config: str, start: Path, out: Path, lr: float, seed: int, wall_s: float,
-               common: list) -> None:
+               common: list, sft_wall: float = 0.0, eval_every: int = 5) -> None:
     from arl.launch import launch
 
     m = METHODS[name]
     load = os.getloadavg()[0]
     t0 = time.time()
     if m.kind == "sft":
-        from arl.trainer.sft_baseline import run_sft_baseline  # noqa: PLC0415 (lands with the task)
-
-        run_sft_baseline(run_config(config, out, [*common, f"seed={seed}", f"model.name_or_path={start}",
-                                                  f"sft.lr={lr}", f"trainer.max_wall_s={wall_s}"]))
+        _sft_continue().run(str(ROOT / config), [*common, f"seed={seed}", f"output_dir={out}",
+                                                 "logging.progress=false", "logging.tensorboard=false"],
+                            wall_s=sft_wall + wall_s, eval_every=eval_every, steps=None)
     else:
         launch(run_config(config, out, [*common, *m.overrides, f"seed={seed}", f"model.name_or_path={start}",
                                         "sft.enabled=false", f"trainer.optim.lr={lr}",
@@ -149,6 +163,9 @@ def summarize_run(out: Path) -> dict:
     recs = read_metrics(out / "metrics.jsonl")
     evals = [(r["step"], r["wall_s"], float(r["success/heldout"])) for r in recs
              if r.get("success/heldout") is not None]
+    if evals:  # the clock starts at the start policy's evaluation
+        w0 = evals[0][1]
+        evals = [(s, w - w0, v) for s, w, v in evals]
     tps = [r["perf/train_tokens_per_s"] for r in recs if r.get("perf/train_tokens_per_s") is not None]
     res = {"curve": [{"step": s, "wall_s": round(w, 1), "success": v} for s, w, v in evals],
            "success_start": evals[0][2] if evals else float("nan"),
@@ -232,7 +249,6 @@ def main() -> None:
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="the task's config (SFT start + env + base loss)")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {sorted(METHODS)}")
     ap.add_argument("--lrs", default="2e-4,4e-4,8e-4", help="the learning-rate grid (seed 0)")
-    ap.add_argument("--sft-lrs", default=None, help="grid for continued SFT (default: sft.lr x 0.5, 1, 2)")
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the --top methods")
     ap.add_argument("--top", type=int, default=3, help="methods that get every seed")
     ap.add_argument("--wall", type=float, default=900.0, help="wall budget of one run in seconds")
@@ -261,11 +277,9 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
 
     start_cfg = run_config(args.config, base / "sft_start", common)
-    start = make_start(args.config, base / "sft_start", common)
-    sft_lrs = ([float(x) for x in args.sft_lrs.split(",")] if args.sft_lrs
-               else [start_cfg.sft.lr * f for f in (0.5, 1.0, 2.0)])
-    if args.quick:
-        sft_lrs = sft_lrs[:1]
+    start, sft_wall = make_start(args.config, base / "sft_start", common)
+    sft_lrs = [start_cfg.sft.lr]
+    eval_every = start_cfg.trainer.eval_every
 
     def run(name: str, lr: float, seed: int) -> dict:
         out = base / name / f"lr{lr:g}" / f"seed{seed}"
@@ -274,7 +288,7 @@ def main() -> None:
                 import shutil
 
                 shutil.rmtree(out)  # an unfinished run: its metrics would mix with the new one's
-            run_method(name, args.config, start, out, lr, seed, args.wall, common)
+            run_method(name, args.config, start, out, lr, seed, args.wall, common, sft_wall, eval_every)
         r = summarize_run(out)
         r["dir"] = str(out)
         print(f"[methods] {name} lr={lr:g} seed={seed}: success {r['success_start']:.3f} -> "
@@ -286,7 +300,7 @@ def main() -> None:
     best_lr = {m: max(g, key=lambda lr: _rank_key(g[lr])) for m, g in grid.items()}
     order = sorted(methods, key=lambda m: _rank_key(grid[m][best_lr[m]]), reverse=True)
     runs = {m: [grid[m][best_lr[m]]] for m in methods}
-    for m in order[:args.top]:
+    for m in [m for m in order if METHODS[m].kind == "rl"][:args.top]:
         runs[m] += [run(m, best_lr[m], s) for s in seeds[1:]]
     rows = [method_row(m, best_lr[m], runs[m]) for m in order]
     print_table(rows)
