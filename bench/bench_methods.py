@@ -4,8 +4,8 @@ Every run starts from the same SFT checkpoint (made once, first, by ``arl.train`
 ``trainer.steps=0``) and gets the same wall budget (``trainer.max_wall_s``, default 900 s); only
 the method's own keys differ (``METHODS``).  Phase 1 (grid): every method at every learning rate
 of ``--lrs``, seed 0; each method's best rate is the one with the largest mean held-out success
-over its evaluations (the area under its success-vs-wall curve, so a fast riser beats a late one;
-ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best RL methods again at their
+over its evaluations (every ``trainer.eval_every`` steps: about the area under its success-vs-step
+curve, so a fast riser beats a late one; ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best RL methods again at their
 best rate for every seed of ``--seeds``; the other methods keep their one seed (the table says
 which).  Continued SFT (``bench/sft_continue.py``) replays the same warm start and goes on with
 its own learning rate, optimizer state and draws: it runs once (seed 0, no rate grid; either would
