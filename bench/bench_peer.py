@@ -19,7 +19,9 @@ writes weight snapshots as it trains (arl: its checkpoints' HF exports, every
 clock at the snapshot; after all training, one vLLM engine (arl's evaluator: ``arl.eval``'s
 ``evaluate_model``, greedy, the config's 64 held-out tasks) evaluates every snapshot of both
 systems.  So evaluation is out of both training clocks and measured the same way; snapshot writes
-are in both.  Trained tokens/s: every token of the sequences each trainer trained on (prompt,
+are in both, and so is starting each system's rollout engine (arl's clock starts when its trainer
+ranks have the model, its vLLM engine process starting meanwhile; TRL's before ``GRPOTrainer`` is
+built, which starts its colocated vLLM); loading the model and starting processes are in neither.  Trained tokens/s: every token of the sequences each trainer trained on (prompt,
 model turns and observations, as each system's own count: arl's packed tokens, TRL's
 ``num_tokens``) over the run's training wall time.
 
@@ -229,7 +231,7 @@ def evaluate_all(common: list, start: Path, runs: dict, n: int) -> None:
     return round(time.perf_counter() - t0, 1)
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, n_tasks: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +242,7 @@ def plot(runs: dict, path: Path) -> None:
         ax.plot([p["wall_s"] for p in r["curve"]], [p["success"] for p in r["curve"]], marker="o", ms=3, label=name)
     ax.axhline(TARGET_SUCCESS, color="grey", ls=":", lw=1)
     ax.set_xlabel("training wall time (s, evaluation excluded)")
-    ax.set_ylabel("held-out greedy success (64 tasks)")
+    ax.set_ylabel(f"held-out greedy success ({n_tasks} tasks)")
     ax.set_ylim(-0.02, 1.02)
     ax.legend()
     ax.set_title("toy_lookup from one SFT start: arl vs TRL GRPOTrainer")
@@ -284,7 +286,7 @@ def part_trl(args) -> dict:
                                     "trained_tokens_per_s", "uptime_before", "uptime_after")}
               for n, r in runs.items()}
     (out / "curves.json").write_text(json.dumps(curves, indent=1) + "\n")
-    plot(runs, out / "curves.png")
+    plot(runs, out / "curves.png", args.eval_tasks)
     for r in runs.values():
         r.pop("snapshots", None)
     return {"trl_version": tv, "budget_s": args.budget_s, "trl_lrs": args.trl_lrs, "eval_tasks": args.eval_tasks,
