@@ -64,7 +64,7 @@ def peer_setup(tiny_model_dir):
 
 
 @pytest.mark.skipif(TRL_MISSING is not None, reason=str(TRL_MISSING))
-def test_trl_sees_arls_token_sequence(peer_setup):
+def test_trl_sees_arls_token_sequence(peer_setup, tmp_path):
     """TRL's prompt and its tool suffix are the ids arl's episode uses; its stop set holds arl's stops."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,7 +80,7 @@ def test_trl_sees_arls_token_sequence(peer_setup):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = turn_end_ids(tok)[1:]
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    args = GRPOConfig(output_dir="/tmp/arl-test-trl", num_generations=2, per_device_train_batch_size=2,
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,
                       max_steps=1, bf16=False, use_cpu=True, report_to=[], save_strategy="no")
     trainer = GRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[answer_reward],
                           train_dataset=Dataset.from_list(rows), environment_factory=lambda: ToyLookupTRL(cfg))
