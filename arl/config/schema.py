@@ -144,6 +144,9 @@ class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     reference_model: bool = False  # frozen copy for KL (needed when loss.kl_beta > 0)
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = "auto"  # policy-loss backend
+    # with the old-logp pass skipped, the logprob head computes its gradients in its forward (3
+    # matmuls, no logits recomputation) wherever the loss's gradient is local (bench_trainer.py)
+    head_grad_in_forward: bool = True
     deterministic: bool = False
     # CPU layout: torch threads per trainer rank (None: $OMP_NUM_THREADS, else 1).  One rank on a
     # small machine trains faster with more; vLLM's engine shares the same cores

@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 from ..config import OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig, policy_loss
+from ..ops.policy_loss.local_grad import local_logp_grad
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
@@ -82,7 +83,7 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
-                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto"):
+                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", head_grad_in_forward: bool = True):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
@@ -93,6 +94,9 @@ class PolicyTrainer:
         self.loss_backend = loss_backend
         self.temperature = temperature
         self.attn = attn
+        # with the old-logp pass skipped, the logprob head produces its gradients in its forward
+        # (no logits recomputation in backward) where the loss's gradient is local (local_grad.py)
+        self.head_grad_in_forward = head_grad_in_forward
         self.zero3 = zero_stage == 3
         self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
         params = [p for p in model.parameters() if p.requires_grad]
@@ -152,11 +156,30 @@ class PolicyTrainer:
         if model is self.engine.module and hasattr(opt, "clear_backward_seen_flag"):
             opt.clear_backward_seen_flag()
 
-    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None):
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None, head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
         return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
-                               temperature=self.temperature, with_entropy=with_entropy, attn=self.attn)
+                               temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
+                               head_grad=head_grad)
+
+    def _loss_kwargs(self, mb: MicroBatch) -> tuple:
+        """(advantages, policy_loss keyword arguments) of a non-IPA micro-batch, on the device."""
+        adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
+        kw = mb.loss_kwargs()
+        if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
+            kw.update(mb.segments)
+            adv = kw.pop("advantages").to(self.device, torch.float32)
+        return adv, {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+    def _head_grad(self, mb: MicroBatch, loss_cfg: LossConfig, ref) -> Optional[object]:
+        """The loss's d loss / d logp plan for the head (old = this pass's logp, detached), or None:
+        switched off, or IPA's mixed loss (no plan for it)."""
+        if not self.head_grad_in_forward or mb.ipa is not None:
+            return None
+        adv, kw = self._loss_kwargs(mb)
+        return local_logp_grad(config=loss_cfg, ref_logp=ref, with_entropy=True, advantages=adv,
+                               scale=float(self.world), **kw)
 
     def old_pass_needed(self, updates_per_batch: int) -> bool:
         """Whether ``old_logprobs`` must run before the updates of a batch.  With one update per batch
@@ -236,10 +259,12 @@ class PolicyTrainer:
                 self._dummy_backward()
                 used_old.append(None)
                 continue
-            logp, ent = self.logprobs(mb, with_entropy=True)
+            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
+            plan = self._head_grad(mb, loss_cfg, ref) if old_logps is None else None
+            logp, ent = self.logprobs(mb, with_entropy=True, head_grad=plan)
+            metrics["head_grad_in_forward"].append(float(plan is not None and plan.applied))
             old = logp.detach() if old_logps is None else old_logps[i]
             used_old.append(old)
-            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
             # the step's advantages (arl/stabilizers/advantages.py) when the packer was given them:
             # exact for split groups, and how shaping / reweighting / masking reach the loss; None:
             # the loss normalizes the micro-batch's rewards itself
@@ -252,11 +277,7 @@ class PolicyTrainer:
                     lambda_il=r["lambda_il"], lambda_rl=r["lambda_rl"], advantages=adv, entropy=ent, ref_logp=ref,
                     backend=self.loss_backend)
             else:
-                kw = mb.loss_kwargs()
-                if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
-                    kw.update(mb.segments)
-                    adv = kw.pop("advantages").to(self.device, torch.float32)
-                kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+                adv, kw = self._loss_kwargs(mb)
                 out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics

@@ -148,7 +148,8 @@ class TrainerRank:
         ref = reference_model(cfg, model, self.model_dir, rank, fresh=resume_step is None, sft_done=bool(sft_metrics))
         self.tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage,
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
-                                temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation)
+                                temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
+                                head_grad_in_forward=cfg.trainer.head_grad_in_forward)
         if rank == 0:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode)
         if resume_step is not None:
