@@ -10,33 +10,45 @@ Shapes (``--shapes``):
   turn-credit segments by the main job's stabilizers, rollout logprobs = the model's own (an
   engine at staleness 0).
 * ``large``: Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936, tied head) with random
-  weights, short sequences (``--large-seqs`` of ``--large-len`` tokens), the main job's loss
+  weights, short sequences (``--large-seqs`` of ``--large-len`` tokens), the main job's loss, one
+  rank, arl at ZeRO stage ``--large-zero-stage`` (default 0: one rank has nothing to partition)
   (``--quick``: 1 layer, hidden 64, vocab 8192).
 
 Variants, each over the same micro-batches (tokens/s counts the batch's real tokens):
 
 * ``raw``: the model alone: packed forward (varlen attention) -> lm_head logits -> cross entropy
   (the model's own head and loss, as HF computes them) -> backward.  No old pass, no optimizer.
-* ``arl``: ``PolicyTrainer.rl_step(mbs, None, ...)`` -- packed forward, fused logprob head,
-  ``policy_loss``, DeepSpeed backward and optimizer step; old logprobs from the gradient pass.
+* ``arl``: ``PolicyTrainer.rl_step(mbs, None, ...)`` with the trainer's defaults -- packed forward,
+  the logprob head that computes its gradients in its forward (old = this pass's logp, so the
+  loss's gradient is known there: arl/ops/logprob/grad_in_forward.py), ``policy_loss``, DeepSpeed
+  backward and optimizer step.
 * ``arl_with_old_pass``: ``old_logprobs`` (a no-grad forward over every micro-batch) + ``rl_step``:
   the step as it ran before the skip, and as it still runs with several updates or dropout.
+* ``arl_recompute_head``: ``arl`` with ``head_grad_in_forward=False``: the bounded-memory fused head
+  whose backward recomputes the logits (4 lm_head matmuls instead of 3).
 * ``arl_naive_head``: ``arl`` with the logprob head's ``naive`` backend ([T, V] logits).
 * ``naive``: a naive HF-style step: each micro-batch's sequences padded to its longest, a no-grad
   padded forward for the old logprobs, the padded forward with full logits -> log_softmax ->
   gather (+ entropy), the reference torch ``policy_loss`` (the spec), backward, torch AdamW.  Its
   first step's loss must equal arl's first step's (same initial weights), or the bench fails.
 
-Per shape: median step time over ``--reps`` rounds (variants interleaved round by round, after a
-warm-up step each), tokens/s, peak memory of one step beyond what exists before it (the
-profiler's allocation events, bench_logprob.peak_bytes; arl's figures include the reduce bucket
-ZeRO-2 allocates in every backward, ``reduce_bucket_size`` = 5e8 elements by default, 1.9 GiB
-in fp32, whose untouched pages a CPU never makes resident), and the breakdown of an ``arl`` step with
-the old pass (forward, head+loss, backward, optimizer, old-logp pass, other; timers around the
-real functions).  JSON: ``efficiency_vs_raw`` (arl / raw tokens/s), ``speedup_vs_naive`` (arl /
-naive), ``old_logp_pass_saved`` (the fraction of the with-pass step the skip saves),
-``fused_head_step_time_ratio`` (arl / arl_naive_head step time), for the main shape at the top
-level and per shape under ``shapes``.  Timings on a shared machine are noise, not results.
+Variants run one after another, each on its own model and optimizer built from the same seed (or
+checkpoint), freed before the next (at the large shape two at once do not fit 24 GiB): before each
+build a one-line memory estimate is printed and the run stops with a one-line error if it exceeds
+the available memory (psutil); each variant's RSS peak is reported.  Per variant: a warm-up step
+(``--warm all``; ``first``: only the first variant, the profiled step warms up the others), one step
+under the allocation profiler (peak memory of one step beyond what exists before it,
+bench_logprob.peak_bytes; arl's figures at ZeRO-2 include the reduce bucket it allocates in every
+backward, ``reduce_bucket_size`` = 5e8 elements by default, 1.9 GiB in fp32, whose untouched pages
+a CPU never makes resident), then ``--reps`` timed steps (median).  Sequential, not interleaved:
+load drift on a shared machine hits the variants unequally -- record the load.  Also the breakdown
+of an ``arl`` step with the old pass (forward, head+loss, backward, optimizer, old-logp pass,
+other; timers around the real functions).  JSON: ``efficiency_vs_raw`` (arl / raw tokens/s),
+``speedup_vs_naive`` (arl / naive), ``old_logp_pass_saved`` (the fraction of the with-pass step the
+skip saves), ``fused_head_step_time_ratio`` (arl / arl_naive_head step time),
+``grad_in_forward_step_time_ratio`` (arl / arl_recompute_head), ``recompute_head_step_time_ratio``
+(arl_recompute_head / arl_naive_head), for the main shape at the top level (``*_large``: the large
+shape's) and per shape under ``shapes``.  Timings on a shared machine are noise, not results.
 
     python bench/bench_trainer.py                 # main + large shape, 5 reps
     python bench/bench_trainer.py --quick         # 2 tasks, shrunk large shape, 1 rep, one warm-up per model
@@ -163,7 +175,7 @@ def _synthetic(n: int, lo: int, hi: int, vocab: int, group: int, seed: int) -> l
     return out
 
 
-def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, seed: int = 0) -> Shape:
+def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, zero_stage: int, seed: int = 0) -> Shape:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = load_config(CONFIG)
@@ -182,8 +194,9 @@ def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, seed: 
     mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
     params, conf = _engine_logprobs(make(), mbs)
     _release()
-    return Shape("large", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage, cfg.rollout.temperature,
+    return Shape("large", make, mbs, loss_cfg, cfg.trainer.optim, zero_stage, cfg.rollout.temperature,
                  {"model": "Qwen2.5-0.5B shape, random weights" if not quick else "Qwen2.5-0.5B vocab, shrunk",
+                  "zero_stage": zero_stage,
                   **{k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
                   "trajectories": seqs, "traj_len": list(lens), "micro_batch_tokens": budget}, params, conf)
 
@@ -503,23 +516,35 @@ def _measure_variant(shape: Shape, name: str, reps: int, device, warm: bool) -> 
     return res
 
 
-def measure(shape: Shape, reps: int, device, warm_all: bool = True) -> dict:
+def _ratio(a, b, digits: int = 4):
+    return round(a / b, digits) if a is not None and b is not None else None
+
+
+def measure(shape: Shape, reps: int, device, warm_all: bool = True, variants=None) -> dict:
     """Every variant on the same micro-batches, one after another (one model and optimizer held at
     a time: at the large shape two at once do not fit a 24 GiB machine); without ``warm_all`` only
     the first variant gets a warm-up step (--quick)."""
     mbs = shape.mbs
     tokens = sum(mb.num_tokens for mb in mbs)
+    import psutil
+
+    names = [n for n in VARIANT_BUILDERS if variants is None or n in variants]
+    worst = max(names, key=lambda n: memory_estimate(shape, n)["gib"])
+    if memory_estimate(shape, worst)["gib"] > psutil.virtual_memory().available / 2**30:
+        _check_fits(shape, worst)  # fail before any variant ran
     runs = {name: _measure_variant(shape, name, reps, device, warm=warm_all or i == 0)
-            for i, name in enumerate(VARIANT_BUILDERS)}
+            for i, name in enumerate(names)}
     step_s = {k: r["step_s"] for k, r in runs.items()}
-    parts = runs["arl_with_old_pass"]["parts"]
+    parts = runs["arl_with_old_pass"]["parts"] if "arl_with_old_pass" in runs else {}
     gif = runs["arl"]["first"].get("head_grad_in_forward", 0.0)
-    first_naive, first_arl = runs["naive"]["first"], runs["arl"]["first"]
-    # both first steps ran on the initial weights: the naive step computes arl's loss
-    loss_diff = abs(first_naive - first_arl["loss"]) / max(abs(first_arl["loss"]), 1e-12)
-    if loss_diff > 1e-3:
-        raise RuntimeError(f"{shape.name}: the naive step's loss {first_naive} differs from arl's {first_arl['loss']}")
+    loss_diff = None
+    if "naive" in runs:  # both first steps ran on the initial weights: the naive step computes arl's loss
+        first_naive, first_arl = runs["naive"]["first"], runs["arl"]["first"]
+        loss_diff = abs(first_naive - first_arl["loss"]) / max(abs(first_arl["loss"]), 1e-12)
+        if loss_diff > 1e-3:
+            raise RuntimeError(f"{shape.name}: the naive step's loss {first_naive} differs from arl's {first_arl['loss']}")
     tps = {k: tokens / v for k, v in step_s.items()}
+    s_ = step_s.get
     return {
         "shape": shape.describe, "tokens": tokens, "micro_batches": sum(not mb.is_empty for mb in mbs),
         "step_s": {k: round(v, 4) for k, v in step_s.items()},
@@ -528,15 +553,17 @@ def measure(shape: Shape, reps: int, device, warm_all: bool = True) -> dict:
         "rss_peak_mb": {k: r["rss_peak_mb"] for k, r in runs.items()},
         "memory_estimate_gib": {k: r["estimate_gib"] for k, r in runs.items()},
         "breakdown_s": {k: round(v, 4) for k, v in parts.items()},
-        "efficiency_vs_raw": round(tps["arl"] / tps["raw"], 4),
-        "speedup_vs_naive": round(tps["arl"] / tps["naive"], 4),
-        "old_logp_pass_saved": round(1.0 - step_s["arl"] / step_s["arl_with_old_pass"], 4),
-        "old_logp_pass_saved_s": round(step_s["arl_with_old_pass"] - step_s["arl"], 4),
-        "fused_head_step_time_ratio": round(step_s["arl"] / step_s["arl_naive_head"], 4),
-        "recompute_head_step_time_ratio": round(step_s["arl_recompute_head"] / step_s["arl_naive_head"], 4),
-        "grad_in_forward_step_time_ratio": round(step_s["arl"] / step_s["arl_recompute_head"], 4),
+        "efficiency_vs_raw": _ratio(s_("raw"), s_("arl")),
+        "speedup_vs_naive": _ratio(s_("naive"), s_("arl")),
+        "old_logp_pass_saved": (round(1.0 - step_s["arl"] / step_s["arl_with_old_pass"], 4)
+                                if "arl_with_old_pass" in step_s else None),
+        "old_logp_pass_saved_s": (round(step_s["arl_with_old_pass"] - step_s["arl"], 4)
+                                  if "arl_with_old_pass" in step_s else None),
+        "fused_head_step_time_ratio": _ratio(s_("arl"), s_("arl_naive_head")),
+        "recompute_head_step_time_ratio": _ratio(s_("arl_recompute_head"), s_("arl_naive_head")),
+        "grad_in_forward_step_time_ratio": _ratio(s_("arl"), s_("arl_recompute_head")),
         "head_grad_in_forward": gif,
-        "naive_loss_rel_diff": float(f"{loss_diff:.3g}"),
+        "naive_loss_rel_diff": None if loss_diff is None else float(f"{loss_diff:.3g}"),
     }
 
 
@@ -547,8 +574,9 @@ def report(name: str, r: dict) -> None:
               f"peak {r['peak_mb'][k]:9.1f} MiB  RSS peak {r['rss_peak_mb'][k]} MiB "
               f"(estimate {r['memory_estimate_gib'][k]} GiB)", flush=True)
     b = r["breakdown_s"]
-    print(f"[{name}] breakdown of an arl step with the old pass: "
-          + "  ".join(f"{k} {v:.4f} s" for k, v in b.items()), flush=True)
+    if b:
+        print(f"[{name}] breakdown of an arl step with the old pass: "
+              + "  ".join(f"{k} {v:.4f} s" for k, v in b.items()), flush=True)
     print(f"[{name}] efficiency_vs_raw {r['efficiency_vs_raw']}  speedup_vs_naive {r['speedup_vs_naive']}  "
           f"old_logp_pass_saved {r['old_logp_pass_saved']}  fused_head_step_time_ratio "
           f"{r['fused_head_step_time_ratio']}  recompute_head_step_time_ratio {r['recompute_head_step_time_ratio']}  "
@@ -566,6 +594,11 @@ def main(argv=None) -> int:
     ap.add_argument("--large-len", default="96,256", help="min,max trajectory length at the large shape")
     ap.add_argument("--large-budget", type=int, default=1024, help="micro_batch_tokens at the large shape")
     ap.add_argument("--large-layers", type=int, default=None, help="override the large shape's layer count")
+    ap.add_argument("--large-zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                    help="arl's ZeRO stage at the large shape (one rank: nothing to partition, and stage 2's "
+                         "master copy, gradient partition and bucket would add 3 model sizes; default 0)")
+    ap.add_argument("--large-variants", default=None,
+                    help="comma-separated subset of the variants at the large shape (arl always runs)")
     ap.add_argument("--warm", choices=("all", "first"), default=None,
                     help="a warm-up step for every variant, or only the first (then the profiled step warms "
                          "the others up; default: all, --quick: first)")
@@ -591,9 +624,16 @@ def main(argv=None) -> int:
     results = {}
     for name in shapes:
         shape = (main_shape(args.quick) if name == "main" else
-                 large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers))
+                 large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers,
+                             args.large_zero_stage))
         warm = args.warm or ("first" if args.quick else "all")
-        results[name] = measure(shape, reps, device, warm_all=warm == "all")
+        subset = None
+        if name == "large" and args.large_variants:
+            subset = set(args.large_variants.split(",")) | {"arl"}
+            bad = subset - set(VARIANT_BUILDERS)
+            if bad:
+                ap.error(f"--large-variants: unknown {sorted(bad)}; choose from {list(VARIANT_BUILDERS)}")
+        results[name] = measure(shape, reps, device, warm_all=warm == "all", variants=subset)
         report(name, results[name])
     head = results.get("main") or results[shapes[0]]
     summary = {
