@@ -237,11 +237,18 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="hidden/weight dtype (bfloat16 is what a GPU trains in; logits accumulate in fp32)")
     ap.add_argument("--case", type=int, default=None, help="run only this index of the size list")
+    ap.add_argument("--size", default=None, help="T,H,V: run this one size instead of the list")
     args = ap.parse_args(argv)
     _DEVICE = torch.device(args.device)
     cases = QUICK_CASES if args.quick else FULL_CASES
     if args.case is not None:
         cases = [cases[args.case]]
+    if args.size:
+        try:
+            T, H, V = (int(x) for x in args.size.split(","))
+        except ValueError:
+            ap.error(f"--size: expected T,H,V integers, got {args.size!r}")
+        cases = [(T, H, V)]
     reps = args.reps or 5
     only = set(args.variants.split(",")) if args.variants else None
     results = [run_case(T, H, V, reps, args.temperature, only=only, dtype=getattr(torch, args.dtype)) for T, H, V in cases]

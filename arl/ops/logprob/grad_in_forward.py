@@ -83,20 +83,22 @@ class _GradInForward(torch.autograd.Function):
         for t0, t1 in zip(cuts[:-1], cuts[1:]):
             h, y = hidden[t0:t1], targets[t0:t1]
             z = _tile_logits(h, weight, inv_temp)  # [n, V], the one logits matmul
-            lse = torch.logsumexp(z, 1)
-            lp = z.gather(1, y[:, None]).squeeze(1) - lse
+            zy = z.gather(1, y[:, None]).squeeze(1)
+            m = z.amax(1)
+            # softmax by hand: torch.logsumexp allocates two [n, V] temporaries
+            p = torch.sub(z, m[:, None]) if with_entropy else z.sub_(m[:, None])  # z is needed for S only
+            s = p.exp_().sum(1)
+            lse = m + torch.log(s)
+            p.div_(s[:, None])
+            lp = zy - lse
             logp[t0:t1] = lp
             g, e = coef.grad(t0, t1, lp)
             g = g.to(acc)
             g_all[t0:t1] = g
-            if with_entropy or e is not None:
-                p = torch.sub(z, lse[:, None]).exp_()
+            if with_entropy:
                 S = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)  # sum_v p z, no [n, V] temporary
-                if with_entropy:
-                    ent[t0:t1] = lse - S
-            else:
-                p = z.sub_(lse[:, None]).exp_()  # z is not needed again: p in its place
-            if e is not None:
+                ent[t0:t1] = lse - S
+            if e is not None and with_entropy:
                 e = e.to(acc)
                 if e_all is None:
                     e_all = torch.zeros(T, dtype=acc, device=dev)
