@@ -378,9 +378,10 @@ _REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
 
 
 def memory_estimate(shape: Shape, variant: str) -> dict:
-    """A rough upper estimate of one variant's resident memory: parameter states plus activations of the largest micro-batch
-    (saved per layer and token: ~12 hidden + 5 intermediate floats) and the head's logits
-    ([tokens, V] fp32, ~3 live copies; the naive step's padded batch, ~5)."""
+    """A rough estimate of one variant's resident memory (``gib``): this process's RSS now plus what the
+    build adds (``new_gib``): parameter states, activations of the largest micro-batch (saved per
+    layer and token: ~12 hidden + 5 intermediate floats) and the head's logits
+    ([tokens, V] fp32, ~3 live copies for raw's and the naive head's; the naive step's padded batch, ~5)."""
     P, c = shape.params, shape.arch
     kind = "arl" if variant.startswith("arl") else variant
     states = _STATE_COPIES[kind] * P * 4
@@ -391,8 +392,12 @@ def memory_estimate(shape: Shape, variant: str) -> dict:
         cu = [mb.cu_seqlens.tolist() for mb in shape.mbs if not mb.is_empty]
         tok = max((len(x) - 1) * max(b - a for a, b in zip(x[:-1], x[1:])) for x in cu)
     acts = tok * c.num_hidden_layers * (12 * c.hidden_size + 5 * c.intermediate_size) * 4
-    head = tok * c.vocab_size * 4 * (5 if kind == "naive" else 3 if variant == "arl_naive_head" else 0)
-    return {"params": P, "gib": round((states + acts + head) / 2**30, 2)}
+    head = tok * c.vocab_size * 4 * (5 if kind == "naive" else 3 if variant in ("raw", "arl_naive_head") else 0)
+    import psutil
+
+    base = psutil.Process().memory_info().rss  # this process before the build (libraries, the batch)
+    new = states + acts + head
+    return {"params": P, "gib": round((base + new) / 2**30, 2), "new_gib": round(new / 2**30, 2)}
 
 
 def _check_fits(shape: Shape, variant: str) -> dict:
@@ -402,8 +407,8 @@ def _check_fits(shape: Shape, variant: str) -> dict:
     avail = psutil.virtual_memory().available / 2**30
     print(f"[{shape.name}] {variant}: memory estimate {est['gib']:.2f} GiB ({est['params'] / 1e6:.0f}M params), "
           f"available {avail:.2f} GiB", flush=True)
-    if est["gib"] > avail:
-        raise SystemExit(f"{shape.name}/{variant}: needs about {est['gib']:.1f} GiB, only {avail:.1f} GiB available "
+    if est["new_gib"] > avail:
+        raise SystemExit(f"{shape.name}/{variant}: needs about {est['new_gib']:.1f} GiB more, only {avail:.1f} GiB available "
                          f"(fewer --large-seqs / --large-budget / --large-layers)")
     return est
 
@@ -529,8 +534,8 @@ def measure(shape: Shape, reps: int, device, warm_all: bool = True, variants=Non
     import psutil
 
     names = [n for n in VARIANT_BUILDERS if variants is None or n in variants]
-    worst = max(names, key=lambda n: memory_estimate(shape, n)["gib"])
-    if memory_estimate(shape, worst)["gib"] > psutil.virtual_memory().available / 2**30:
+    worst = max(names, key=lambda n: memory_estimate(shape, n)["new_gib"])
+    if memory_estimate(shape, worst)["new_gib"] > psutil.virtual_memory().available / 2**30:
         _check_fits(shape, worst)  # fail before any variant ran
     runs = {name: _measure_variant(shape, name, reps, device, warm=warm_all or i == 0)
             for i, name in enumerate(names)}
