@@ -104,20 +104,19 @@ class _GradInForward(torch.autograd.Function):
                     e_all = torch.zeros(T, dtype=acc, device=dev)
                 e_all[t0:t1] = e
                 dz = z.neg_().add_(S[:, None]).mul_(e[:, None]).sub_(g[:, None]).mul_(p)  # p (e (S - z) - g)
-                del p
             else:
                 dz = p.mul_(-g[:, None])
             dz[torch.arange(t1 - t0, device=dev), y] += g
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
-            del z
+            z = p = None  # dz may be either block: only dz stays
             if lowp:
                 dz = dz.to(gdt)
             if need_h:
                 torch.mm(dz, wg, out=grad_h[t0:t1])
             if need_w:
                 grad_w.addmm_(dz.t(), h.to(gdt))
-            del dz
+            dz = None  # free this block before the next tile's logits are allocated
         ctx.grads = (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None)
         ctx.planned = (g_all, e_all)
         return logp, ent
