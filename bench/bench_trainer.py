@@ -10,33 +10,45 @@ Shapes (``--shapes``):
   turn-credit segments by the main job's stabilizers, rollout logprobs = the model's own (an
   engine at staleness 0).
 * ``large``: Qwen2.5-0.5B's shape (24 layers, hidden 896, vocab 151936, tied head) with random
-  weights, short sequences (``--large-seqs`` of ``--large-len`` tokens), the main job's loss
+  weights, short sequences (``--large-seqs`` of ``--large-len`` tokens), the main job's loss, one
+  rank, arl at ZeRO stage ``--large-zero-stage`` (default 0: one rank has nothing to partition)
   (``--quick``: 1 layer, hidden 64, vocab 8192).
 
 Variants, each over the same micro-batches (tokens/s counts the batch's real tokens):
 
 * ``raw``: the model alone: packed forward (varlen attention) -> lm_head logits -> cross entropy
   (the model's own head and loss, as HF computes them) -> backward.  No old pass, no optimizer.
-* ``arl``: ``PolicyTrainer.rl_step(mbs, None, ...)`` -- packed forward, fused logprob head,
-  ``policy_loss``, DeepSpeed backward and optimizer step; old logprobs from the gradient pass.
+* ``arl``: ``PolicyTrainer.rl_step(mbs, None, ...)`` with ``head_grad_in_forward=True`` -- packed
+  forward, the logprob head that computes its gradients in its forward (old = this pass's logp, so the
+  loss's gradient is known there: arl/ops/logprob/grad_in_forward.py), ``policy_loss``, DeepSpeed
+  backward and optimizer step.
 * ``arl_with_old_pass``: ``old_logprobs`` (a no-grad forward over every micro-batch) + ``rl_step``:
   the step as it ran before the skip, and as it still runs with several updates or dropout.
+* ``arl_recompute_head``: ``arl`` with ``head_grad_in_forward=False`` (the trainer's default): the
+  bounded-memory fused head whose backward recomputes the logits (4 lm_head matmuls instead of 3).
 * ``arl_naive_head``: ``arl`` with the logprob head's ``naive`` backend ([T, V] logits).
 * ``naive``: a naive HF-style step: each micro-batch's sequences padded to its longest, a no-grad
   padded forward for the old logprobs, the padded forward with full logits -> log_softmax ->
   gather (+ entropy), the reference torch ``policy_loss`` (the spec), backward, torch AdamW.  Its
   first step's loss must equal arl's first step's (same initial weights), or the bench fails.
 
-Per shape: median step time over ``--reps`` rounds (variants interleaved round by round, after a
-warm-up step each), tokens/s, peak memory of one step beyond what exists before it (the
-profiler's allocation events, bench_logprob.peak_bytes; arl's figures include the reduce bucket
-ZeRO-2 allocates in every backward, ``reduce_bucket_size`` = 5e8 elements by default, 1.9 GiB
-in fp32, whose untouched pages a CPU never makes resident), and the breakdown of an ``arl`` step with
-the old pass (forward, head+loss, backward, optimizer, old-logp pass, other; timers around the
-real functions).  JSON: ``efficiency_vs_raw`` (arl / raw tokens/s), ``speedup_vs_naive`` (arl /
-naive), ``old_logp_pass_saved`` (the fraction of the with-pass step the skip saves),
-``fused_head_step_time_ratio`` (arl / arl_naive_head step time), for the main shape at the top
-level and per shape under ``shapes``.  Timings on a shared machine are noise, not results.
+Variants run one after another, each on its own model and optimizer built from the same seed (or
+checkpoint), freed before the next (at the large shape two at once do not fit 24 GiB): before each
+build a one-line memory estimate is printed and the run stops with a one-line error if it exceeds
+the available memory (psutil); each variant's RSS peak is reported.  Per variant: a warm-up step
+(``--warm all``; ``first``: only the first variant, the profiled step warms up the others), one step
+under the allocation profiler (peak memory of one step beyond what exists before it,
+bench_logprob.peak_bytes; arl's figures at ZeRO-2 include the reduce bucket it allocates in every
+backward, ``reduce_bucket_size`` = 5e8 elements by default, 1.9 GiB in fp32, whose untouched pages
+a CPU never makes resident), then ``--reps`` timed steps (median).  Sequential, not interleaved:
+load drift on a shared machine hits the variants unequally -- record the load.  Also the breakdown
+of an ``arl`` step with the old pass (forward, head+loss, backward, optimizer, old-logp pass,
+other; timers around the real functions).  JSON: ``efficiency_vs_raw`` (arl / raw tokens/s),
+``speedup_vs_naive`` (arl / naive), ``old_logp_pass_saved`` (the fraction of the with-pass step the
+skip saves), ``fused_head_step_time_ratio`` (arl / arl_naive_head step time),
+``grad_in_forward_step_time_ratio`` (arl / arl_recompute_head), ``recompute_head_step_time_ratio``
+(arl_recompute_head / arl_naive_head), for the main shape at the top level (``*_large``: the large
+shape's) and per shape under ``shapes``.  Timings on a shared machine are noise, not results.
 
     python bench/bench_trainer.py                 # main + large shape, 5 reps
     python bench/bench_trainer.py --quick         # 2 tasks, shrunk large shape, 1 rep, one warm-up per model
@@ -46,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import json
@@ -55,7 +68,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -77,7 +90,7 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
 QUICK_LARGE = dict(QWEN25_05B, vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1)
 TARGETS = {"efficiency_vs_raw": 0.85, "efficiency_vs_raw_large": 0.9, "speedup_vs_naive": 1.5,
-           "fused_head_step_time_ratio": 1.0}
+           "fused_head_step_time_ratio": 1.0, "fused_head_step_time_ratio_large": 1.0}
 
 
 @dataclass
@@ -90,6 +103,8 @@ class Shape:
     zero_stage: int
     temperature: float
     describe: dict
+    params: int = 0  # parameter count, for the memory estimate
+    arch: object = None  # the model's HF config
 
 
 # ---------------------------------------------------------------- the batches
@@ -103,13 +118,14 @@ def _prepared(trajs, stab: Stabilizers, budget: int, ranks: int, seed: int):
     return packed.ranks[0], loss_cfg
 
 
-def _engine_logprobs(model, mbs) -> None:
+def _engine_logprobs(model, mbs) -> tuple:
     """rollout_logp = the model's own logprobs (an engine at staleness 0): the mismatch weight
-    then sees the distances a real step sees, not noise."""
+    then sees the distances a real step sees, not noise.  Returns (parameter count, HF config)."""
     with torch.no_grad():
         for mb in mbs:
             if not mb.is_empty:
                 mb.rollout_logp = packed_logprobs(model, mb.token_ids, mb.cu_seqlens)[0].cpu()
+    return sum(p.numel() for p in model.parameters()), model.config
 
 
 def main_shape(quick: bool, seed: int = 0) -> Shape:
@@ -132,12 +148,12 @@ def main_shape(quick: bool, seed: int = 0) -> Shape:
     stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tok.decode)
     mbs, loss_cfg = _prepared(trajs, stab, cfg.trainer.micro_batch_tokens, cfg.trainer.world_size, cfg.seed)
     make = lambda: load_policy(cfg, model_dir)  # noqa: E731
-    _engine_logprobs(make(), mbs)
+    params, arch = _engine_logprobs(make(), mbs)
     lens = [len(t) for t in trajs]
     return Shape("main", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage, cfg.rollout.temperature,
                  {"model": "tiny (configs/tiny_cpu.yaml)", "trajectories": len(trajs), "rank_share_of": cfg.trainer.world_size,
                   "traj_len_mean": float(np.mean(lens)), "traj_len_max": int(max(lens)),
-                  "micro_batch_tokens": cfg.trainer.micro_batch_tokens})
+                  "micro_batch_tokens": cfg.trainer.micro_batch_tokens}, params, arch)
 
 
 def _synthetic(n: int, lo: int, hi: int, vocab: int, group: int, seed: int) -> list:
@@ -159,7 +175,7 @@ def _synthetic(n: int, lo: int, hi: int, vocab: int, group: int, seed: int) -> l
     return out
 
 
-def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, seed: int = 0) -> Shape:
+def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, zero_stage: int, seed: int = 0) -> Shape:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = load_config(CONFIG)
@@ -176,11 +192,13 @@ def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, seed: 
     trajs = _synthetic(seqs, lens[0], lens[1], arch["vocab_size"], cfg.rollout.group_size, seed)
     stab = Stabilizers(cfg.stabilizers, cfg.loss)
     mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
-    _engine_logprobs(make(), mbs)
-    return Shape("large", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage, cfg.rollout.temperature,
+    params, conf = _engine_logprobs(make(), mbs)
+    _release()
+    return Shape("large", make, mbs, loss_cfg, cfg.trainer.optim, zero_stage, cfg.rollout.temperature,
                  {"model": "Qwen2.5-0.5B shape, random weights" if not quick else "Qwen2.5-0.5B vocab, shrunk",
+                  "zero_stage": zero_stage,
                   **{k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
-                  "trajectories": seqs, "traj_len": list(lens), "micro_batch_tokens": budget})
+                  "trajectories": seqs, "traj_len": list(lens), "micro_batch_tokens": budget}, params, conf)
 
 
 # ---------------------------------------------------------------- the variants
@@ -328,96 +346,229 @@ def instrumented(tr, timer: PhaseTimer):
 
 
 # ---------------------------------------------------------------- measuring
-def _rounds(calls: dict, reps: int, device, warm_all: bool = True) -> tuple:
-    """Warm-up step (every variant's, or only the first's: they share the model and optimizer) and
-    one-step peak memory per variant, then ``reps`` rounds of timed steps, interleaved so load drift
-    hits every variant alike.  (median seconds, peak MiB, the first step's output) per variant."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    peaks, first = {}, {}
-    for i, (name, call) in enumerate(calls.items()):
-        if warm_all or i == 0:  # lazily created optimizer state, kernels, caches
-            first[name] = call()
-        total, _, out = peak_bytes(call, device)
-        first.setdefault(name, out)
-        peaks[name] = round(total / 2**20, 1)
-    times = defaultdict(list)
-    for _ in range(reps):
-        for name, call in calls.items():
-            sync()
-            t0 = time.perf_counter()
-            call()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) for n, v in times.items()}, peaks, first
+def _rss_reset() -> None:
+    """Reset the kernel's peak-RSS mark of this process (VmHWM), so the next read is one variant's."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
 
 
-def _plain_phase(shape: Shape, reps: int, device, warm_all: bool) -> tuple:
-    """raw and naive on one plain copy of the model (freed on return, before DeepSpeed's copy: at
-    the large shape both at once would double the weights and optimizer state)."""
+def _rss_peak_mb() -> Optional[float]:
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    return None
+
+
+def _release() -> None:
+    """Free what the last variant held: cycles (DeepSpeed's hooks), then the C heap's free pages,
+    which glibc keeps (and RSS counts) after the small activation buffers are freed."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# bytes per parameter each variant holds: weights + gradients (+ AdamW's two moments); arl's
+# DeepSpeed ZeRO-1/2 engine also keeps an fp32 master partition, a gradient partition and a reduce
+# bucket of min(P, reduce_bucket_size) elements, which one rank fills with every gradient
+_STATE_COPIES = {"raw": 2, "naive": 4, "arl": 6}
+_REDUCE_BUCKET = 5e8  # DeepSpeed's default reduce_bucket_size (elements)
+
+
+def memory_estimate(shape: Shape, variant: str) -> dict:
+    """A rough estimate of one variant's resident memory (``gib``): this process's RSS now plus what the
+    build adds (``new_gib``): parameter states, activations of the largest micro-batch (saved per
+    layer and token: ~12 hidden + 5 intermediate floats) and the head's logits
+    ([tokens, V] fp32, ~3 live copies for raw's and the naive head's; the naive step's padded batch, ~5)."""
+    P, c = shape.params, shape.arch
+    kind = "arl" if variant.startswith("arl") else variant
+    states = _STATE_COPIES[kind] * P * 4
+    if kind == "arl" and shape.zero_stage in (1, 2):
+        states += min(P, _REDUCE_BUCKET) * 4
+    tok = max(mb.num_tokens for mb in shape.mbs)
+    if kind == "naive":
+        cu = [mb.cu_seqlens.tolist() for mb in shape.mbs if not mb.is_empty]
+        tok = max((len(x) - 1) * max(b - a for a, b in zip(x[:-1], x[1:])) for x in cu)
+    acts = tok * c.num_hidden_layers * (12 * c.hidden_size + 5 * c.intermediate_size) * 4
+    head = tok * c.vocab_size * 4 * (5 if kind == "naive" else 3 if variant in ("raw", "arl_naive_head") else 0)
+    import psutil
+
+    base = psutil.Process().memory_info().rss  # this process before the build (libraries, the batch)
+    new = states + acts + head
+    return {"params": P, "gib": round((base + new) / 2**30, 2), "new_gib": round(new / 2**30, 2)}
+
+
+def _check_fits(shape: Shape, variant: str) -> dict:
+    import psutil
+
+    est = memory_estimate(shape, variant)
+    avail = psutil.virtual_memory().available / 2**30
+    print(f"[{shape.name}] {variant}: memory estimate {est['gib']:.2f} GiB ({est['params'] / 1e6:.0f}M params), "
+          f"available {avail:.2f} GiB", flush=True)
+    if est["new_gib"] > avail:
+        raise SystemExit(f"{shape.name}/{variant}: needs about {est['new_gib']:.1f} GiB more, only {avail:.1f} GiB available "
+                         f"(fewer --large-seqs / --large-budget / --large-layers)")
+    return est
+
+
+def _plain(shape: Shape, device, with_opt: bool):
     model = shape.make_model().to(device)
     o = shape.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    return _rounds({"raw": lambda: raw_step(model, shape.mbs, device),
-                    "naive": lambda: naive_step(model, opt, shape, device)}, reps, device, warm_all)
+    opt = (torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+           if with_opt else None)
+    return model, opt
 
 
-def _arl_phase(shape: Shape, reps: int, device, warm_all: bool) -> tuple:
-    """arl's variants on a PolicyTrainer, then the breakdown of the step with the old pass."""
+def _trainer(shape: Shape, **kw):
     from arl.trainer import PolicyTrainer
 
-    mbs, cfg = shape.mbs, shape.loss_cfg
     tr = PolicyTrainer(shape.make_model(), optim=shape.optim, zero_stage=shape.zero_stage, total_steps=10**6,
-                       temperature=shape.temperature)
+                       temperature=shape.temperature, **kw)
     if tr.old_pass_needed(1):
         raise RuntimeError(f"{shape.name}: the model keeps the old-logp pass ({tr.train_randomness})")
+    return tr
 
-    def with_naive_head():
+
+def _v_raw(shape, device):
+    model, _ = _plain(shape, device, with_opt=False)
+    return lambda: raw_step(model, shape.mbs, device)
+
+
+def _v_naive(shape, device):
+    model, opt = _plain(shape, device, with_opt=True)
+    return lambda: naive_step(model, opt, shape, device)
+
+
+def _v_arl(shape, device):
+    tr = _trainer(shape, head_grad_in_forward=True)
+    return lambda: tr.rl_step(shape.mbs, None, shape.loss_cfg)
+
+
+def _v_arl_with_old_pass(shape, device):
+    tr = _trainer(shape)
+    call = lambda: tr.rl_step(shape.mbs, tr.old_logprobs(shape.mbs), shape.loss_cfg)  # noqa: E731
+    call.trainer = tr  # the breakdown runs on this variant's trainer
+    return call
+
+
+def _v_arl_recompute_head(shape, device):
+    tr = _trainer(shape, head_grad_in_forward=False)
+    return lambda: tr.rl_step(shape.mbs, None, shape.loss_cfg)
+
+
+def _v_arl_naive_head(shape, device):
+    tr = _trainer(shape, head_grad_in_forward=False)
+
+    def call():
         with naive_head():
-            return tr.rl_step(mbs, None, cfg)
+            return tr.rl_step(shape.mbs, None, shape.loss_cfg)
 
-    out = _rounds({"arl": lambda: tr.rl_step(mbs, None, cfg),
-                   "arl_with_old_pass": lambda: tr.rl_step(mbs, tr.old_logprobs(mbs), cfg),
-                   "arl_naive_head": with_naive_head}, reps, device, warm_all)
+    return call
+
+
+# name -> builder(shape, device) -> one step's callable (holding its own model and optimizer, all
+# built from the same seed or checkpoint: the same initial weights).  Measured one at a time.
+VARIANT_BUILDERS = {
+    "raw": _v_raw,
+    "naive": _v_naive,
+    "arl": _v_arl,
+    "arl_with_old_pass": _v_arl_with_old_pass,
+    "arl_recompute_head": _v_arl_recompute_head,
+    "arl_naive_head": _v_arl_naive_head,
+}
+
+
+def _breakdown(tr, shape: Shape, reps: int, device) -> dict:
+    """Phase times of the step with the old pass, averaged over ``reps`` instrumented steps."""
     timer = PhaseTimer(device)
     for _ in range(reps):
         t0 = time.perf_counter()
         with instrumented(tr, timer):
-            tr.rl_step(mbs, tr.old_logprobs(mbs), cfg)
+            tr.rl_step(shape.mbs, tr.old_logprobs(shape.mbs), shape.loss_cfg)
         timer.s["total"] += time.perf_counter() - t0
     parts = {k: v / reps for k, v in timer.s.items()}
     parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
-    return (*out, parts)
+    return parts
 
 
-def measure(shape: Shape, reps: int, device, warm_all: bool = True) -> dict:
+def _measure_variant(shape: Shape, name: str, reps: int, device, warm: bool) -> dict:
+    """Build one variant, warm it up (lazily created optimizer state, kernels, caches), one step
+    under the allocation profiler (peak beyond what exists before it), ``reps`` timed steps; free."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    est = _check_fits(shape, name)
+    _rss_reset()
+    call = VARIANT_BUILDERS[name](shape, device)
+    first = call() if warm else None
+    total, _, out = peak_bytes(call, device)
+    first = out if first is None else first
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    parts = _breakdown(call.trainer, shape, reps, device) if hasattr(call, "trainer") else None
+    res = {"step_s": statistics.median(times), "peak_mb": round(total / 2**20, 1), "first": first,
+           "rss_peak_mb": _rss_peak_mb(), "estimate_gib": est["gib"], "parts": parts}
+    del call
+    _release()
+    return res
+
+
+def _ratio(a, b, digits: int = 4):
+    return round(a / b, digits) if a is not None and b is not None else None
+
+
+def measure(shape: Shape, reps: int, device, warm_all: bool = True, variants=None) -> dict:
+    """Every variant on the same micro-batches, one after another (one model and optimizer held at
+    a time: at the large shape two at once do not fit a 24 GiB machine); without ``warm_all`` only
+    the first variant gets a warm-up step (--quick)."""
     mbs = shape.mbs
     tokens = sum(mb.num_tokens for mb in mbs)
-    step_s, peak, first = _plain_phase(shape, reps, device, warm_all)
-    gc.collect()
-    s2, p2, f2, parts = _arl_phase(shape, reps, device, warm_all)
-    gc.collect()
-    step_s.update(s2)
-    peak.update(p2)
-    # both first steps ran on the initial weights: the naive step computes arl's loss
-    loss_diff = abs(first["naive"] - f2["arl"]["loss"]) / max(abs(f2["arl"]["loss"]), 1e-12)
-    if loss_diff > 1e-3:
-        raise RuntimeError(f"{shape.name}: the naive step's loss {first['naive']} differs from arl's {f2['arl']['loss']}")
+    import psutil
+
+    names = [n for n in VARIANT_BUILDERS if variants is None or n in variants]
+    worst = max(names, key=lambda n: memory_estimate(shape, n)["new_gib"])
+    if memory_estimate(shape, worst)["new_gib"] > psutil.virtual_memory().available / 2**30:
+        _check_fits(shape, worst)  # fail before any variant ran
+    runs = {name: _measure_variant(shape, name, reps, device, warm=warm_all or i == 0)
+            for i, name in enumerate(names)}
+    step_s = {k: r["step_s"] for k, r in runs.items()}
+    parts = runs["arl_with_old_pass"]["parts"] if "arl_with_old_pass" in runs else {}
+    gif = runs["arl"]["first"].get("head_grad_in_forward", 0.0)
+    loss_diff = None
+    if "naive" in runs:  # both first steps ran on the initial weights: the naive step computes arl's loss
+        first_naive, first_arl = runs["naive"]["first"], runs["arl"]["first"]
+        loss_diff = abs(first_naive - first_arl["loss"]) / max(abs(first_arl["loss"]), 1e-12)
+        if loss_diff > 1e-3:
+            raise RuntimeError(f"{shape.name}: the naive step's loss {first_naive} differs from arl's {first_arl['loss']}")
     tps = {k: tokens / v for k, v in step_s.items()}
+    s_ = step_s.get
     return {
         "shape": shape.describe, "tokens": tokens, "micro_batches": sum(not mb.is_empty for mb in mbs),
         "step_s": {k: round(v, 4) for k, v in step_s.items()},
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-        "peak_mb": peak,
+        "peak_mb": {k: r["peak_mb"] for k, r in runs.items()},
+        "rss_peak_mb": {k: r["rss_peak_mb"] for k, r in runs.items()},
+        "memory_estimate_gib": {k: r["estimate_gib"] for k, r in runs.items()},
         "breakdown_s": {k: round(v, 4) for k, v in parts.items()},
-        "efficiency_vs_raw": round(tps["arl"] / tps["raw"], 4),
-        "speedup_vs_naive": round(tps["arl"] / tps["naive"], 4),
-        "old_logp_pass_saved": round(1.0 - step_s["arl"] / step_s["arl_with_old_pass"], 4),
-        "old_logp_pass_saved_s": round(step_s["arl_with_old_pass"] - step_s["arl"], 4),
-        "fused_head_step_time_ratio": round(step_s["arl"] / step_s["arl_naive_head"], 4),
-        "naive_loss_rel_diff": float(f"{loss_diff:.3g}"),
+        "efficiency_vs_raw": _ratio(s_("raw"), s_("arl")),
+        "speedup_vs_naive": _ratio(s_("naive"), s_("arl")),
+        "old_logp_pass_saved": (round(1.0 - step_s["arl"] / step_s["arl_with_old_pass"], 4)
+                                if "arl_with_old_pass" in step_s else None),
+        "old_logp_pass_saved_s": (round(step_s["arl_with_old_pass"] - step_s["arl"], 4)
+                                  if "arl_with_old_pass" in step_s else None),
+        "fused_head_step_time_ratio": _ratio(s_("arl"), s_("arl_naive_head")),
+        "recompute_head_step_time_ratio": _ratio(s_("arl_recompute_head"), s_("arl_naive_head")),
+        "grad_in_forward_step_time_ratio": _ratio(s_("arl"), s_("arl_recompute_head")),
+        "head_grad_in_forward": gif,
+        "naive_loss_rel_diff": None if loss_diff is None else float(f"{loss_diff:.3g}"),
     }
 
 
@@ -425,13 +576,17 @@ def report(name: str, r: dict) -> None:
     print(f"[{name}] {r['tokens']} tokens in {r['micro_batches']} micro-batches  {r['shape']}", flush=True)
     for k in r["step_s"]:
         print(f"[{name}] {k:18s} step {r['step_s'][k]:9.4f} s  {r['tokens_per_s'][k]:10.1f} tok/s  "
-              f"peak {r['peak_mb'][k]:9.1f} MiB", flush=True)
+              f"peak {r['peak_mb'][k]:9.1f} MiB  RSS peak {r['rss_peak_mb'][k]} MiB "
+              f"(estimate {r['memory_estimate_gib'][k]} GiB)", flush=True)
     b = r["breakdown_s"]
-    print(f"[{name}] breakdown of an arl step with the old pass: "
-          + "  ".join(f"{k} {v:.4f} s" for k, v in b.items()), flush=True)
+    if b:
+        print(f"[{name}] breakdown of an arl step with the old pass: "
+              + "  ".join(f"{k} {v:.4f} s" for k, v in b.items()), flush=True)
     print(f"[{name}] efficiency_vs_raw {r['efficiency_vs_raw']}  speedup_vs_naive {r['speedup_vs_naive']}  "
           f"old_logp_pass_saved {r['old_logp_pass_saved']}  fused_head_step_time_ratio "
-          f"{r['fused_head_step_time_ratio']}", flush=True)
+          f"{r['fused_head_step_time_ratio']}  recompute_head_step_time_ratio {r['recompute_head_step_time_ratio']}  "
+          f"grad_in_forward_step_time_ratio {r['grad_in_forward_step_time_ratio']} "
+          f"(grad-in-forward head on {r['head_grad_in_forward']:.0%} of arl's micro-batches)", flush=True)
 
 
 def main(argv=None) -> int:
@@ -444,6 +599,14 @@ def main(argv=None) -> int:
     ap.add_argument("--large-len", default="96,256", help="min,max trajectory length at the large shape")
     ap.add_argument("--large-budget", type=int, default=1024, help="micro_batch_tokens at the large shape")
     ap.add_argument("--large-layers", type=int, default=None, help="override the large shape's layer count")
+    ap.add_argument("--large-zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                    help="arl's ZeRO stage at the large shape (one rank: nothing to partition, and stage 2's "
+                         "master copy, gradient partition and bucket would add 3 model sizes; default 0)")
+    ap.add_argument("--large-variants", default=None,
+                    help="comma-separated subset of the variants at the large shape (arl always runs)")
+    ap.add_argument("--warm", choices=("all", "first"), default=None,
+                    help="a warm-up step for every variant, or only the first (then the profiled step warms "
+                         "the others up; default: all, --quick: first)")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in ("main", "large")]
@@ -466,16 +629,27 @@ def main(argv=None) -> int:
     results = {}
     for name in shapes:
         shape = (main_shape(args.quick) if name == "main" else
-                 large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers))
-        results[name] = measure(shape, reps, device, warm_all=not args.quick)
+                 large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers,
+                             args.large_zero_stage))
+        warm = args.warm or ("first" if args.quick else "all")
+        subset = None
+        if name == "large" and args.large_variants:
+            subset = set(args.large_variants.split(",")) | {"arl"}
+            bad = subset - set(VARIANT_BUILDERS)
+            if bad:
+                ap.error(f"--large-variants: unknown {sorted(bad)}; choose from {list(VARIANT_BUILDERS)}")
+        results[name] = measure(shape, reps, device, warm_all=warm == "all", variants=subset)
         report(name, results[name])
     head = results.get("main") or results[shapes[0]]
     summary = {
         "bench": "trainer", "quick": bool(args.quick), "device": str(device), "torch_threads": torch.get_num_threads(),
         "reps": reps,
         **{k: head[k] for k in ("efficiency_vs_raw", "speedup_vs_naive", "old_logp_pass_saved",
-                                "fused_head_step_time_ratio", "peak_mb")},
-        **({"efficiency_vs_raw_large": results["large"]["efficiency_vs_raw"]} if "large" in results else {}),
+                                "fused_head_step_time_ratio", "grad_in_forward_step_time_ratio", "peak_mb")},
+        **({"efficiency_vs_raw_large": results["large"]["efficiency_vs_raw"],
+            "fused_head_step_time_ratio_large": results["large"]["fused_head_step_time_ratio"],
+            "grad_in_forward_step_time_ratio_large": results["large"]["grad_in_forward_step_time_ratio"]}
+           if "large" in results else {}),
         "targets": TARGETS, "shapes": results,
     }
     print(json.dumps(summary))

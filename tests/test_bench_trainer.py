@@ -8,7 +8,7 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {"raw", "naive", "arl", "arl_with_old_pass", "arl_naive_head"}
+VARIANTS = {"raw", "naive", "arl", "arl_with_old_pass", "arl_recompute_head", "arl_naive_head"}
 PHASES = {"forward", "head+loss", "backward", "optimizer", "old_logp_pass", "other", "total"}
 
 

@@ -1,7 +1,11 @@
 """The old-logprob pass is skipped only where it is provably redundant: with one update per batch
 and no dropout, the update that takes the old logprobs from the gradient pass equals the one after
 a separate no-grad pass (weights after each of two steps, loss metrics, the engine-mismatch metric),
-on 2 gloo ranks with several micro-batches per rank, for a turn-credit batch and an IPA batch.  With several updates per batch, or dropout, the pass is kept."""
+on 2 gloo ranks with several micro-batches per rank, for a turn-credit batch and an IPA batch.  With several updates per batch, or dropout, the pass is kept.
+The grad-in-forward logprob head (arl/ops/logprob/grad_in_forward.py, on by default with the skip) is
+tested here inside the real step too: its rank-local gradients equal the ordinary head's (ZeRO-2 and
+ZeRO-3, 2 ranks; gradients, not weights: Adam's first step, g / (|g| + eps), turns rounding of tiny
+gradients into weight differences of up to the learning rate)."""
 import os
 
 import numpy as np
@@ -71,6 +75,25 @@ class Spy:
         return self.fn(*a, **k)
 
 
+class GradLog:
+    """Sums each parameter's gradient over the backward passes while ``on`` (tensor hooks: the rank's
+    own gradient, before DeepSpeed reduces it over the ranks)."""
+
+    def __init__(self, tr):
+        self.on, self.sums = False, {}
+        for n, p in tr.module.named_parameters():
+            p.register_hook(lambda g, n=n: self._add(n, g))
+
+    def _add(self, n, g):
+        if self.on:
+            self.sums[n] = self.sums.get(n, 0) + g.detach().clone()
+        return g
+
+    def done(self):
+        self.on = False
+        return self.sums
+
+
 def _worker(rank, world, port, stage, result_dir):
     import faulthandler
 
@@ -83,9 +106,12 @@ def _worker(rank, world, port, stage, result_dir):
 
     set_rank_env(rank, world, port)
     init_distributed("cpu")
-    skip = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10)
+    # the same arithmetic as keep's head (bitwise-comparable updates); gif: the grad-in-forward head
+    skip = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10, head_grad_in_forward=False)
     keep = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10)
+    gif = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10, head_grad_in_forward=True)
     spy = Spy(skip)
+    grads = {"skip": GradLog(skip), "gif": GradLog(gif)}
 
     def weights(tr):
         params = list(tr.module.named_parameters())
@@ -94,10 +120,15 @@ def _worker(rank, world, port, stage, result_dir):
             return {n: p.detach().clone() for n, p in params}
 
     res = {"steps": [], "n_mb": []}
-    for ranks, loss_cfg in batches(world):
+    for step, (ranks, loss_cfg) in enumerate(batches(world)):
         mbs = ranks[rank]
         res["n_mb"].append(sum(not mb.is_empty for mb in mbs))
+        if step == 0:  # the turn-credit batch, on equal weights: this rank's summed gradients
+            grads["skip"].on = grads["gif"].on = True
+            res["gif_metrics"] = update_on_batch(gif, mbs, loss_cfg, updates=1)
         m_skip = update_on_batch(skip, mbs, loss_cfg, updates=1)
+        if step == 0:
+            res["grads"] = {k: g.done() for k, g in grads.items()}
         old = keep.old_logprobs(mbs)  # the pass as it always ran
         m_keep = keep.rl_step(mbs, old, loss_cfg)
         m_keep.update(engine_mismatch(mbs, old))
@@ -146,6 +177,12 @@ def test_skipped_old_logp_pass_gives_the_same_update(stage, tmp_path):
     assert any("attention_dropout" in r for r in res["dropout_randomness"])
     assert "old_logps=None" in res["dropout_refused"]
     assert [s["ipa"] for s in res["steps"]] == [False, True]
+    assert res["gif_metrics"]["head_grad_in_forward"] == 1.0, "the grad-in-forward head should have run"
+    assert res["steps"][0]["skip"]["head_grad_in_forward"] == 0.0
+    g_skip, g_gif = res["grads"]["skip"], res["grads"]["gif"]
+    assert set(g_gif) == set(g_skip) and len(g_skip) > 0
+    for n, g in g_skip.items():
+        torch.testing.assert_close(g_gif[n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=f"grad {n}")
     for k, s in enumerate(res["steps"]):
         m_skip, m_keep = s["skip"], s["keep"]
         assert m_skip["skipped_no_signal"] == m_keep["skipped_no_signal"] == 0.0, k

@@ -145,6 +145,11 @@ class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     reference_model: bool = False  # frozen copy for KL (needed when loss.kl_beta > 0)
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = "auto"  # policy-loss backend
+    # with the old-logp pass skipped, the logprob head can compute its gradients in its forward (3
+    # matmuls, no logits recomputation) wherever the loss's gradient is local.  Off by default: with
+    # the entropy the step reads, its [tile, V] buffers cost 28.6% of naive's extra peak (target 15%)
+    # and it has not been measured faster than the naive head (README, bench_trainer.py)
+    head_grad_in_forward: bool = False
     deterministic: bool = False
     # CPU layout: torch threads per trainer rank (None: $OMP_NUM_THREADS, else 1).  One rank on a
     # small machine trains faster with more; vLLM's engine shares the same cores

@@ -35,6 +35,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from ..ops.logprob import fused_logprobs
+from ..ops.logprob.grad_in_forward import grad_in_forward_logprobs
 
 ARL_VARLEN_SDPA = "arl_varlen_sdpa"  # name under which arl's attention is registered in transformers
 
@@ -191,15 +192,31 @@ def _lm_head_weight(model) -> torch.Tensor:
     return head.weight
 
 
-def _head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, **kw):
+def _head_op(targets: torch.Tensor, grad_plan, kw: dict):
+    """(h, w) -> (logp, entropy): the grad-in-forward head when ``grad_plan`` is given and can tile
+    these rows (then ``grad_plan.applied`` is set), else the fused op."""
+    def op(h, w):
+        if grad_plan is not None and torch.is_grad_enabled():
+            k = {n: v for n, v in kw.items() if n in ("temperature", "with_entropy")}
+            out = grad_in_forward_logprobs(h, w, targets, grad_plan, **k)
+            grad_plan.applied = out is not None
+            if out is not None:
+                return out
+        return fused_logprobs(h, w, targets, **kw)
+
+    return op
+
+
+def _head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, grad_plan=None, **kw):
     """The fused op on the lm_head weight.  Under DeepSpeed ZeRO-3 the weight is partitioned and
     only gathered around the head module's own forward (and again for its backward), so the op is
     run *as* that forward: the module's hooks gather the weight and route its gradient."""
     weight = _lm_head_weight(model)
+    op = _head_op(targets, grad_plan, kw)
     if not hasattr(weight, "ds_id"):  # a plain (or ZeRO-0/1/2) parameter
-        return fused_logprobs(hidden, weight, targets, **kw)
+        return op(hidden, weight)
     head = model.get_output_embeddings()
-    head.forward = lambda h: fused_logprobs(h, head.weight, targets, **kw)
+    head.forward = lambda h: op(h, head.weight)
     try:
         return head(hidden)
     finally:
@@ -211,11 +228,14 @@ _ALIGN = {"target": 1, "next": 0}  # offset from the predicting position to the 
 
 def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
                     with_entropy: bool = False, align: str = "target", attn: str = "auto",
-                    backend: str = "auto", return_hidden: bool = False, **tiles):
+                    backend: str = "auto", return_hidden: bool = False, head_grad=None, **tiles):
     """Per-token logprobs [T] (float32) of the packed tokens under ``model`` (see the module
     docstring for ``align`` and the boundary convention), and entropies [T] when asked.  With
     ``return_hidden`` a third output: the final hidden states [T, H] the logprobs came from (the
-    critic's value head reads them: one forward for both)."""
+    critic's value head reads them: one forward for both).
+    ``head_grad``: the loss's gradient plan over the [T] output slots
+    (arl.ops.policy_loss.local_grad.LogpGrad): the head then produces its gradients in its forward
+    (arl/ops/logprob/grad_in_forward.py) where the plan allows; ``head_grad.applied`` says whether."""
     if align not in _ALIGN:
         raise ValueError(f"align: unknown {align!r}; choose from {sorted(_ALIGN)}")
     hidden = packed_hidden_states(model, input_ids, cu_seqlens, attn=attn)
@@ -223,9 +243,17 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
     has_next = torch.ones(T, dtype=torch.bool, device=device)
     has_next[cu_seqlens[1:].to(device).long() - 1] = False
     src = has_next.nonzero().squeeze(1)
-    lp, ent = _head_logprobs(model, hidden.index_select(0, src), input_ids.to(device)[src + 1],
-                             temperature=temperature, with_entropy=with_entropy, backend=backend, **tiles)
     dst = src + _ALIGN[align]
+    plan = None
+    if head_grad is not None:
+        head_grad.applied = False
+        plan = head_grad.rows(dst)  # None: a trained slot has no head row
+        if plan is not None:
+            plan.applied = False
+    lp, ent = _head_logprobs(model, hidden.index_select(0, src), input_ids.to(device)[src + 1], grad_plan=plan,
+                             temperature=temperature, with_entropy=with_entropy, backend=backend, **tiles)
+    if plan is not None:
+        head_grad.applied = plan.applied
     zeros = torch.zeros(T, dtype=torch.float32, device=device)
     logp = zeros.index_copy(0, dst, lp)
     entropy = zeros.index_copy(0, dst, ent) if with_entropy else None

@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 from ..config import CriticConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig, policy_loss
+from ..ops.policy_loss.local_grad import local_logp_grad
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
@@ -84,7 +85,7 @@ class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto",
-                 critic: Optional[CriticConfig] = None):
+                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = False):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
@@ -95,6 +96,9 @@ class PolicyTrainer:
         self.loss_backend = loss_backend
         self.temperature = temperature
         self.attn = attn
+        # with the old-logp pass skipped, the logprob head produces its gradients in its forward
+        # (no logits recomputation in backward) where the loss's gradient is local (local_grad.py)
+        self.head_grad_in_forward = head_grad_in_forward
         self.zero3 = zero_stage == 3
         self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
         # the critic (arl/trainer/critic.py): a value head on this model, in its own param group
@@ -160,12 +164,31 @@ class PolicyTrainer:
         if model is self.engine.module and hasattr(opt, "clear_backward_seen_flag"):
             opt.clear_backward_seen_flag()
 
-    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None, return_hidden: bool = False):
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False, model=None, return_hidden: bool = False,
+                 head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
         return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
                                temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
-                               return_hidden=return_hidden)
+                               return_hidden=return_hidden, head_grad=head_grad)
+
+    def _loss_kwargs(self, mb: MicroBatch) -> tuple:
+        """(advantages, policy_loss keyword arguments) of a non-IPA micro-batch, on the device."""
+        adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
+        kw = mb.loss_kwargs()
+        if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
+            kw.update(mb.segments)
+            adv = kw.pop("advantages").to(self.device, torch.float32)
+        return adv, {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+    def _head_grad(self, mb: MicroBatch, loss_cfg: LossConfig, ref) -> Optional[object]:
+        """The loss's d loss / d logp plan for the head (old = this pass's logp, detached), or None:
+        switched off, or IPA's mixed loss (no plan for it)."""
+        if not self.head_grad_in_forward or mb.ipa is not None:
+            return None
+        adv, kw = self._loss_kwargs(mb)
+        return local_logp_grad(config=loss_cfg, ref_logp=ref, with_entropy=True, advantages=adv,
+                               scale=float(self.world), **kw)
 
     def old_pass_needed(self, updates_per_batch: int) -> bool:
         """Whether ``old_logprobs`` must run before the updates of a batch.  With one update per batch
@@ -273,15 +296,19 @@ class PolicyTrainer:
                 self._dummy_backward()
                 used_old.append(None)
                 continue
+            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
+            # the grad-in-forward head needs the loss's advantages before the forward; the critic's come
+            # out of this forward's values, so with the critic the head takes the ordinary path
+            plan = self._head_grad(mb, loss_cfg, ref) if old_logps is None and self.critic is None else None
             if self.critic is not None:
                 logp, ent, hidden = self.logprobs(mb, with_entropy=True, return_hidden=True)
                 val = self.critic.values(self.engine.module, hidden, mb)
                 old_val = val.detach() if old_values is None else old_values[i].to(self.device)
             else:
-                logp, ent = self.logprobs(mb, with_entropy=True)
+                logp, ent = self.logprobs(mb, with_entropy=True, head_grad=plan)
+            metrics["head_grad_in_forward"].append(float(plan is not None and plan.applied))
             old = logp.detach() if old_logps is None else old_logps[i]
             used_old.append(old)
-            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
             # the step's advantages (arl/stabilizers/advantages.py) when the packer was given them:
             # exact for split groups, and how shaping / reweighting / masking reach the loss; None:
             # the loss normalizes the micro-batch's rewards itself
@@ -297,17 +324,16 @@ class PolicyTrainer:
                     lambda_il=r["lambda_il"], lambda_rl=r["lambda_rl"], advantages=adv, entropy=ent, ref_logp=ref,
                     backend=self.loss_backend)
             else:
-                kw = mb.loss_kwargs()
-                if mb.segments is not None:  # turn credit / critic: each chunk a segment with its own advantage
-                    kw.update(mb.segments)
-                    adv = kw.pop("advantages")
-                    if self.critic is not None:  # + GAE over this micro-batch's values
-                        adv, vloss = self.critic.micro_batch(val, old_val, mb, adv)
+                if self.critic is not None:  # each chunk a segment; its advantage + GAE over this pass's values
+                    if mb.segments is None:
+                        raise ValueError("rl_step: the critic needs per-chunk loss segments "
+                                         "(Stabilizers(critic=...).apply)")
+                    kw = {**mb.loss_kwargs(), **mb.segments}
+                    adv, vloss = self.critic.micro_batch(val, old_val, mb, kw.pop("advantages"))
                     adv = adv.to(self.device, torch.float32)
-                elif self.critic is not None:
-                    raise ValueError("rl_step: the critic needs per-chunk loss segments "
-                                     "(Stabilizers(critic=...).apply)")
-                kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+                    kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+                else:
+                    adv, kw = self._loss_kwargs(mb)
                 out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
                                   advantages=adv, backend=self.loss_backend, **kw)
                 loss, lm = out.loss, out.metrics

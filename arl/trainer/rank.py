@@ -153,7 +153,7 @@ class TrainerRank:
         self.tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage,
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
                                 temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
-                                critic=cfg.critic)
+                                critic=cfg.critic, head_grad_in_forward=cfg.trainer.head_grad_in_forward)
         if rank == 0:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, critic=cfg.critic)
         if resume_step is not None:

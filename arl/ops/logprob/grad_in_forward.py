@@ -1,0 +1,153 @@
+"""The logprob head that produces its gradients during its forward, for a loss whose d loss / d logp
+(and d loss / d entropy) is known from each token's own logits row before the backward runs.
+
+Per token tile (whole vocabulary rows, z = hidden @ weight.T / temperature):
+
+    z -> lse, logp (and S = sum_v p z, entropy = lse - S) -> g, e = coef.grad(tile, logp)
+      -> dz = g (onehot(y) - p) + e p (S - z), scaled by 1/temperature
+      -> grad_hidden[tile] = dz @ weight,  grad_weight += dz.T @ hidden[tile]
+
+Three matmuls per tile and no logits recomputation (the bounded-memory backward of api.py needs a
+fourth); the price is one [tile, V] row block (two with the entropy) instead of [tile_t, tile_v].
+``coef`` is the loss side's plan (arl/ops/policy_loss/local_grad.py: ``cuts(max_rows)`` gives tile
+bounds that keep every dependency segment in one tile, ``grad(i0, i1, logp)`` the coefficients);
+any object with those two methods works (``ConstantGrad`` for benches and tests).
+
+The backward returns the stored gradients after checking that the loss's actual incoming
+gradients equal the ones used (a one-line error otherwise: the plan and the loss disagree, which
+is a bug, never silently a wrong gradient).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import _acc_dtype, _tile_logits, _validate
+
+# |incoming - precomputed| <= _RTOL * max |gradient|: rounding of the loss kernel's own arithmetic
+# passes, a wrong coefficient (relative error O(1)) does not
+_RTOL = 1e-3
+
+
+class ConstantGrad:
+    """A plan with fixed coefficients: d loss / d logp = ``g``, d loss / d entropy = ``ge``."""
+
+    def __init__(self, g: torch.Tensor, ge: Optional[torch.Tensor] = None):
+        self.g, self.ge = g, ge
+
+    def cuts(self, max_rows: int):
+        n = self.g.numel()
+        return list(range(0, n, max_rows)) + [n]
+
+    def grad(self, i0: int, i1: int, logp: torch.Tensor):
+        return self.g[i0:i1].to(logp.dtype), (None if self.ge is None else self.ge[i0:i1].to(logp.dtype))
+
+
+def default_tile_rows(T: int, V: int, device_type: str = "cpu") -> int:
+    """Rows of one [rows, V] logit block: about T/8 (two blocks live stay well under the [T, V]
+    logits the naive head holds several of), at least 32M elements' worth (128 MiB fp32: the
+    grad_weight update reduces over the rows, and short reductions are memory-bound)."""
+    if device_type == "cuda":  # as api._default_tiles: an fp32 row block of at most 24M elements
+        return max(1, min(T, max(64, (24 << 20) // V // 64 * 64)))
+    return max(1, min(T, max((32 << 20) // V, -(-T // 8))))
+
+
+def _check(name: str, got: Optional[torch.Tensor], want: torch.Tensor) -> None:
+    got = torch.zeros_like(want) if got is None else got.to(want.dtype)
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    scale = max(float(want.abs().max()), float(got.abs().max())) if want.numel() else 0.0
+    if err > _RTOL * scale:
+        i = int((got - want).abs().argmax())
+        raise RuntimeError(f"grad_in_forward head: the loss's d loss/d {name} differs from the plan's "
+                           f"(max |diff| {err:.3g} at row {i}: got {float(got[i]):.6g}, planned {float(want[i]):.6g}); "
+                           f"the loss config has no local gradient the plan knows (turn trainer.head_grad_in_forward off)")
+
+
+class _GradInForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, with_entropy, coef, cuts):
+        T, V = hidden.shape[0], weight.shape[0]
+        dev, acc = hidden.device, _acc_dtype(hidden.dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # as api.py's backward: fp32 (fp64) matmuls on CPU; bf16/fp16 on a GPU with dz rounded to them
+        lowp = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+        gdt = hidden.dtype if lowp else acc
+        logp = torch.empty(T, dtype=acc, device=dev)
+        ent = torch.empty(T, dtype=acc, device=dev) if with_entropy else None
+        g_all = torch.zeros(T, dtype=acc, device=dev)
+        e_all = None
+        grad_h = torch.empty(hidden.shape, dtype=gdt, device=dev) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=gdt, device=dev) if need_w else None
+        wg = weight.to(gdt)
+        for t0, t1 in zip(cuts[:-1], cuts[1:]):
+            h, y = hidden[t0:t1], targets[t0:t1]
+            z = _tile_logits(h, weight, inv_temp)  # [n, V], the one logits matmul
+            zy = z.gather(1, y[:, None]).squeeze(1)
+            m = z.amax(1)
+            # softmax by hand: torch.logsumexp allocates two [n, V] temporaries
+            p = torch.sub(z, m[:, None]) if with_entropy else z.sub_(m[:, None])  # z is needed for S only
+            s = p.exp_().sum(1)
+            lse = m + torch.log(s)
+            p.div_(s[:, None])
+            lp = zy - lse
+            logp[t0:t1] = lp
+            g, e = coef.grad(t0, t1, lp)
+            g = g.to(acc)
+            g_all[t0:t1] = g
+            if with_entropy:
+                S = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)  # sum_v p z, no [n, V] temporary
+                ent[t0:t1] = lse - S
+            if e is not None and with_entropy:
+                e = e.to(acc)
+                if e_all is None:
+                    e_all = torch.zeros(T, dtype=acc, device=dev)
+                e_all[t0:t1] = e
+                dz = z.neg_().add_(S[:, None]).mul_(e[:, None]).sub_(g[:, None]).mul_(p)  # p (e (S - z) - g)
+            else:
+                dz = p.mul_(-g[:, None])
+            dz[torch.arange(t1 - t0, device=dev), y] += g
+            if inv_temp != 1.0:
+                dz.mul_(inv_temp)
+            z = p = None  # dz may be either block: only dz stays
+            if lowp:
+                dz = dz.to(gdt)
+            if need_h:
+                torch.mm(dz, wg, out=grad_h[t0:t1])
+            if need_w:
+                grad_w.addmm_(dz.t(), h.to(gdt))
+            dz = None  # free this block before the next tile's logits are allocated
+        ctx.grads = (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None)
+        ctx.planned = (g_all, e_all)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        g_all, e_all = ctx.planned
+        _check("logp", g_logp, g_all)
+        if e_all is not None or g_ent is not None:
+            _check("entropy", g_ent, e_all if e_all is not None else torch.zeros_like(g_all))
+        gh, gw = ctx.grads
+        ctx.grads = ctx.planned = None  # one backward: free the stored gradients with it
+        return gh, gw, None, None, None, None, None
+
+
+def grad_in_forward_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, coef,
+                             temperature: float = 1.0, with_entropy: bool = False, tile_rows: Optional[int] = None):
+    """logp [T] (and entropy [T] when ``with_entropy``) as ``fused_logprobs`` gives them, differentiable
+    w.r.t. hidden and weight for a loss whose gradient ``coef`` plans (module docstring).  None when
+    ``coef`` cannot tile these rows within ``tile_rows`` (a dependency segment is longer): the caller
+    takes the ordinary path.  Under no_grad this is a plain forward that also computes the gradients:
+    use the ordinary path there."""
+    _validate(hidden, weight, targets, temperature)
+    T, V = hidden.shape[0], weight.shape[0]
+    rows = int(tile_rows or default_tile_rows(T, V, hidden.device.type))
+    if rows < 1:
+        raise ValueError(f"tile_rows: must be >= 1, got {rows}")
+    if T == 0:
+        return None
+    cuts = coef.cuts(rows)
+    if cuts is None:
+        return None
+    return _GradInForward.apply(hidden, weight, targets.long(), 1.0 / float(temperature), bool(with_entropy), coef,
+                                cuts)
