@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .config import LossConfig
-from .spec import PackLayout, discounted_advantage, group_advantages
+from .spec import PackLayout, agg_denominator, discounted_advantage, group_advantages
 
 _LEVEL_RANK = {"none": 0, "token": 1, "chunk": 2, "sequence": 3}
 
@@ -203,16 +203,7 @@ def local_logp_grad(
     coef = torch.ones(tidx.numel(), dtype=dtype, device=dev)
     if cfg.loss_agg == "seq-mean-token-mean":
         coef = coef / n_s[lay.seq_of_tok[tidx]]
-        D = float(S)
-    elif cfg.loss_agg == "token-mean":
-        D = float(tidx.numel())
-    elif cfg.loss_agg == "seq-mean-token-sum":
-        D = float(S)
-    else:
-        L = cfg.agg_constant if cfg.agg_constant is not None else float(n_s.max().item())
-        D = float(S) * L
-    if normalizer is not None:
-        D = float(normalizer)
+    D = agg_denominator(cfg, S, tidx.numel(), n_s, normalizer)
     c = coef * (scale / max(D, 1e-30))
 
     def full(vals: torch.Tensor, fill=0) -> torch.Tensor:

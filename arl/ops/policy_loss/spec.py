@@ -135,6 +135,18 @@ def _flush(x: torch.Tensor, tiny: float) -> torch.Tensor:
     return torch.where(x.abs() < tiny, torch.zeros_like(x), x)
 
 
+def agg_denominator(cfg: LossConfig, S: int, n_tr: int, n_s: torch.Tensor, normalizer=None) -> float:
+    """The aggregation's denominator D: S sequences with a trained token, n_tr trained tokens, n_s
+    [N] trained tokens per sequence; a given ``normalizer`` (the step's global one) replaces it."""
+    if normalizer is not None:
+        return float(normalizer)
+    if cfg.loss_agg == "token-mean":
+        return float(n_tr)
+    if cfg.loss_agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return float(S)
+    L = cfg.agg_constant if cfg.agg_constant is not None else float(n_s.max().item())
+    return float(S) * L
+
 def discounted_advantage(adv_seq: torch.Tensor, lay: PackLayout, gamma: float) -> torch.Tensor:
     """A_t = gamma**Delta(c(t)) * A_s(t) over trained tokens, with the underflow rule of the spec."""
     a = adv_seq[lay.seq_of_tok[lay.tidx]]
@@ -228,16 +240,7 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
     S = int((lay.tokens_per_seq > 0).sum().item())
     if cfg.loss_agg == "seq-mean-token-mean":
         tok = tok / n_s[lay.seq_of_tok[tidx]]
-        D = float(S)
-    elif cfg.loss_agg == "token-mean":
-        D = float(n_tr)
-    elif cfg.loss_agg == "seq-mean-token-sum":
-        D = float(S)
-    else:
-        L = cfg.agg_constant if cfg.agg_constant is not None else float(n_s.max().item())
-        D = float(S) * L
-    if normalizer is not None:
-        D = float(normalizer)
+    D = agg_denominator(cfg, S, n_tr, n_s, normalizer)
     loss = tok.sum() / max(D, 1e-30) if n_tr else inp.logp.to(cdt)[:0].sum()
 
     # metrics (detached; over trained tokens of this micro-batch)
