@@ -147,6 +147,15 @@ def _checks(rank, world, port, result_dir):
                 r[f"off_{name}_m"] = update_on_batch(t, plain[0], LOSS, updates=1)
                 r[f"off_{name}_w"] = _weights(t)
             r["off_head"] = hasattr(t.module, VALUE_HEAD)
+            # a checkpoint resumed with the other critic setting: one line of ours, both ways
+            t.save_checkpoint(os.path.join(result_dir, "ck_off"), "step1", {"step": 1})
+            for ck, kw in (("ck0", {}), ("ck_off", {"critic": CRITIC})):
+                other = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, **kw)
+                try:
+                    other.load_checkpoint(os.path.join(result_dir, ck), "step1")
+                    r[f"switch_{ck}"] = ""
+                except ValueError as e:
+                    r[f"switch_{ck}"] = str(e)
     return res
 
 
@@ -219,3 +228,6 @@ def check(tmp_path):
     for n, w in s0["off_none_w"].items():
         assert torch.equal(s0["off_off_w"][n], w), n
     assert set(s0["off_none_w"]) == set(s0["w1"]) - set(head)
+    assert "saved with critic.enabled on, this run has it off" in s0["switch_ck0"], s0["switch_ck0"]
+    assert "saved with critic.enabled off, this run has it on" in s0["switch_ck_off"], s0["switch_ck_off"]
+    assert "\n" not in s0["switch_ck0"] + s0["switch_ck_off"]

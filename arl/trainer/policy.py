@@ -25,7 +25,7 @@ from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
 from ..stabilizers.ipa import ipa_mixed_loss
 from . import faults
-from .critic import Critic, attach_value_head, param_groups, without_value_head
+from .critic import VALUE_HEAD, Critic, attach_value_head, param_groups, without_value_head
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 
 
@@ -403,7 +403,15 @@ class PolicyTrainer:
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, directory: str, tag: Optional[str] = None) -> dict:
-        path, client_state = self.engine.load_checkpoint(directory, tag=tag)
+        try:
+            path, client_state = self.engine.load_checkpoint(directory, tag=tag)
+        except RuntimeError as e:  # DeepSpeed's strict load: a value head on one side only
+            if VALUE_HEAD not in str(e):
+                raise
+            now = "on" if self.critic is not None else "off"
+            then = "off" if self.critic is not None else "on"
+            raise ValueError(f"--resume: the checkpoint in {directory} was saved with critic.enabled {then}, this run "
+                             f"has it {now}: resume with the setting it was saved with") from None
         if path is None:
             raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
         return client_state or {}
