@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 FAMILIES = {"whole": {}, "fork_free": {"min_forks": 0, "max_forks": 0}}
 
 
-async def probe(config: str, model: str, n: int) -> dict:
+async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     from transformers import AutoTokenizer
 
     from arl.config import load_config
@@ -35,26 +35,32 @@ async def probe(config: str, model: str, n: int) -> dict:
     from arl.rollout.episode import ChatFormat, run_episode
     from arl.rollout.worker import episode_config, run_engine
 
-    cfg = load_config(config, [f"model.name_or_path={model}"])
+    cfg = load_config(config, [f"model.name_or_path={model}", *overrides])
     engine = run_engine(cfg, model)
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model))
     out = {}
     try:
         for name, kw in FAMILIES.items():
-            after, wins = Counter(), []
+            after, order, wins, won_after_no = Counter(), Counter(), [], 0
 
             async def one(i):
                 env = LongLookupEnv(**{**cfg.env.kwargs, **kw}, max_turns=cfg.env.max_turns)
                 step, last = env.step, [None]
+
+                took_no = [False]
 
                 async def recorded(text):
                     words = last[0].split() if isinstance(last[0], str) else []
                     if GO in words:  # this turn answers a fork
                         t = parse_turn(text, env.tool_specs)
                         key = t.arguments.get("key") if t.kind == "tool" else None
-                        after["go" if key == words[words.index(GO) + 1] else
-                              "no" if key == words[words.index(NO) + 1] else
-                              "malformed" if t.kind == "error" else "other"] += 1
+                        what = ("go" if key == words[words.index(GO) + 1] else
+                                "no" if key == words[words.index(NO) + 1] else
+                                "malformed" if t.kind == "error" else "other")
+                        after[what] += 1
+                        took_no[0] |= what == "no"
+                        # did it follow go, and was go listed first: a positional habit shows here
+                        order[f"{what}|go_{'first' if words[0] == GO else 'second'}"] += 1
                     res = await step(text)
                     last[0] = res.observation
                     return res
@@ -62,9 +68,12 @@ async def probe(config: str, model: str, n: int) -> dict:
                 env.step = recorded
                 t = await run_episode(engine, env, fmt, EVAL_SEED_BASE + i, episode_config(cfg, greedy=True))
                 wins.append(t.reward > 0)
+                nonlocal_won[0] += bool(t.reward > 0 and took_no[0])
 
+            nonlocal_won = [0]
             await asyncio.gather(*(one(i) for i in range(n)))
-            out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after)}
+            out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after),
+                         "after_fork_by_order": dict(order), "won_after_a_no": nonlocal_won[0]}
     finally:
         await engine.close()
     return out
@@ -73,6 +82,7 @@ async def probe(config: str, model: str, n: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="HF model directory with its tokenizer (a snapshot or a run's hf/)")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. env.kwargs.slack=0")
     ap.add_argument("--config", default=str(ROOT / "configs" / "long_horizon_cpu.yaml"))
     ap.add_argument("--tasks", type=int, default=32, help="held-out tasks per family")
     ap.add_argument("--quick", action="store_true", help="4 tasks per family")
@@ -83,7 +93,7 @@ def main(argv=None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"probe_long_lookup: error: {args.model} is no HF model directory (no config.json)", file=sys.stderr)
         return 2
-    print(json.dumps(asyncio.run(probe(args.config, args.model, 4 if args.quick else args.tasks))))
+    print(json.dumps(asyncio.run(probe(args.config, args.model, 4 if args.quick else args.tasks, tuple(args.overrides)))))
     return 0
 
 

@@ -1,6 +1,6 @@
 """The long-horizon task (arl/env/long_lookup.py): seeded tasks, an expert that solves every one,
 forks whose trap wastes the episode, distractor tools, error observations, ``new_state`` per turn,
-and the demonstrator's fork-free part of the family."""
+and the blind demonstrator (harmless forks, a branch at random)."""
 import asyncio
 
 import pytest
@@ -152,15 +152,61 @@ def test_distractor_tools_never_help():
         assert not any(r.info["new_state"] or r.info["tool_error"] for r in res)
 
 
-def test_demonstrator_plays_fork_free_tasks_only():
+def test_guessing_cannot_skip_the_chain_or_the_value():
+    env = LongLookupEnv()
+    for seed in range(20):
+        run(env.reset(seed))
+        # a later chain key, guessed: none (it is on the chain but was never shown), a turn used
+        res = run(play(env, seed, [lookup(env.chain[3]), lookup(env.chain[0])]))
+        assert res[0].observation == "none" and not res[0].info["new_state"]
+        assert res[1].info["new_state"] or res[1].info["fork"]
+        # values() shows the value, but an answer before the chain's last lookup showed it is wrong
+        res = run(play(env, seed, [format_tool_call("values", {}), format_answer(env.value)]))
+        assert res[-1].done and res[-1].reward == 0.0 and not res[-1].info["correct"]
+    # turning back at once after a trap's first key fits the one spare turn
+    run(env.reset(0))
+    i = env.forks[0]
+    right, trap = fork_of(env, i)
+    turns = [lookup(k) for k in env.chain[:i + 1]] + [lookup(trap)] + [lookup(k) for k in env.chain[i + 1:]]
+    res = run(play(env, 0, turns + [format_answer(env.value)]))
+    assert res[-1].reward == 1.0 and env.slack == 1
+
+
+def test_blind_demonstrator_shows_forks_but_carries_no_information_about_go():
     cfg = load_config("configs/long_horizon_cpu.yaml")
     kw = env_class("long_lookup").demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
     demo, run_env = make_env("long_lookup", **kw), make_env("long_lookup", **expert_env_kwargs(cfg, True))
-    for seed in range(2_000_000, 2_000_020):
-        run(demo.reset(seed)); run(run_env.reset(seed))
-        assert demo.forks == [] and 3 <= len(run_env.forks) <= 4
-    whole = LongLookupEnv.demo_kwargs({"demo_forks": None, "min_forks": 3})
-    assert whole == {"demo_forks": None, "min_forks": 3}  # null: the whole family is demonstrated
+    assert demo.blind_forks and not run_env.blind_forks
+    followed_go = followed_first = forks = 0
+    for seed in range(2_000_000, 2_000_200):
+        run(demo.reset(seed))
+        turns = demo.expert_turns()
+        res = run(play(demo, seed, turns))
+        assert res[-1].reward == 1.0 and res[-1].info["correct"]  # a harmless trap still solves the task
+        assert 3 <= len(demo.forks) <= 4  # the run's own fork count
+        for i in demo.forks:
+            right, trap = fork_of(demo, i)
+            took = turns[i + 1]
+            assert took in (lookup(right), lookup(trap))
+            forks += 1
+            followed_go += took == lookup(right)
+            followed_first += took == lookup(demo.table[demo.chain[i]].split()[1])
+    # the choice is a coin flip: independent of go and of the position go is listed at
+    assert 0.4 < followed_go / forks < 0.6 and 0.4 < followed_first / forks < 0.6, (followed_go, followed_first, forks)
+    # the run's own tasks keep the real traps, and the same seed gives the same task
+    run(run_env.reset(2_000_000)); run(demo.reset(2_000_000))
+    assert run_env.chain == demo.chain and run_env.forks == demo.forks
+    right, trap = fork_of(run_env, run_env.forks[0])
+    assert run_env.table[trap] != run_env.table[right]
+
+
+def test_demo_forks_sets_the_demonstrators_fork_count():
+    assert LongLookupEnv.demo_kwargs({"demo_forks": 0, "min_forks": 3}) == {
+        "demo_forks": 0, "min_forks": 0, "max_forks": 0, "blind_forks": True}
+    assert LongLookupEnv.demo_kwargs({"min_forks": 3}) == {"min_forks": 3, "blind_forks": True}
+    plain = make_env("long_lookup", **LongLookupEnv.demo_kwargs({"demo_forks": 0}))
+    run(plain.reset(5))
+    assert plain.forks == []
 
 
 @pytest.mark.parametrize("kwargs, msg", [
@@ -171,6 +217,7 @@ def test_demonstrator_plays_fork_free_tasks_only():
     ({"max_turns": 10}, "max_turns"),
     ({"slack": -1}, "decoy_hops/slack"),
     ({"demo_forks": 20}, "demo_forks"),
+    ({"blind_forks": "yes"}, "blind_forks"),
 ])
 def test_bad_arguments_fail_with_one_line(kwargs, msg):
     with pytest.raises(ValueError, match=msg) as e:

@@ -5,7 +5,11 @@ is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two
 follow after ``go``, a trap after ``no`` (in random order): ``go k03 no k55`` or ``no k55 go k03``.
 The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
 Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
-trap (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest of the episode is wasted.
+trap followed to its dead end (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest
+of the episode is wasted (turning back right after the trap's first key fits the one spare turn).
+Only a key already shown (the task's first key, or one a lookup answered) is answered: a guessed key
+is ``none`` even when it is on the chain, so guessing cannot skip the chain or leave a dead end; and
+an answer counts only once the chain's last lookup has shown the value (``values()`` does not).
 Two distractor tools cost a turn and never help: ``peek(key)`` says whether a key exists (decoys do
 too), ``values()`` lists the value among two others.
 
@@ -13,11 +17,15 @@ Why it separates methods: the outcome reward is 1 only when every one of ~15 cal
 choice was right, so a trajectory's reward says little about which call mattered; the env reports
 ``new_state`` (the first lookup of each chain key: progress) per turn for turn-level credit.
 
-The SFT demonstrator knows only part of the task family: ``demo_kwargs`` gives it tasks with
-``demo_forks`` forks (default 0: plain chains).  The demonstrations teach the call format and key
-copying, never a fork, so the SFT start picks a fork's branch by position, not by ``go`` (about
-half right per fork), and more SFT cannot change that; RL has to learn to read ``go``.  The expert
-itself (``expert_turns``, also IPA's resampling anchors) solves every task, forks included.
+The SFT demonstrator does not know the fork rule: it plays ``blind_forks`` tasks (``demo_kwargs``),
+where a fork's trap is harmless (it leads on to the same next key as the ``go`` key), and takes one of
+the two branches at random.  Its demonstrations, all successful, show forks in the format and the
+order the run's tasks have them, so the SFT start can read a fork and copy one of its keys, but they
+carry no information about ``go``: the start follows ``go`` at about half the forks, and more SFT
+cannot change that (the demonstrator's choice is independent of ``go``).  RL has to learn to read
+``go``.  ``demo_forks`` sets the number of forks in the demonstrator's tasks (null: the run's range;
+0: plain chains, which teach no fork at all).  The expert itself (``expert_turns`` on a run's task,
+also IPA's resampling anchors) solves every task, forks included.
 
 Deterministic: the task depends on ``seed`` only (``reset(seed, sample=...)`` takes ``sample`` for
 the rollout's API; nothing here is random per sample).  Training seeds count up from 0, held-out
@@ -45,8 +53,8 @@ class LongLookupEnv(Environment):
     tool_specs = (LOOKUP, PEEK, VALUES)  # described in the system prompt
 
     def __init__(self, min_hops: int = 12, max_hops: int = 16, min_forks: int = 3, max_forks: int = 4,
-                 decoy_hops: int = 2, slack: int = 1, num_keys: int = 100, demo_forks: Optional[int] = 0,
-                 max_turns: Optional[int] = None):
+                 decoy_hops: int = 2, slack: int = 1, num_keys: int = 100, demo_forks: Optional[int] = None,
+                 blind_forks: bool = False, max_turns: Optional[int] = None):
         if not 2 <= min_hops <= max_hops:
             raise ValueError(f"min_hops/max_hops: need 2 <= min_hops <= max_hops, got {min_hops}/{max_hops}")
         if not 0 <= min_forks <= max_forks < min_hops:
@@ -60,7 +68,10 @@ class LongLookupEnv(Environment):
         if num_keys < need_keys:
             raise ValueError(f"num_keys: need >= {need_keys} (chain + traps + decoys), got {num_keys}")
         self.min_hops, self.max_hops, self.min_forks, self.max_forks = min_hops, max_hops, min_forks, max_forks
+        if not isinstance(blind_forks, bool):
+            raise ValueError(f"blind_forks: need true or false, got {blind_forks!r}")
         self.decoy_hops, self.slack, self.num_keys, self.demo_forks = decoy_hops, slack, num_keys, demo_forks
+        self.blind_forks = blind_forks
         longest = max_hops + 1 + slack  # the longest chain's budget: every lookup, the answer, the slack
         self.max_turns = max_turns if max_turns is not None else longest
         if self.max_turns < max_hops + 1:
@@ -77,9 +88,10 @@ class LongLookupEnv(Environment):
 
     @classmethod
     def demo_kwargs(cls, kwargs: dict) -> dict:
-        """The demonstrator's tasks: ``demo_forks`` forks (None: the run's own task family)."""
-        d = kwargs.get("demo_forks", 0)
-        return kwargs if d is None else {**kwargs, "min_forks": d, "max_forks": d}
+        """The demonstrator's tasks: harmless forks (``blind_forks``), ``demo_forks`` of them (None: the
+        run's range)."""
+        d = kwargs.get("demo_forks")
+        return {**kwargs, "blind_forks": True, **({} if d is None else {"min_forks": d, "max_forks": d})}
 
     def _key(self, i: int) -> str:
         return f"k{i:0{self._width}d}"
@@ -100,26 +112,39 @@ class LongLookupEnv(Environment):
         self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
         # forks on the lookups of chain keys 0..hops-2 (the last one answers the value)
         self.forks = sorted(rng.sample(range(hops - 1), forks))
+        self._traps = {}
         for n, i in enumerate(self.forks):
             trap, *decoys = rest[n * (1 + self.decoy_hops):(n + 1) * (1 + self.decoy_hops)]
             right = chain[i + 1]
             self.table[chain[i]] = (f"{GO} {right} {NO} {trap}" if rng.random() < 0.5 else
                                     f"{NO} {trap} {GO} {right}")
-            path = [trap] + decoys
-            self.table.update(zip(path, path[1:] + [DEAD_END]))
+            if not self.blind_forks:
+                path = [trap] + decoys
+                self.table.update(zip(path, path[1:] + [DEAD_END]))
+            self._traps[i] = trap
+        if self.blind_forks:  # a trap answers what its go key answers (a next fork included)
+            self.table.update({trap: self.table[chain[i + 1]] for i, trap in self._traps.items()})
         others = rng.sample([i for i in range(self.num_keys) if self._val(i) != self.value], 2)
         vals = [self.value] + [self._val(i) for i in others]
         rng.shuffle(vals)
         self._values_obs = " ".join(vals)
         self.chain, self.seed, self.budget = chain, seed, hops + 1 + self.slack
-        self.turns, self._active, self._looked_up = 0, True, set()
+        self.turns, self._active, self._looked_up, self._revealed = 0, True, set(), {chain[0]}
         return f"Find the value for {chain[0]}."
 
     def expert_turns(self) -> Optional[List[str]]:
-        """The exact model turns that solve the current episode: every chain key, then the value."""
+        """The exact model turns that solve the current episode: every chain key, then the value.  On
+        ``blind_forks`` tasks the expert is the blind demonstrator: at each fork it follows the go key
+        or the (harmless) trap at random, a choice drawn from the seed alone."""
         if not hasattr(self, "chain"):
             return None
-        return [format_tool_call("lookup", {"key": k}) for k in self.chain] + [format_answer(self.value)]
+        keys = list(self.chain)
+        if self.blind_forks:
+            coin = random.Random(f"long_lookup/demo/{self.seed}")
+            for i in self.forks:
+                if coin.random() < 0.5:
+                    keys[i + 1] = self._traps[i]
+        return [format_tool_call("lookup", {"key": k}) for k in keys] + [format_answer(self.value)]
 
     async def step(self, action_text: str) -> StepResult:
         if not self._active:
@@ -129,7 +154,7 @@ class LongLookupEnv(Environment):
         info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
                 "turn": self.turns, "new_state": False}
         if turn.kind == "answer":
-            correct = turn.answer == self.value
+            correct = turn.answer == self.value and self.value in self._revealed
             return self._end("done", 1.0 if correct else 0.0, info, correct=correct)
         if turn.kind == "error":
             return self._budget(StepResult(turn.error, 0.0, False, info))
@@ -139,12 +164,16 @@ class LongLookupEnv(Environment):
         elif turn.tool == "values":
             obs = self._values_obs
         else:
-            obs = self.table.get(key, NOT_FOUND)
+            # only a key shown so far answers: guessing keys cannot skip the chain (or a dead end)
+            shown = key in self._revealed
+            obs = self.table.get(key, NOT_FOUND) if shown else NOT_FOUND
+            self._revealed.update(w for w in obs.split() if w in self.table or w == self.value)
             # progress for turn credit: a chain key looked up for the first time reveals the next one
-            info["new_state"] = key in self.chain and key not in self._looked_up
+            info["new_state"] = shown and key in self.chain and key not in self._looked_up
             info["fork"] = GO in obs.split()
             info["dead_end"] = obs == DEAD_END
-            self._looked_up.add(key)
+            if shown:
+                self._looked_up.add(key)
         return self._budget(StepResult(obs, 0.0, False, info))
 
     def _budget(self, res: StepResult) -> StepResult:
