@@ -290,13 +290,50 @@ def test_entropy_scratch_rows_match_autograd(tile_rows, scratch_rows):
         loss = (lp * gl).sum() + (0.0 if ge_ is None else (ent * ge_).sum())
         want = torch.autograd.grad(loss, (h, w))
         h2, w2 = b["hidden"].clone().requires_grad_(True), b["weight"].clone().requires_grad_(True)
-        lp2, ent2 = grad_in_forward_logprobs(h2, w2, b["targets"], ConstantGrad(gl, ge_), 0.8, with_entropy=True,
-                                             tile_rows=tile_rows, scratch_rows=scratch_rows)
-        torch.testing.assert_close(lp2, lp.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(ent2, ent.detach(), rtol=1e-12, atol=1e-12)
-        loss2 = (lp2 * gl).sum() + (0.0 if ge_ is None else (ent2 * ge_).sum())
-        for a, c in zip(torch.autograd.grad(loss2, (h2, w2)), want):
-            torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+        # ConstantGrad says whether it has an entropy gradient (without one z becomes p in the
+        # statistics pass); _Opaque does not (z is kept and exp recomputed)
+        for plan in (ConstantGrad(gl, ge_), _Opaque(ConstantGrad(gl, ge_))):
+            h2, w2 = b["hidden"].clone().requires_grad_(True), b["weight"].clone().requires_grad_(True)
+            lp2, ent2 = grad_in_forward_logprobs(h2, w2, b["targets"], plan, 0.8, with_entropy=True,
+                                                 tile_rows=tile_rows, scratch_rows=scratch_rows)
+            torch.testing.assert_close(lp2, lp.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(ent2, ent.detach(), rtol=1e-12, atol=1e-12)
+            loss2 = (lp2 * gl).sum() + (0.0 if ge_ is None else (ent2 * ge_).sum())
+            for a, c in zip(torch.autograd.grad(loss2, (h2, w2)), want):
+                torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+
+
+class _Opaque:
+    """A plan with only cuts and grad (no entropy_grad attribute)."""
+
+    def __init__(self, plan):
+        self.cuts, self.grad = plan.cuts, plan.grad
+
+
+class _Hiding(ConstantGrad):
+    entropy_grad = False  # but grad returns one
+
+
+def test_plan_that_hides_its_entropy_gradient_fails():
+    """z was turned into p on the plan's word: an entropy coefficient after that is refused."""
+    b = packed_batch(seed=2)
+    n = b["src"].numel()
+    plan = _Hiding(torch.ones(n, dtype=DT), torch.ones(n, dtype=DT))
+    h = b["hidden"].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="entropy_grad said it has none"):
+        grad_in_forward_logprobs(h, b["weight"], b["targets"], plan, with_entropy=True)
+
+
+def test_default_tile_rows_share_the_budget_with_the_scratch():
+    """With the entropy, the tile and its scratch (a _GROUPS-th of it) fit the rows the plain path's
+    one block gets (the 15% memory target at V=151936 rests on it)."""
+    from arl.ops.logprob.grad_in_forward import _GROUPS, default_tile_rows
+
+    for T in (100, 331, 512, 2048, 8192):
+        for V_ in (32768, 151936):
+            plain, ent = default_tile_rows(T, V_), default_tile_rows(T, V_, with_entropy=True)
+            assert ent + -(-ent // _GROUPS) <= plain + 1 or ent == T, (T, V_, plain, ent)
+            assert ent >= 1 and ent <= T
 
 
 def test_entropy_holds_one_logits_block():
@@ -315,16 +352,16 @@ def test_entropy_holds_one_logits_block():
     w = torch.randn(V_, H_, generator=g).requires_grad_(True)
     y = torch.randint(0, V_, (T,), generator=g)
     gl, ge = torch.randn(T, generator=g), torch.randn(T, generator=g)
-    for ge_ in (ge, None):
+    for ge_, scratch in ((ge, 3), (None, None)):  # default scratch: a _GROUPS-th of the tile (10 rows)
         def call():
             lp, ent = grad_in_forward_logprobs(h, w, y, ConstantGrad(gl, ge_), with_entropy=True, tile_rows=40,
-                                               scratch_rows=3)
+                                               scratch_rows=scratch)
             loss = (lp * gl).sum() + (0.0 if ge_ is None else (ent * ge_).sum())
             return torch.autograd.grad(loss, (h, w))
 
         _, extra, _ = peak_bytes(call, "cpu")
         # slack: one vocabulary row's worth, for the [T] vectors (logp, entropy, g, lse, S, ...)
-        assert extra <= (40 + 3 + 1) * V_ * 4, (ge_ is None, extra)
+        assert extra <= (40 + (scratch or 10) + 1) * V_ * 4, (ge_ is None, extra)
 
 
 def test_bad_scratch_rows():

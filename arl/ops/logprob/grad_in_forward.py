@@ -12,8 +12,10 @@ fourth); the price is one [tile, V] row block instead of [tile_t, tile_v].  The 
 after exp(z - max) (for S) and after p (for its gradient): those pass through a small [rows, V]
 scratch block in row groups, and the logits block is turned into dz in place.
 ``coef`` is the loss side's plan (arl/ops/policy_loss/local_grad.py: ``cuts(max_rows)`` gives tile
-bounds that keep every dependency segment in one tile, ``grad(i0, i1, logp)`` the coefficients);
-any object with those two methods works (``ConstantGrad`` for benches and tests).
+bounds that keep every dependency segment in one tile, ``grad(i0, i1, logp)`` the coefficients,
+optionally ``entropy_grad``: False when ``grad`` never returns an entropy coefficient, which lets
+the entropy path turn z into p during the statistics pass instead of recomputing exp); any object
+with those methods works (``ConstantGrad`` for benches and tests).
 
 The backward returns the stored gradients after checking that the loss's actual incoming
 gradients equal the ones used (a one-line error otherwise: the plan and the loss disagree, which
@@ -38,6 +40,10 @@ class ConstantGrad:
     def __init__(self, g: torch.Tensor, ge: Optional[torch.Tensor] = None):
         self.g, self.ge = g, ge
 
+    @property
+    def entropy_grad(self) -> bool:
+        return self.ge is not None
+
     def cuts(self, max_rows: int):
         n = self.g.numel()
         return list(range(0, n, max_rows)) + [n]
@@ -46,13 +52,20 @@ class ConstantGrad:
         return self.g[i0:i1].to(logp.dtype), (None if self.ge is None else self.ge[i0:i1].to(logp.dtype))
 
 
-def default_tile_rows(T: int, V: int, device_type: str = "cpu") -> int:
+# the entropy path's row groups per tile: its scratch block is a quarter of the tile, and each group
+# costs a few ops (on a loaded CPU every op pays a thread sync of ~ms: 1-row groups were 7x slower)
+_GROUPS = 4
+
+
+def default_tile_rows(T: int, V: int, device_type: str = "cpu", with_entropy: bool = False) -> int:
     """Rows of the one [rows, V] logit block: about T/8 (well under the [T, V] logits the naive
-    head holds several of), at least 32M elements' worth (128 MiB fp32: the
-    grad_weight update reduces over the rows, and short reductions are memory-bound)."""
+    head holds several of), at least 32M elements' worth (128 MiB fp32: the grad_weight update
+    reduces over the rows, and short reductions are memory-bound).  With the entropy that budget
+    holds the block and its [rows / _GROUPS, V] scratch together."""
+    share = _GROUPS / (_GROUPS + 1) if with_entropy else 1.0
     if device_type == "cuda":  # as api._default_tiles: an fp32 row block of at most 24M elements
-        return max(1, min(T, max(64, (24 << 20) // V // 64 * 64)))
-    return max(1, min(T, max((32 << 20) // V, -(-T // 8))))
+        return max(1, min(T, max(64, int((24 << 20) * share) // V // 64 * 64)))
+    return max(1, min(T, int(max((32 << 20) // V, -(-T // 8)) * share)))
 
 
 def _check(name: str, got: Optional[torch.Tensor], want: torch.Tensor) -> None:
@@ -66,38 +79,34 @@ def _check(name: str, got: Optional[torch.Tensor], want: torch.Tensor) -> None:
                            f"the loss config has no local gradient the plan knows (turn trainer.head_grad_in_forward off)")
 
 
-def _group_rows(V: int, device_type: str) -> int:
-    """Rows of the entropy path's scratch block [rows, V]: about 1M elements (4 MiB fp32) on CPU,
-    so it adds under 3% to the one [tile, V] block; 8M on a GPU, where each row group costs a dozen
-    kernel launches."""
-    return max(1, ((8 << 20) if device_type == "cuda" else (1 << 20)) // V)
-
-
-def _entropy_stats(z: torch.Tensor, buf: torch.Tensor):
-    """(lse, S = sum_v p z) of each row of z, with z left as it is: row groups through the scratch
-    ``buf`` [r, V] (exp(z - max) needs a block of its own, and z is needed after it)."""
+def _entropy_stats(z: torch.Tensor, buf: torch.Tensor, keep_z: bool):
+    """(lse, S = sum_v p z) of each row of z, in row groups through the scratch ``buf`` [r, V]
+    (exp(z - max) needs a block of its own while z is still needed for S).  z is left as it is
+    when ``keep_z`` (the entropy gradient reads it), else turned into p in place."""
     n, r = z.shape[0], buf.shape[0]
-    lse = torch.empty(n, dtype=z.dtype, device=z.device)
-    S = torch.empty(n, dtype=z.dtype, device=z.device)
+    m = z.amax(1)
+    s = torch.empty(n, dtype=z.dtype, device=z.device)
+    u = torch.empty(n, dtype=z.dtype, device=z.device)  # sum_v exp(z - m) z
     for r0 in range(0, n, r):
         zr = z[r0:r0 + r]
         k = zr.shape[0]
-        m = zr.amax(1)
-        ex = torch.sub(zr, m[:, None], out=buf[:k]).exp_()
-        s = ex.sum(1)
-        lse[r0:r0 + k] = m + torch.log(s)
-        S[r0:r0 + k] = ex.mul_(zr).sum(1) / s
-    return lse, S
+        ex = torch.sub(zr, m[r0:r0 + k, None], out=buf[:k]).exp_()
+        torch.sum(ex, 1, out=s[r0:r0 + k])
+        torch.bmm(ex.unsqueeze(1), zr.unsqueeze(2), out=u[r0:r0 + k].view(k, 1, 1))  # row dots, no temporary
+        if not keep_z:
+            torch.div(ex, s[r0:r0 + k, None], out=zr)
+    return m + torch.log(s), u / s
 
 
 def _entropy_dz(z: torch.Tensor, buf: torch.Tensor, lse, S, e, g) -> torch.Tensor:
     """z -> p (e (S - z) - g) in place, p = exp(z - lse) in row groups through ``buf``."""
-    r = buf.shape[0]
+    r, ne = buf.shape[0], -e
     for r0 in range(0, z.shape[0], r):
         zr = z[r0:r0 + r]
         k = zr.shape[0]
         p = torch.sub(zr, lse[r0:r0 + k, None], out=buf[:k]).exp_()
-        zr.neg_().add_(S[r0:r0 + k, None]).mul_(e[r0:r0 + k, None]).sub_(g[r0:r0 + k, None]).mul_(p)
+        # (z - S) (-e) is e (S - z) bit for bit (negation is exact), one pass fewer
+        zr.sub_(S[r0:r0 + k, None]).mul_(ne[r0:r0 + k, None]).sub_(g[r0:r0 + k, None]).mul_(p)
     return z
 
 
@@ -119,13 +128,15 @@ class _GradInForward(torch.autograd.Function):
         wg = weight.to(gdt)
         tile = max(b - a for a, b in zip(cuts[:-1], cuts[1:]))
         # the entropy path's scratch rows (the one [tile, V] logits block is all else it holds)
-        buf = torch.empty(min(tile, scratch), V, dtype=acc, device=dev) if with_entropy else None
+        rows = -(-tile // _GROUPS) if scratch is None else min(tile, scratch)
+        buf = torch.empty(rows, V, dtype=acc, device=dev) if with_entropy else None
+        keep_z = with_entropy and bool(getattr(coef, "entropy_grad", True))  # unknown plans: keep z
         for t0, t1 in zip(cuts[:-1], cuts[1:]):
             h, y = hidden[t0:t1], targets[t0:t1]
             z = _tile_logits(h, weight, inv_temp)  # [n, V], the one logits matmul
             zy = z.gather(1, y[:, None]).squeeze(1)
             if with_entropy:
-                lse, S = _entropy_stats(z, buf)
+                lse, S = _entropy_stats(z, buf, keep_z)  # z: kept, or p
                 ent[t0:t1] = lse - S
             else:  # softmax by hand, in place: torch.logsumexp allocates two [n, V] temporaries
                 m = z.amax(1)
@@ -137,10 +148,13 @@ class _GradInForward(torch.autograd.Function):
             g, e = coef.grad(t0, t1, lp)
             g = g.to(acc)
             g_all[t0:t1] = g
+            if e is not None and with_entropy and not keep_z:
+                raise RuntimeError("grad_in_forward head: the plan returned an entropy gradient but its "
+                                   "entropy_grad said it has none")
             if not with_entropy:
                 dz = p.mul_(-g[:, None])
-            elif e is None:  # the entropy's value only: p = exp(z - lse), in place
-                dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+            elif e is None:  # the entropy's value only
+                dz = (z if not keep_z else z.sub_(lse[:, None]).exp_()).mul_(-g[:, None])
             else:
                 e = e.to(acc)
                 if e_all is None:
@@ -179,16 +193,15 @@ def grad_in_forward_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets
     """logp [T] (and entropy [T] when ``with_entropy``) as ``fused_logprobs`` gives them, differentiable
     w.r.t. hidden and weight for a loss whose gradient ``coef`` plans (module docstring).  None when
     ``coef`` cannot tile these rows within ``tile_rows`` (a dependency segment is longer): the caller
-    takes the ordinary path.  ``scratch_rows``: rows of the entropy path's scratch block (default
-    ``_group_rows``).  Under no_grad this is a plain forward that also computes the gradients: use
-    the ordinary path there."""
+    takes the ordinary path.  ``scratch_rows``: rows of the entropy path's scratch block (default: a
+    ``_GROUPS``-th of the longest tile).  Under no_grad this is a plain forward that also computes
+    the gradients: use the ordinary path there."""
     _validate(hidden, weight, targets, temperature)
     T, V = hidden.shape[0], weight.shape[0]
-    rows = int(tile_rows or default_tile_rows(T, V, hidden.device.type))
+    rows = int(tile_rows or default_tile_rows(T, V, hidden.device.type, bool(with_entropy)))
     if rows < 1:
         raise ValueError(f"tile_rows: must be >= 1, got {rows}")
-    scratch = _group_rows(V, hidden.device.type) if scratch_rows is None else int(scratch_rows)
-    if scratch < 1:
+    if scratch_rows is not None and int(scratch_rows) < 1:
         raise ValueError(f"scratch_rows: must be >= 1, got {scratch_rows}")
     if T == 0:
         return None
@@ -196,4 +209,4 @@ def grad_in_forward_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets
     if cuts is None:
         return None
     return _GradInForward.apply(hidden, weight, targets.long(), 1.0 / float(temperature), bool(with_entropy), coef,
-                                cuts, scratch)
+                                cuts, None if scratch_rows is None else int(scratch_rows))
