@@ -68,12 +68,14 @@ def run(b, cfg, head, temp=1.0, scale=1.0, **extra):
     """(logp, entropy, loss, grad_hidden, grad_weight) through ``head`` ("spec" or a plan builder)."""
     h = b["hidden"].clone().requires_grad_(True)
     w = b["weight"].clone().requires_grad_(True)
+    scratch = extra.pop("scratch_rows", None)
     kw = loss_kwargs(b, cfg, extra.pop("roll"), **extra)
     if head == "spec":
         lp, ent = naive_logprobs(h, w, b["targets"], temp, with_entropy=True)
     else:
         plan = head(b, cfg, kw, scale)
-        out = grad_in_forward_logprobs(h, w, b["targets"], plan, temp, with_entropy=True, tile_rows=extra_rows(b))
+        out = grad_in_forward_logprobs(h, w, b["targets"], plan, temp, with_entropy=True, tile_rows=extra_rows(b),
+                                       scratch_rows=scratch)
         assert out is not None, "the plan should tile this batch"
         lp, ent = out
     logp = torch.zeros(b["T"], dtype=DT).index_copy(0, b["dst"], lp)
@@ -133,6 +135,19 @@ def test_values_and_gradients_match_the_spec(name):
     spec = run(b, cfg, "spec", temp=temp, scale=2.0, **dict(extra))
     ours = run(b, cfg, plan_of, temp=temp, scale=2.0, **dict(extra))
     assert float(spec[3].abs().max()) > 0, "the batch should carry a gradient"
+    assert_same(ours, spec)
+
+
+@pytest.mark.parametrize("name", ["entropy_bonus", "everything"])
+def test_entropy_row_groups_match_the_spec(name):
+    """The entropy path's scratch rows (S and the entropy gradient in row groups) in groups that do
+    not divide the tiles, with the loss's real plan."""
+    cfg = CONFIGS[name]
+    b = packed_batch(seed=len(name))
+    roll = rollout(b, 1.0, spread=0.6)
+    spec = run(b, cfg, "spec", scale=2.0, roll=roll)
+    ours = run(b, cfg, plan_of, scale=2.0, roll=roll, scratch_rows=4)
+    assert extra_rows(b) % 4 and b["src"].numel() % extra_rows(b)
     assert_same(ours, spec)
 
 
@@ -258,3 +273,99 @@ def test_constant_plan_matches_autograd_and_weight_without_grad():
     h4 = b["hidden"].clone().requires_grad_(True)
     (want_h,) = torch.autograd.grad((naive_logprobs(h4, b["weight"], b["targets"])[0] * gl).sum(), (h4,))
     torch.testing.assert_close(gh, want_h, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("tile_rows,scratch_rows", [(7, 3), (10, 4), (None, 1), (9, 1000)])
+def test_entropy_scratch_rows_match_autograd(tile_rows, scratch_rows):
+    """Entropy with and without its gradient, scratch row groups that split tiles (or exceed
+    them), T not a multiple of the tile, a temperature: values and gradients as autograd's."""
+    b = packed_batch(seed=9)
+    g = torch.Generator().manual_seed(2)
+    n = b["src"].numel()
+    assert n % 7 and n % 9 and n % 10
+    gl, ge = torch.randn(n, generator=g, dtype=DT), torch.randn(n, generator=g, dtype=DT)
+    for ge_ in (ge, None):
+        h, w = b["hidden"].clone().requires_grad_(True), b["weight"].clone().requires_grad_(True)
+        lp, ent = naive_logprobs(h, w, b["targets"], 0.8, with_entropy=True)
+        loss = (lp * gl).sum() + (0.0 if ge_ is None else (ent * ge_).sum())
+        want = torch.autograd.grad(loss, (h, w))
+        h2, w2 = b["hidden"].clone().requires_grad_(True), b["weight"].clone().requires_grad_(True)
+        # ConstantGrad says whether it has an entropy gradient (without one z becomes p in the
+        # statistics pass); _Opaque does not (z is kept and exp recomputed)
+        for plan in (ConstantGrad(gl, ge_), _Opaque(ConstantGrad(gl, ge_))):
+            h2, w2 = b["hidden"].clone().requires_grad_(True), b["weight"].clone().requires_grad_(True)
+            lp2, ent2 = grad_in_forward_logprobs(h2, w2, b["targets"], plan, 0.8, with_entropy=True,
+                                                 tile_rows=tile_rows, scratch_rows=scratch_rows)
+            torch.testing.assert_close(lp2, lp.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(ent2, ent.detach(), rtol=1e-12, atol=1e-12)
+            loss2 = (lp2 * gl).sum() + (0.0 if ge_ is None else (ent2 * ge_).sum())
+            for a, c in zip(torch.autograd.grad(loss2, (h2, w2)), want):
+                torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+
+
+class _Opaque:
+    """A plan with only cuts and grad (no entropy_grad attribute)."""
+
+    def __init__(self, plan):
+        self.cuts, self.grad = plan.cuts, plan.grad
+
+
+class _Hiding(ConstantGrad):
+    entropy_grad = False  # but grad returns one
+
+
+def test_plan_that_hides_its_entropy_gradient_fails():
+    """z was turned into p on the plan's word: an entropy coefficient after that is refused."""
+    b = packed_batch(seed=2)
+    n = b["src"].numel()
+    plan = _Hiding(torch.ones(n, dtype=DT), torch.ones(n, dtype=DT))
+    h = b["hidden"].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="entropy_grad said it has none"):
+        grad_in_forward_logprobs(h, b["weight"], b["targets"], plan, with_entropy=True)
+
+
+def test_default_tile_rows_share_the_budget_with_the_scratch():
+    """With the entropy, the tile and its scratch (a _GROUPS-th of it) fit the rows the plain path's
+    one block gets (the 15% memory target at V=151936 rests on it)."""
+    from arl.ops.logprob.grad_in_forward import _GROUPS, default_tile_rows
+
+    for T in (100, 331, 512, 2048, 8192):
+        for V_ in (32768, 151936):
+            plain, ent = default_tile_rows(T, V_), default_tile_rows(T, V_, with_entropy=True)
+            assert ent + -(-ent // _GROUPS) <= plain + 1 or ent == T, (T, V_, plain, ent)
+            assert ent >= 1 and ent <= T
+
+
+def test_entropy_holds_one_logits_block():
+    """With the entropy (and its gradient) the op's extra peak is one [tile, V] logits block plus the
+    [scratch, V] scratch block and [T] vectors: never a second logits block (bench_logprob's meter:
+    allocations during fwd+bwd beyond the returned gradients)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_logprob import peak_bytes
+
+    T, V_, H_ = 100, 4096, 8
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H_, generator=g).requires_grad_(True)
+    w = torch.randn(V_, H_, generator=g).requires_grad_(True)
+    y = torch.randint(0, V_, (T,), generator=g)
+    gl, ge = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    for ge_, scratch in ((ge, 3), (None, None)):  # default scratch: a _GROUPS-th of the tile (10 rows)
+        def call():
+            lp, ent = grad_in_forward_logprobs(h, w, y, ConstantGrad(gl, ge_), with_entropy=True, tile_rows=40,
+                                               scratch_rows=scratch)
+            loss = (lp * gl).sum() + (0.0 if ge_ is None else (ent * ge_).sum())
+            return torch.autograd.grad(loss, (h, w))
+
+        _, extra, _ = peak_bytes(call, "cpu")
+        # slack: one vocabulary row's worth, for the [T] vectors (logp, entropy, g, lse, S, ...)
+        assert extra <= (40 + (scratch or 10) + 1) * V_ * 4, (ge_ is None, extra)
+
+
+def test_bad_scratch_rows():
+    b = packed_batch(seed=1)
+    with pytest.raises(ValueError, match="scratch_rows: must be >= 1"):
+        grad_in_forward_logprobs(b["hidden"], b["weight"], b["targets"], ConstantGrad(torch.zeros(b["src"].numel())),
+                                 with_entropy=True, scratch_rows=0)

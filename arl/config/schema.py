@@ -147,8 +147,9 @@ class TrainerConfig(Section):
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = "auto"  # policy-loss backend
     # with the old-logp pass skipped, the logprob head can compute its gradients in its forward (3
     # matmuls, no logits recomputation) wherever the loss's gradient is local.  Off by default: with
-    # the entropy the step reads, its [tile, V] buffers cost 28.6% of naive's extra peak (target 15%)
-    # and it has not been measured faster than the naive head (README, bench_trainer.py)
+    # the entropy the step reads its extra peak is now 14.3% of naive's at V=151936 (target 15%), but
+    # its step vs the naive head's is unsettled on the loaded CPU (0.80x and 3.41x in two sequential
+    # runs; README, bench_trainer.py)
     head_grad_in_forward: bool = False
     deterministic: bool = False
     # CPU layout: torch threads per trainer rank (None: $OMP_NUM_THREADS, else 1).  One rank on a

@@ -8,10 +8,14 @@ Per token tile (whole vocabulary rows, z = hidden @ weight.T / temperature):
       -> grad_hidden[tile] = dz @ weight,  grad_weight += dz.T @ hidden[tile]
 
 Three matmuls per tile and no logits recomputation (the bounded-memory backward of api.py needs a
-fourth); the price is one [tile, V] row block (two with the entropy) instead of [tile_t, tile_v].
+fourth); the price is one [tile, V] row block instead of [tile_t, tile_v].  The entropy needs z
+after exp(z - max) (for S) and after p (for its gradient): those pass through a small [rows, V]
+scratch block in row groups, and the logits block is turned into dz in place.
 ``coef`` is the loss side's plan (arl/ops/policy_loss/local_grad.py: ``cuts(max_rows)`` gives tile
-bounds that keep every dependency segment in one tile, ``grad(i0, i1, logp)`` the coefficients);
-any object with those two methods works (``ConstantGrad`` for benches and tests).
+bounds that keep every dependency segment in one tile, ``grad(i0, i1, logp)`` the coefficients,
+optionally ``entropy_grad``: False when ``grad`` never returns an entropy coefficient, which lets
+the entropy path turn z into p during the statistics pass instead of recomputing exp); any object
+with those methods works (``ConstantGrad`` for benches and tests).
 
 The backward returns the stored gradients after checking that the loss's actual incoming
 gradients equal the ones used (a one-line error otherwise: the plan and the loss disagree, which
@@ -36,6 +40,10 @@ class ConstantGrad:
     def __init__(self, g: torch.Tensor, ge: Optional[torch.Tensor] = None):
         self.g, self.ge = g, ge
 
+    @property
+    def entropy_grad(self) -> bool:
+        return self.ge is not None
+
     def cuts(self, max_rows: int):
         n = self.g.numel()
         return list(range(0, n, max_rows)) + [n]
@@ -44,13 +52,20 @@ class ConstantGrad:
         return self.g[i0:i1].to(logp.dtype), (None if self.ge is None else self.ge[i0:i1].to(logp.dtype))
 
 
-def default_tile_rows(T: int, V: int, device_type: str = "cpu") -> int:
-    """Rows of one [rows, V] logit block: about T/8 (two blocks live stay well under the [T, V]
-    logits the naive head holds several of), at least 32M elements' worth (128 MiB fp32: the
-    grad_weight update reduces over the rows, and short reductions are memory-bound)."""
+# the entropy path's row groups per tile: its scratch block is a quarter of the tile, and each group
+# costs a few ops (on a loaded CPU every op pays a thread sync of ~ms: 1-row groups were 7x slower)
+_GROUPS = 4
+
+
+def default_tile_rows(T: int, V: int, device_type: str = "cpu", with_entropy: bool = False) -> int:
+    """Rows of the one [rows, V] logit block: about T/8 (well under the [T, V] logits the naive
+    head holds several of), at least 32M elements' worth (128 MiB fp32: the grad_weight update
+    reduces over the rows, and short reductions are memory-bound).  With the entropy that budget
+    holds the block and its [rows / _GROUPS, V] scratch together."""
+    share = _GROUPS / (_GROUPS + 1) if with_entropy else 1.0
     if device_type == "cuda":  # as api._default_tiles: an fp32 row block of at most 24M elements
-        return max(1, min(T, max(64, (24 << 20) // V // 64 * 64)))
-    return max(1, min(T, max((32 << 20) // V, -(-T // 8))))
+        return max(1, min(T, max(64, int((24 << 20) * share) // V // 64 * 64)))
+    return max(1, min(T, int(max((32 << 20) // V, -(-T // 8)) * share)))
 
 
 def _check(name: str, got: Optional[torch.Tensor], want: torch.Tensor) -> None:
@@ -64,9 +79,40 @@ def _check(name: str, got: Optional[torch.Tensor], want: torch.Tensor) -> None:
                            f"the loss config has no local gradient the plan knows (turn trainer.head_grad_in_forward off)")
 
 
+def _entropy_stats(z: torch.Tensor, buf: torch.Tensor, keep_z: bool):
+    """(lse, S = sum_v p z) of each row of z, in row groups through the scratch ``buf`` [r, V]
+    (exp(z - max) needs a block of its own while z is still needed for S).  z is left as it is
+    when ``keep_z`` (the entropy gradient reads it), else turned into p in place."""
+    n, r = z.shape[0], buf.shape[0]
+    m = z.amax(1)
+    s = torch.empty(n, dtype=z.dtype, device=z.device)
+    u = torch.empty(n, dtype=z.dtype, device=z.device)  # sum_v exp(z - m) z
+    for r0 in range(0, n, r):
+        zr = z[r0:r0 + r]
+        k = zr.shape[0]
+        ex = torch.sub(zr, m[r0:r0 + k, None], out=buf[:k]).exp_()
+        torch.sum(ex, 1, out=s[r0:r0 + k])
+        torch.bmm(ex.unsqueeze(1), zr.unsqueeze(2), out=u[r0:r0 + k].view(k, 1, 1))  # row dots, no temporary
+        if not keep_z:
+            torch.div(ex, s[r0:r0 + k, None], out=zr)
+    return m + torch.log(s), u / s
+
+
+def _entropy_dz(z: torch.Tensor, buf: torch.Tensor, lse, S, e, g) -> torch.Tensor:
+    """z -> p (e (S - z) - g) in place, p = exp(z - lse) in row groups through ``buf``."""
+    r, ne = buf.shape[0], -e
+    for r0 in range(0, z.shape[0], r):
+        zr = z[r0:r0 + r]
+        k = zr.shape[0]
+        p = torch.sub(zr, lse[r0:r0 + k, None], out=buf[:k]).exp_()
+        # (z - S) (-e) is e (S - z) bit for bit (negation is exact), one pass fewer
+        zr.sub_(S[r0:r0 + k, None]).mul_(ne[r0:r0 + k, None]).sub_(g[r0:r0 + k, None]).mul_(p)
+    return z
+
+
 class _GradInForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, with_entropy, coef, cuts):
+    def forward(ctx, hidden, weight, targets, inv_temp, with_entropy, coef, cuts, scratch):
         T, V = hidden.shape[0], weight.shape[0]
         dev, acc = hidden.device, _acc_dtype(hidden.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -80,36 +126,45 @@ class _GradInForward(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=gdt, device=dev) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=gdt, device=dev) if need_w else None
         wg = weight.to(gdt)
+        tile = max(b - a for a, b in zip(cuts[:-1], cuts[1:]))
+        # the entropy path's scratch rows (the one [tile, V] logits block is all else it holds)
+        rows = -(-tile // _GROUPS) if scratch is None else min(tile, scratch)
+        buf = torch.empty(rows, V, dtype=acc, device=dev) if with_entropy else None
+        keep_z = with_entropy and bool(getattr(coef, "entropy_grad", True))  # unknown plans: keep z
         for t0, t1 in zip(cuts[:-1], cuts[1:]):
             h, y = hidden[t0:t1], targets[t0:t1]
             z = _tile_logits(h, weight, inv_temp)  # [n, V], the one logits matmul
             zy = z.gather(1, y[:, None]).squeeze(1)
-            m = z.amax(1)
-            # softmax by hand: torch.logsumexp allocates two [n, V] temporaries
-            p = torch.sub(z, m[:, None]) if with_entropy else z.sub_(m[:, None])  # z is needed for S only
-            s = p.exp_().sum(1)
-            lse = m + torch.log(s)
-            p.div_(s[:, None])
+            if with_entropy:
+                lse, S = _entropy_stats(z, buf, keep_z)  # z: kept, or p
+                ent[t0:t1] = lse - S
+            else:  # softmax by hand, in place: torch.logsumexp allocates two [n, V] temporaries
+                m = z.amax(1)
+                s = z.sub_(m[:, None]).exp_().sum(1)
+                lse = m + torch.log(s)
+                p = z.div_(s[:, None])
             lp = zy - lse
             logp[t0:t1] = lp
             g, e = coef.grad(t0, t1, lp)
             g = g.to(acc)
             g_all[t0:t1] = g
-            if with_entropy:
-                S = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)  # sum_v p z, no [n, V] temporary
-                ent[t0:t1] = lse - S
-            if e is not None and with_entropy:
+            if e is not None and with_entropy and not keep_z:
+                raise RuntimeError("grad_in_forward head: the plan returned an entropy gradient but its "
+                                   "entropy_grad said it has none")
+            if not with_entropy:
+                dz = p.mul_(-g[:, None])
+            elif e is None:  # the entropy's value only
+                dz = (z if not keep_z else z.sub_(lse[:, None]).exp_()).mul_(-g[:, None])
+            else:
                 e = e.to(acc)
                 if e_all is None:
                     e_all = torch.zeros(T, dtype=acc, device=dev)
                 e_all[t0:t1] = e
-                dz = z.neg_().add_(S[:, None]).mul_(e[:, None]).sub_(g[:, None]).mul_(p)  # p (e (S - z) - g)
-            else:
-                dz = p.mul_(-g[:, None])
+                dz = _entropy_dz(z, buf, lse, S, e, g)  # p (e (S - z) - g)
             dz[torch.arange(t1 - t0, device=dev), y] += g
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
-            z = p = None  # dz may be either block: only dz stays
+            z = p = None  # dz is the same block: nothing else of this tile stays
             if lowp:
                 dz = dz.to(gdt)
             if need_h:
@@ -129,25 +184,29 @@ class _GradInForward(torch.autograd.Function):
             _check("entropy", g_ent, e_all if e_all is not None else torch.zeros_like(g_all))
         gh, gw = ctx.grads
         ctx.grads = ctx.planned = None  # one backward: free the stored gradients with it
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def grad_in_forward_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, coef,
-                             temperature: float = 1.0, with_entropy: bool = False, tile_rows: Optional[int] = None):
+                             temperature: float = 1.0, with_entropy: bool = False, tile_rows: Optional[int] = None,
+                             scratch_rows: Optional[int] = None):
     """logp [T] (and entropy [T] when ``with_entropy``) as ``fused_logprobs`` gives them, differentiable
     w.r.t. hidden and weight for a loss whose gradient ``coef`` plans (module docstring).  None when
     ``coef`` cannot tile these rows within ``tile_rows`` (a dependency segment is longer): the caller
-    takes the ordinary path.  Under no_grad this is a plain forward that also computes the gradients:
-    use the ordinary path there."""
+    takes the ordinary path.  ``scratch_rows``: rows of the entropy path's scratch block (default: a
+    ``_GROUPS``-th of the longest tile).  Under no_grad this is a plain forward that also computes
+    the gradients: use the ordinary path there."""
     _validate(hidden, weight, targets, temperature)
     T, V = hidden.shape[0], weight.shape[0]
-    rows = int(tile_rows or default_tile_rows(T, V, hidden.device.type))
+    rows = int(tile_rows or default_tile_rows(T, V, hidden.device.type, bool(with_entropy)))
     if rows < 1:
         raise ValueError(f"tile_rows: must be >= 1, got {rows}")
+    if scratch_rows is not None and int(scratch_rows) < 1:
+        raise ValueError(f"scratch_rows: must be >= 1, got {scratch_rows}")
     if T == 0:
         return None
     cuts = coef.cuts(rows)
     if cuts is None:
         return None
     return _GradInForward.apply(hidden, weight, targets.long(), 1.0 / float(temperature), bool(with_entropy), coef,
-                                cuts)
+                                cuts, None if scratch_rows is None else int(scratch_rows))

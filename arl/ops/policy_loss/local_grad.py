@@ -56,6 +56,11 @@ class LogpGrad:
     applied: bool = False  # set by the head that used it (arl/model/packed.py)
 
     @property
+    def entropy_grad(self) -> bool:
+        """Whether ``grad`` returns a d loss / d entropy (an entropy bonus is configured and passed)."""
+        return self.ent_c is not None
+
+    @property
     def dependency(self) -> str:
         return "token" if self.dep_seg is None else "segment"
 
