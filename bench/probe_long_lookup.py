@@ -1,18 +1,20 @@
 """Where a ``long_lookup`` policy fails: greedy held-out success on the whole task family and on
 fork-free chains, and what its call is right after a fork (the ``go`` key, the ``no`` key, or
-anything else, malformed calls included).
+anything else, malformed calls included), and how its sampling policy splits between the two keys
+of a fork on the expert's path (``fork_sampling``).
 
     python bench/probe_long_lookup.py runs/cal/lh_sft/snapshots/sft500 --tasks 32
     python bench/probe_long_lookup.py MODEL_DIR --quick
 
 It runs the config's engine and episode code (``arl.rollout``) on the HF model in MODEL_DIR; the
-last stdout line is one JSON object: per family ``success`` and ``after_fork`` counts.
+last stdout line is one JSON object: per family ``success`` and ``after_fork`` counts, and ``fork_sampling``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -79,6 +81,54 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     return out
 
 
+async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
+    """The sampling policy at forks: on the expert's path through ``n`` held-out tasks, the chance
+    (at the rollout temperature, between the two keys) that the model's call takes the go key, and
+    the first-listed key.  A start that never samples one of the two cannot learn from comparing them."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from arl.config import load_config
+    from arl.data.tasks import EVAL_SEED_BASE
+    from arl.env.long_lookup import GO, NO, LongLookupEnv
+    from arl.env.toolcall import format_tool_call
+    from arl.rollout.engine import Sample
+    from arl.rollout.episode import ChatFormat, Episode, EpisodeConfig
+
+    cfg = load_config(config, [f"model.name_or_path={model}", *overrides])
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(model))
+    lm = AutoModelForCausalLM.from_pretrained(model).eval()
+    temp = cfg.rollout.temperature
+
+    def logp(ctx: list, cont: list) -> float:
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            lp = torch.log_softmax(lm(ids).logits[0, :-1].float() / temp, -1)
+        return float(lp[len(ctx) - 1:].gather(1, ids[0, len(ctx):, None]).sum())
+
+    p_go, p_first = [], []
+    for i in range(n):
+        env = LongLookupEnv(**cfg.env.kwargs, max_turns=cfg.env.max_turns)
+        ep = Episode(env, fmt, EpisodeConfig(max_turns=cfg.env.max_turns,
+                                             max_total_tokens=cfg.rollout.max_total_tokens), EVAL_SEED_BASE + i)
+        await ep.start()
+        for k, text in enumerate(env.expert_turns()[:-1]):
+            ids = fmt.encode(text)
+            await ep.apply(Sample(ids, [0.0] * len(ids), text, "stop"))
+            if k in env.forks:
+                words = env.table[env.chain[k]].split()
+                a, b = (logp(ep.tokens, fmt.encode(format_tool_call("lookup", {"key": words[words.index(w) + 1]})))
+                        for w in (GO, NO))
+                p = 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
+                p_go.append(p)
+                p_first.append(p if words[0] == GO else 1.0 - p)
+    return {"forks": len(p_go), "temperature": temp, "p_go_mean": statistics.mean(p_go),
+            "p_first_listed_mean": statistics.mean(p_first),
+            "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="HF model directory with its tokenizer (a snapshot or a run's hf/)")
@@ -93,7 +143,10 @@ def main(argv=None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"probe_long_lookup: error: {args.model} is no HF model directory (no config.json)", file=sys.stderr)
         return 2
-    print(json.dumps(asyncio.run(probe(args.config, args.model, 4 if args.quick else args.tasks, tuple(args.overrides)))))
+    n = 4 if args.quick else args.tasks
+    out = asyncio.run(probe(args.config, args.model, n, tuple(args.overrides)))
+    out["fork_sampling"] = asyncio.run(fork_probs(args.config, args.model, n, tuple(args.overrides)))
+    print(json.dumps(out))
     return 0
 
 
