@@ -43,7 +43,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     out = {}
     try:
         for name, kw in FAMILIES.items():
-            after, order, wins, won_after_no = Counter(), Counter(), [], 0
+            after, order, wins, won_after_no = Counter(), Counter(), [], [0]
 
             async def one(i):
                 env = LongLookupEnv(**{**cfg.env.kwargs, **kw}, max_turns=cfg.env.max_turns)
@@ -70,12 +70,11 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
                 env.step = recorded
                 t = await run_episode(engine, env, fmt, EVAL_SEED_BASE + i, episode_config(cfg, greedy=True))
                 wins.append(t.reward > 0)
-                nonlocal_won[0] += bool(t.reward > 0 and took_no[0])
+                won_after_no[0] += bool(t.reward > 0 and took_no[0])
 
-            nonlocal_won = [0]
             await asyncio.gather(*(one(i) for i in range(n)))
             out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after),
-                         "after_fork_by_order": dict(order), "won_after_a_no": nonlocal_won[0]}
+                         "after_fork_by_order": dict(order), "won_after_a_no": won_after_no[0]}
     finally:
         await engine.close()
     return out
