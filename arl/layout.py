@@ -5,7 +5,9 @@ Trainer memory per rank follows the usual mixed-precision AdamW accounting (byte
 stage 0: 16P; 1: 4P + 12P/dp; 2: 2P + 14P/dp; 3: 16P/dp.  Activations of a packed micro-batch
 of T tokens: ~34·T·H bytes per layer without checkpointing (flash/varlen attention, no T² term),
 2·T·H per layer plus one full layer with it.  The fused lm_head→logprob op never materializes
-[T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison).  The
+[T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison); its
+grad-in-forward head (``trainer.head_grad_in_forward``) holds one [rows, V] block of about T/8
+rows (at least 32M elements on CPU, at most 24M on a GPU) and a quarter of it as scratch.  The
 critic (``critic.enabled``) is a value head on the trunk: (H + 1) parameters at the same per-parameter
 cost, and three floats per chunk start of a micro-batch (values, returns, advantages).
 
@@ -25,6 +27,15 @@ from .model.resolve import resolve_model
 from .rollout.colocate import schedule_name
 
 GiB = 1024 ** 3
+
+
+def _head_block_rows(T: int, V: int, device: str) -> int:
+    """Rows of the grad-in-forward head's logit block and its entropy scratch (the trainer reads the
+    entropy), as arl/ops/logprob/grad_in_forward.py sizes them."""
+    from .ops.logprob.grad_in_forward import _GROUPS, default_tile_rows
+
+    rows = default_tile_rows(T, V, "cuda" if device == "cuda" else "cpu", with_entropy=True)
+    return rows + -(-rows // _GROUPS)
 
 
 def arch_of(cfg: TrainConfig) -> ArchConfig:
@@ -140,6 +151,10 @@ def plan(cfg: TrainConfig) -> Plan:
         "reference model": (wbytes * P / (dp if stage == 3 else 1)) if cfg.trainer.reference_model else 0,
         "activations (micro-batch)": act * wbytes / 2,
         "logits (fused op)": 3 * 4 * T,
+        # grad in forward: one [rows, V] fp32 logit block (+ the entropy's scratch) per micro-batch
+        "logits (grad-in-fwd head)": (
+            _head_block_rows(T, a.vocab_size, lay.device) * a.vocab_size * 4
+            if cfg.trainer.head_grad_in_forward else 0),
         "logits if naive (not used)": 8 * T * a.vocab_size,
     }
     if cfg.critic.enabled:  # a linear head on the trunk (arl/trainer/critic.py): H + 1 parameters, no second model

@@ -24,7 +24,7 @@ Variants, each over the same micro-batches (tokens/s counts the batch's real tok
   backward and optimizer step.
 * ``arl_with_old_pass``: ``old_logprobs`` (a no-grad forward over every micro-batch) + ``rl_step``:
   the step as it ran before the skip, and as it still runs with several updates or dropout.
-* ``arl_recompute_head``: ``arl`` with ``head_grad_in_forward=False`` (the trainer's default): the
+* ``arl_recompute_head``: ``arl`` with ``head_grad_in_forward=False`` (the trainer's other head): the
   bounded-memory fused head whose backward recomputes the logits (4 lm_head matmuls instead of 3).
 * ``arl_naive_head``: ``arl`` with the logprob head's ``naive`` backend ([T, V] logits).
 * ``naive``: a naive HF-style step: each micro-batch's sequences padded to its longest, a no-grad

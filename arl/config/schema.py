@@ -145,12 +145,11 @@ class TrainerConfig(Section):
     optim: OptimConfig = OptimConfig()
     reference_model: bool = False  # frozen copy for KL (needed when loss.kl_beta > 0)
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = "auto"  # policy-loss backend
-    # with the old-logp pass skipped, the logprob head can compute its gradients in its forward (3
-    # matmuls, no logits recomputation) wherever the loss's gradient is local.  Off by default: with
-    # the entropy the step reads its extra peak is now 14.3% of naive's at V=151936 (target 15%), but
-    # its step vs the naive head's is unsettled on the loaded CPU (0.80x and 3.41x in two sequential
-    # runs; README, bench_trainer.py)
-    head_grad_in_forward: bool = False
+    # with the old-logp pass skipped, the logprob head computes its gradients in its forward (3
+    # matmuls, no logits recomputation) wherever the loss's gradient is local (not IPA's mixed loss):
+    # at V=151936 its extra peak with the entropy is 14.3% of naive's and its step 0.85x the naive
+    # head's (the recompute head: 1.05x; quiet CPU, README).  false: the bounded-memory recompute head
+    head_grad_in_forward: bool = True
     deterministic: bool = False
     # CPU layout: torch threads per trainer rank (None: $OMP_NUM_THREADS, else 1).  One rank on a
     # small machine trains faster with more; vLLM's engine shares the same cores

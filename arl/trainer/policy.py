@@ -85,7 +85,7 @@ class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto",
-                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = False):
+                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
