@@ -43,7 +43,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     out = {}
     try:
         for name, kw in FAMILIES.items():
-            after, order, wins, won_after_no = Counter(), Counter(), [], [0]
+            after, order, letter, wins, won_after_no = Counter(), Counter(), Counter(), [], [0]
 
             async def one(i):
                 env = LongLookupEnv(**{**cfg.env.kwargs, **kw}, max_turns=cfg.env.max_turns)
@@ -63,6 +63,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
                         took_no[0] |= what == "no"
                         # did it follow go, and was go listed first: a positional habit shows here
                         order[f"{what}|go_{'first' if words[0] == GO else 'second'}"] += 1
+                        letter[f"{what}|go_{words[words.index(GO) + 1][-1]}"] += 1  # a letter habit shows here
                     res = await step(text)
                     last[0] = res.observation
                     return res
@@ -74,7 +75,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
 
             await asyncio.gather(*(one(i) for i in range(n)))
             out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after),
-                         "after_fork_by_order": dict(order), "won_after_a_no": won_after_no[0]}
+                         "after_fork_by_order": dict(order), "after_fork_by_letter": dict(letter), "won_after_a_no": won_after_no[0]}
     finally:
         await engine.close()
     return out
@@ -107,7 +108,7 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
             lp = torch.log_softmax(lm(ids).logits[0, :-1].float() / temp, -1)
         return float(lp[len(ctx) - 1:].gather(1, ids[0, len(ctx):, None]).sum())
 
-    p_go, p_first = [], []
+    p_go, p_first, p_a = [], [], []
     for i in range(n):
         env = LongLookupEnv(**cfg.env.kwargs, max_turns=cfg.env.max_turns)
         ep = Episode(env, fmt, EpisodeConfig(max_turns=cfg.env.max_turns,
@@ -123,8 +124,9 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
                 p = 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
                 p_go.append(p)
                 p_first.append(p if words[0] == GO else 1.0 - p)
+                p_a.append(p if words[words.index(GO) + 1].endswith("a") else 1.0 - p)
     return {"forks": len(p_go), "temperature": temp, "p_go_mean": statistics.mean(p_go),
-            "p_first_listed_mean": statistics.mean(p_first),
+            "p_first_listed_mean": statistics.mean(p_first), "p_suffix_a_mean": statistics.mean(p_a),
             "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go)}
 
 

@@ -72,7 +72,7 @@ def test_expert_solves_every_task_with_12_to_16_calls_and_3_to_4_forks():
 
 def test_fork_shows_go_and_no_in_either_order():
     env = LongLookupEnv()
-    orders = set()
+    orders, go_letters = set(), set()
     for seed in range(40):
         run(env.reset(seed))
         for i in env.forks:
@@ -80,8 +80,11 @@ def test_fork_shows_go_and_no_in_either_order():
             assert len(obs) == 4 and sorted(obs[::2]) == ["go", "no"]
             right, trap = fork_of(env, i)
             assert right == env.chain[i + 1] and trap not in env.chain
+            # twins: one key, suffixes a and b; the letter alone does not tell the way either
+            assert right[:-1] == trap[:-1] and {right[-1], trap[-1]} == {"a", "b"}
             orders.add(obs[0])
-    assert orders == {"go", "no"}  # position alone does not tell the way
+            go_letters.add(right[-1])
+    assert orders == {"go", "no"} and go_letters == {"a", "b"}  # position alone does not tell the way
 
 
 def test_a_trap_at_the_first_fork_wastes_the_episode():

@@ -2,7 +2,11 @@
 
 A task hides a chain of 12-16 keys ``k17 -> k03 -> ... -> v42``, as ``toy_lookup`` does, so a solution
 is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, the one to
-follow after ``go``, a trap after ``no`` (in random order): ``go k03 no k55`` or ``no k55 go k03``.
+follow after ``go``, a trap after ``no`` (in random order).  The two are twins, one key with the
+suffixes ``a`` and ``b`` (which is ``go`` is drawn per fork): ``go k03a no k03b`` or ``no k03a go k03b``.
+Twins make a fork one token's choice between two fixed letters, which an imitation start can hold
+at even odds and so sample both ways; with two unrelated keys (``go k03 no k55``) the tiny start
+copied the last-listed key with 99.6% at temperature 0.7, and RL never saw the other way.
 The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
 Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
 trap followed to its dead end (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest
@@ -45,6 +49,7 @@ LOOKUP = ToolSpec("lookup", {"key": "string"}, "the next key, a fork, or the val
 PEEK = ToolSpec("peek", {"key": "string"}, "yes if the key exists")
 VALUES = ToolSpec("values", {}, "three values, one of them right")
 NOT_FOUND, DEAD_END = "none", "dead end"
+TWINS = ("a", "b")  # the suffixes of a fork's two ways
 GO, NO = "go", "no"
 
 
@@ -64,9 +69,9 @@ class LongLookupEnv(Environment):
             raise ValueError(f"demo_forks: need 0 <= demo_forks < min_hops ({min_hops}) or null, got {demo_forks}")
         if decoy_hops < 0 or slack < 0:
             raise ValueError(f"decoy_hops/slack: need >= 0, got {decoy_hops}/{slack}")
-        need_keys = max_hops + max(max_forks, demo_forks or 0) * (1 + decoy_hops)
+        need_keys = max_hops + max(max_forks, demo_forks or 0) * decoy_hops
         if num_keys < need_keys:
-            raise ValueError(f"num_keys: need >= {need_keys} (chain + traps + decoys), got {num_keys}")
+            raise ValueError(f"num_keys: need >= {need_keys} (chain + decoys), got {num_keys}")
         self.min_hops, self.max_hops, self.min_forks, self.max_forks = min_hops, max_hops, min_forks, max_forks
         if not isinstance(blind_forks, bool):
             raise ValueError(f"blind_forks: need true or false, got {blind_forks!r}")
@@ -106,22 +111,25 @@ class LongLookupEnv(Environment):
         rng = random.Random(f"long_lookup/task/{seed}")
         hops = rng.randint(self.min_hops, self.max_hops)
         forks = rng.randint(self.min_forks, self.max_forks)
-        keys = [self._key(i) for i in rng.sample(range(self.num_keys), hops + forks * (1 + self.decoy_hops))]
-        chain, rest = keys[:hops], keys[hops:]
+        keys = [self._key(i) for i in rng.sample(range(self.num_keys), hops + forks * self.decoy_hops)]
+        chain, decoys = keys[:hops], keys[hops:]
         self.value = self._val(rng.randrange(self.num_keys))
-        self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
-        # forks on the lookups of chain keys 0..hops-2 (the last one answers the value)
+        # forks on the lookups of chain keys 0..hops-2 (the last one answers the value); the two ways
+        # of a fork are twins, one key with the suffixes a and b, which one is go drawn per fork
         self.forks = sorted(rng.sample(range(hops - 1), forks))
         self._traps = {}
+        for i in self.forks:
+            go, no = rng.sample(TWINS, 2)
+            self._traps[i] = chain[i + 1] + no
+            chain[i + 1] += go
+        self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
         for n, i in enumerate(self.forks):
-            trap, *decoys = rest[n * (1 + self.decoy_hops):(n + 1) * (1 + self.decoy_hops)]
-            right = chain[i + 1]
+            right, trap = chain[i + 1], self._traps[i]
             self.table[chain[i]] = (f"{GO} {right} {NO} {trap}" if rng.random() < 0.5 else
                                     f"{NO} {trap} {GO} {right}")
             if not self.blind_forks:
-                path = [trap] + decoys
+                path = [trap] + decoys[n * self.decoy_hops:(n + 1) * self.decoy_hops]
                 self.table.update(zip(path, path[1:] + [DEAD_END]))
-            self._traps[i] = trap
         if self.blind_forks:  # a trap answers what its go key answers (a next fork included)
             self.table.update({trap: self.table[chain[i + 1]] for i, trap in self._traps.items()})
         others = rng.sample([i for i in range(self.num_keys) if self._val(i) != self.value], 2)
