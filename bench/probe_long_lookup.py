@@ -1,7 +1,8 @@
 """Where a ``long_lookup`` policy fails: greedy held-out success on the whole task family and on
 fork-free chains, and what its call is right after a fork (the ``go`` key, the ``no`` key, or
 anything else, malformed calls included), and how its sampling policy splits between the two keys
-of a fork on the expert's path (``fork_sampling``).
+of a fork on the expert's path (``fork_sampling``), and each failed episode's first wrong turn by
+kind (``first_error``: a copy slip, a repeat, a distractor, a malformed call, ...).
 
     python bench/probe_long_lookup.py runs/cal/lh_sft/snapshots/sft500 --tasks 32
     python bench/probe_long_lookup.py MODEL_DIR --quick
@@ -27,6 +28,37 @@ if str(ROOT) not in sys.path:
 FAMILIES = {"whole": {}, "fork_free": {"min_forks": 0, "max_forks": 0}}
 
 
+def first_error_kind(env, turn, last_obs) -> str:
+    """'' for a turn that goes on along the chain (either way of a fork counts: ``after_fork``
+    tells those apart), else what went wrong: malformed, distractor (peek/values), wrong_answer
+    (wrong or before the value was shown), lookup_after_value, after_dead_end (a trap followed to
+    its end), repeat (a key looked up before), copy (a key the last observation did not show; copy_added_suffix /
+    copy_dropped_suffix: a shown key with a twin's letter added or dropped)."""
+    from arl.env.long_lookup import DEAD_END
+
+    if turn.kind == "error":
+        return "malformed"
+    if last_obs == DEAD_END:
+        return "after_dead_end"
+    shown = [w for w in (last_obs or "").split() if w in env.table or w == env.value] if last_obs else [env.chain[0]]
+    if turn.kind == "answer":
+        return "" if turn.answer == env.value and env.value in shown else "wrong_answer"
+    if turn.tool != "lookup":
+        return "distractor"
+    if env.value in shown:
+        return "lookup_after_value"
+    key = turn.arguments.get("key")
+    if key in shown:
+        return ""
+    if key in env._looked_up:
+        return "repeat"
+    if isinstance(key, str) and key[:-1] in shown:
+        return "copy_added_suffix"  # a twin's letter on a plain key
+    if isinstance(key, str) and any(w[:-1] == key for w in shown):
+        return "copy_dropped_suffix"
+    return "copy"
+
+
 async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     from transformers import AutoTokenizer
 
@@ -43,16 +75,21 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     out = {}
     try:
         for name, kw in FAMILIES.items():
-            after, order, letter, wins, won_after_no = Counter(), Counter(), Counter(), [], [0]
+            after, order, letter, first_err, wins, won_after_no = Counter(), Counter(), Counter(), Counter(), [], [0]
 
             async def one(i):
                 env = LongLookupEnv(**{**cfg.env.kwargs, **kw}, max_turns=cfg.env.max_turns)
                 step, last = env.step, [None]
 
-                took_no = [False]
+                took_no, errored = [False], [False]
 
                 async def recorded(text):
                     words = last[0].split() if isinstance(last[0], str) else []
+                    if not errored[0]:  # the episode's first wrong turn, by kind
+                        kind = first_error_kind(env, parse_turn(text, env.tool_specs), last[0])
+                        if kind:
+                            errored[0] = True
+                            first_err[kind] += 1
                     if GO in words:  # this turn answers a fork
                         t = parse_turn(text, env.tool_specs)
                         key = t.arguments.get("key") if t.kind == "tool" else None
@@ -75,7 +112,8 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
 
             await asyncio.gather(*(one(i) for i in range(n)))
             out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after),
-                         "after_fork_by_order": dict(order), "after_fork_by_letter": dict(letter), "won_after_a_no": won_after_no[0]}
+                         "after_fork_by_order": dict(order), "after_fork_by_letter": dict(letter), "won_after_a_no": won_after_no[0],
+                         "first_error": dict(first_err)}
     finally:
         await engine.close()
     return out
