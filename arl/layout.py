@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .config import ArchConfig, TrainConfig
 from .model.resolve import resolve_model
+from .ops.logprob.grad_in_forward import _GROUPS, default_tile_rows
 from .rollout.colocate import schedule_name
 
 GiB = 1024 ** 3
@@ -32,8 +33,6 @@ GiB = 1024 ** 3
 def _head_block_rows(T: int, V: int, device: str) -> int:
     """Rows of the grad-in-forward head's logit block and its entropy scratch (the trainer reads the
     entropy), as arl/ops/logprob/grad_in_forward.py sizes them."""
-    from .ops.logprob.grad_in_forward import _GROUPS, default_tile_rows
-
     rows = default_tile_rows(T, V, "cuda" if device == "cuda" else "cpu", with_entropy=True)
     return rows + -(-rows // _GROUPS)
 
