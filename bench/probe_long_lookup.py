@@ -6,6 +6,7 @@ kind (``first_error``: a copy slip, a repeat, a distractor, a malformed call, ..
 
     python bench/probe_long_lookup.py runs/cal/lh_sft/snapshots/sft500 --tasks 32
     python bench/probe_long_lookup.py MODEL_DIR --quick
+    python bench/probe_long_lookup.py MODEL_DIR --tasks 12 --sighted-sft 200   # is the rule learnable?
 
 It runs the config's engine and episode code (``arl.rollout``) on the HF model in MODEL_DIR; the
 last stdout line is one JSON object: per family ``success`` and ``after_fork`` counts, and ``fork_sampling``.
@@ -168,13 +169,65 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
             "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go)}
 
 
+def sighted_sft(config: str, model: str, steps: int, lr: float, n: int, every: int = 50,
+                overrides: tuple = ()) -> list:
+    """Can the model learn the fork rule at all?  SFT of a copy of MODEL on the *sighted* expert's
+    demonstrations (the run's own tasks: every fork follows ``go``; 16 per step, AdamW, seeds from
+    3,000,000) in this process, with ``fork_sampling`` on ``n`` held-out tasks every ``every``
+    steps.  If full supervision cannot move P(go) off 0.5, outcome reward cannot either."""
+    import random
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from arl.config import load_config
+    from arl.rollout.episode import ChatFormat
+    from arl.rollout.expert import expert_demos, expert_env_kwargs
+
+    cfg = load_config(config, [f"model.name_or_path={model}", *overrides])
+    tok = AutoTokenizer.from_pretrained(model)
+    demos = expert_demos(cfg, ChatFormat(tok), 512, seed_base=3_000_000,
+                         env_kwargs=expert_env_kwargs(cfg, keep_task_definition=True))
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(model).train()
+    opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.0)
+    rng, curve = random.Random(0), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in range(1, steps + 1):
+            batch = rng.sample(demos, min(16, len(demos)))
+            ids = torch.zeros(len(batch), max(len(t) for t in batch), dtype=torch.long)
+            labels = torch.full_like(ids, -100)
+            for b, t in enumerate(batch):
+                x = torch.as_tensor(t.tokens).long()
+                ids[b, :len(t)] = x
+                labels[b, :len(t)] = torch.where(torch.as_tensor(t.chunk_ids >= 0), x, -100)
+            loss = lm(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+            opt.step()
+            if step % every == 0 or step == steps:
+                lm.save_pretrained(tmp)
+                tok.save_pretrained(tmp)
+                fs = asyncio.run(fork_probs(config, tmp, n, overrides))
+                curve.append({"step": step, "nll_per_token": round(float(loss), 5), "p_go_mean": fs["p_go_mean"],
+                              "p_first_listed_mean": fs["p_first_listed_mean"]})
+                print(f"sighted SFT step {step}: nll/token {float(loss):.4f}  P(go) {fs['p_go_mean']:.3f}",
+                      file=sys.stderr, flush=True)
+    return curve
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="HF model directory with its tokenizer (a snapshot or a run's hf/)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. env.kwargs.slack=0")
     ap.add_argument("--config", default=str(ROOT / "configs" / "long_horizon_cpu.yaml"))
     ap.add_argument("--tasks", type=int, default=32, help="held-out tasks per family")
-    ap.add_argument("--quick", action="store_true", help="4 tasks per family")
+    ap.add_argument("--quick", action="store_true", help="4 tasks per family (and 2 sighted SFT steps)")
+    ap.add_argument("--sighted-sft", type=int, default=0, metavar="STEPS",
+                    help="also: SFT a copy on the sighted expert for STEPS steps, P(go) every 50 (learnability)")
+    ap.add_argument("--sighted-lr", type=float, default=1e-3)
     args = ap.parse_args(argv)
     for k, v in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1"),
                  ("VLLM_LOGGING_LEVEL", "WARNING")):
@@ -185,6 +238,10 @@ def main(argv=None) -> int:
     n = 4 if args.quick else args.tasks
     out = asyncio.run(probe(args.config, args.model, n, tuple(args.overrides)))
     out["fork_sampling"] = asyncio.run(fork_probs(args.config, args.model, n, tuple(args.overrides)))
+    if args.sighted_sft:
+        steps = min(args.sighted_sft, 2) if args.quick else args.sighted_sft
+        out["sighted_sft"] = sighted_sft(args.config, args.model, steps, args.sighted_lr, min(n, 12),
+                                         overrides=tuple(args.overrides))
     print(json.dumps(out))
     return 0
 

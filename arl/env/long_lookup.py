@@ -2,11 +2,15 @@
 
 A task hides a chain of 12-16 keys ``k17 -> k03 -> ... -> v42``, as ``toy_lookup`` does, so a solution
 is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, the one to
-follow after ``go``, a trap after ``no`` (in random order).  The two are twins, one key with the
-suffixes ``a`` and ``b`` (which is ``go`` is drawn per fork): ``go k03a no k03b`` or ``no k03a go k03b``.
-Twins make a fork one token's choice between two fixed letters, which an imitation start can hold
-at even odds and so sample both ways; with two unrelated keys (``go k03 no k55``) the tiny start
-copied the last-listed key with 99.6% at temperature 0.7, and RL never saw the other way.
+follow after ``go``, a trap after ``no`` (in random order).  The two are twins, one key with two
+different suffix letters drawn per fork from ``a``-``h``: ``go k03c no k03f`` or ``no k03f go k03c``.
+Twins make a fork's choice one letter, copied from one of two places that follow the same digits:
+an imitation start copies either at even odds (so it samples both ways), and because the letters
+change from fork to fork it has to copy them, by attention, which is the circuit that can learn to
+prefer the one after ``go``.  (With two unrelated keys, ``go k03 no k55``, the tiny start copied the
+last-listed key with 99.6% at temperature 0.7 and RL never saw the other way; with the fixed
+letters ``a``/``b`` it drew the letter from an unconditional coin, and even sighted SFT could not
+teach it the rule: docs/design.md 1.8.)
 The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
 Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
 trap followed to its dead end (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest
@@ -49,7 +53,7 @@ LOOKUP = ToolSpec("lookup", {"key": "string"}, "the next key, a fork, or the val
 PEEK = ToolSpec("peek", {"key": "string"}, "yes if the key exists")
 VALUES = ToolSpec("values", {}, "three values, one of them right")
 NOT_FOUND, DEAD_END = "none", "dead end"
-TWINS = ("a", "b")  # the suffixes of a fork's two ways
+TWINS = "abcdefgh"  # a fork's two ways take two of these suffixes, drawn per fork
 GO, NO = "go", "no"
 
 

@@ -8,7 +8,7 @@ no expert prefix and starts fresh).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 from ..config import TrainConfig
 from ..data.expert import expert_trajectory, start_state
@@ -29,10 +29,13 @@ def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool) -> dict:
     return {k: v for k, v in env_kwargs(cfg.env).items() if k not in FAULT_KEYS or k in keep}
 
 
-def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000) -> list:
+def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000,
+                 env_kwargs: Optional[dict] = None) -> list:
     """Up to ``n`` successful expert demonstrations (tasks from ``seed_base`` on), rendered exactly as
-    the rollout renders a model's turns: the SFT warm start's data."""
-    kwargs = env_class(cfg.env.name).demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
+    the rollout renders a model's turns: the SFT warm start's data.  ``env_kwargs``: the env's
+    arguments instead of the demonstrator's (``demo_kwargs``), e.g. the run's own tasks."""
+    kwargs = (env_class(cfg.env.name).demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
+              if env_kwargs is None else env_kwargs)
     env = make_env(cfg.env.name, **kwargs)
     ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
 
