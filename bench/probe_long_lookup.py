@@ -86,13 +86,13 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
 
                 async def recorded(text):
                     words = last[0].split() if isinstance(last[0], str) else []
+                    t = parse_turn(text, env.tool_specs)
                     if not errored[0]:  # the episode's first wrong turn, by kind
-                        kind = first_error_kind(env, parse_turn(text, env.tool_specs), last[0])
+                        kind = first_error_kind(env, t, last[0])
                         if kind:
                             errored[0] = True
                             first_err[kind] += 1
                     if GO in words:  # this turn answers a fork
-                        t = parse_turn(text, env.tool_specs)
                         key = t.arguments.get("key") if t.kind == "tool" else None
                         what = ("go" if key == words[words.index(GO) + 1] else
                                 "no" if key == words[words.index(NO) + 1] else
@@ -147,7 +147,7 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
             lp = torch.log_softmax(lm(ids).logits[0, :-1].float() / temp, -1)
         return float(lp[len(ctx) - 1:].gather(1, ids[0, len(ctx):, None]).sum())
 
-    p_go, p_first, p_a = [], [], []
+    p_go, p_first = [], []
     for i in range(n):
         env = LongLookupEnv(**cfg.env.kwargs, max_turns=cfg.env.max_turns)
         ep = Episode(env, fmt, EpisodeConfig(max_turns=cfg.env.max_turns,
@@ -163,9 +163,8 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
                 p = 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
                 p_go.append(p)
                 p_first.append(p if words[0] == GO else 1.0 - p)
-                p_a.append(p if words[words.index(GO) + 1].endswith("a") else 1.0 - p)
     return {"forks": len(p_go), "temperature": temp, "p_go_mean": statistics.mean(p_go),
-            "p_first_listed_mean": statistics.mean(p_first), "p_suffix_a_mean": statistics.mean(p_a),
+            "p_first_listed_mean": statistics.mean(p_first),
             "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go)}
 
 

@@ -80,7 +80,7 @@ def test_fork_shows_go_and_no_in_either_order():
             assert len(obs) == 4 and sorted(obs[::2]) == ["go", "no"]
             right, trap = fork_of(env, i)
             assert right == env.chain[i + 1] and trap not in env.chain
-            # twins: one key, suffixes a and b; the letter alone does not tell the way either
+            # twins: one key, two different letters; the letter alone does not tell the way either
             assert right[:-1] == trap[:-1] and right[-1] != trap[-1] and {right[-1], trap[-1]} <= set("abcdefgh")
             orders.add(obs[0])
             go_letters.add(right[-1])

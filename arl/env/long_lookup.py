@@ -119,7 +119,7 @@ class LongLookupEnv(Environment):
         chain, decoys = keys[:hops], keys[hops:]
         self.value = self._val(rng.randrange(self.num_keys))
         # forks on the lookups of chain keys 0..hops-2 (the last one answers the value); the two ways
-        # of a fork are twins, one key with the suffixes a and b, which one is go drawn per fork
+        # of a fork are twins, one key with two letters of TWINS, both drawn per fork
         self.forks = sorted(rng.sample(range(hops - 1), forks))
         self._traps = {}
         for i in self.forks:
