@@ -65,7 +65,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
 
     from arl.config import load_config
     from arl.data.tasks import EVAL_SEED_BASE
-    from arl.env.long_lookup import GO, NO, LongLookupEnv
+    from arl.env.long_lookup import LongLookupEnv, fork_ways
     from arl.env.toolcall import parse_turn
     from arl.rollout.episode import ChatFormat, run_episode
     from arl.rollout.worker import episode_config, run_engine
@@ -85,23 +85,23 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
                 took_no, errored = [False], [False]
 
                 async def recorded(text):
-                    words = last[0].split() if isinstance(last[0], str) else []
                     t = parse_turn(text, env.tool_specs)
                     if not errored[0]:  # the episode's first wrong turn, by kind
                         kind = first_error_kind(env, t, last[0])
                         if kind:
                             errored[0] = True
                             first_err[kind] += 1
-                    if GO in words:  # this turn answers a fork
+                    ways = fork_ways(last[0])
+                    if ways:  # this turn answers a fork
+                        go_key, no_key, go_first = ways
                         key = t.arguments.get("key") if t.kind == "tool" else None
-                        what = ("go" if key == words[words.index(GO) + 1] else
-                                "no" if key == words[words.index(NO) + 1] else
+                        what = ("go" if key == go_key else "no" if key == no_key else
                                 "malformed" if t.kind == "error" else "other")
                         after[what] += 1
                         took_no[0] |= what == "no"
                         # did it follow go, and was go listed first: a positional habit shows here
-                        order[f"{what}|go_{'first' if words[0] == GO else 'second'}"] += 1
-                        letter[f"{what}|go_{words[words.index(GO) + 1][-1]}"] += 1  # a letter habit shows here
+                        order[f"{what}|go_{'first' if go_first else 'second'}"] += 1
+                        letter[f"{what}|go_{go_key[-1]}"] += 1  # a letter habit shows here
                     res = await step(text)
                     last[0] = res.observation
                     return res
@@ -131,7 +131,7 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
 
     from arl.config import load_config
     from arl.data.tasks import EVAL_SEED_BASE
-    from arl.env.long_lookup import GO, NO, LongLookupEnv
+    from arl.env.long_lookup import LongLookupEnv, fork_ways
     from arl.env.toolcall import format_tool_call
     from arl.rollout.engine import Sample
     from arl.rollout.episode import ChatFormat, Episode, EpisodeConfig
@@ -157,12 +157,11 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
             ids = fmt.encode(text)
             await ep.apply(Sample(ids, [0.0] * len(ids), text, "stop"))
             if k in env.forks:
-                words = env.table[env.chain[k]].split()
-                a, b = (logp(ep.tokens, fmt.encode(format_tool_call("lookup", {"key": words[words.index(w) + 1]})))
-                        for w in (GO, NO))
+                go_key, no_key, go_first = fork_ways(env.table[env.chain[k]])
+                a, b = (logp(ep.tokens, fmt.encode(format_tool_call("lookup", {"key": w}))) for w in (go_key, no_key))
                 p = 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
                 p_go.append(p)
-                p_first.append(p if words[0] == GO else 1.0 - p)
+                p_first.append(p if go_first else 1.0 - p)
     return {"forks": len(p_go), "temperature": temp, "p_go_mean": statistics.mean(p_go),
             "p_first_listed_mean": statistics.mean(p_first),
             "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go)}

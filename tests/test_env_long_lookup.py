@@ -9,7 +9,7 @@ from arl.config import load_config
 from arl.data.tasks import EVAL_SEED_BASE
 from arl.env import env_class, make_env
 from arl.env.expert import expert_transcript
-from arl.env.long_lookup import DEAD_END, LongLookupEnv
+from arl.env.long_lookup import DEAD_END, LongLookupEnv, fork_ways
 from arl.env.toolcall import format_answer, format_tool_call
 from arl.rollout.expert import expert_env_kwargs
 
@@ -35,8 +35,8 @@ async def play(env, seed, turns):
 
 def fork_of(env, i):
     """(right, trap) keys of the fork on chain key ``i``'s lookup."""
-    words = env.table[env.chain[i]].split()
-    return words[words.index("go") + 1], words[words.index("no") + 1]
+    go_key, no_key, _ = fork_ways(env.table[env.chain[i]])
+    return go_key, no_key
 
 
 def test_registered_and_deterministic_with_disjoint_heldout():
@@ -77,12 +77,12 @@ def test_fork_shows_go_and_no_in_either_order():
         run(env.reset(seed))
         for i in env.forks:
             obs = env.table[env.chain[i]].split()
-            assert len(obs) == 4 and sorted(obs[::2]) == ["go", "no"]
+            assert len(obs) == 4 and sorted(obs[1::2]) == ["go", "no"]  # each key marked after it
             right, trap = fork_of(env, i)
             assert right == env.chain[i + 1] and trap not in env.chain
             # twins: one key, two different letters; the letter alone does not tell the way either
             assert right[:-1] == trap[:-1] and right[-1] != trap[-1] and {right[-1], trap[-1]} <= set("abcdefgh")
-            orders.add(obs[0])
+            orders.add(obs[1])
             go_letters.add(right[-1])
     assert orders == {"go", "no"} and go_letters == set("abcdefgh")  # position alone does not tell the way
 
@@ -193,7 +193,7 @@ def test_blind_demonstrator_shows_forks_but_carries_no_information_about_go():
             assert took in (lookup(right), lookup(trap))
             forks += 1
             followed_go += took == lookup(right)
-            followed_first += took == lookup(demo.table[demo.chain[i]].split()[1])
+            followed_first += took == lookup(demo.table[demo.chain[i]].split()[0])
     # the choice is a coin flip: independent of go and of the position go is listed at
     assert 0.4 < followed_go / forks < 0.6 and 0.4 < followed_first / forks < 0.6, (followed_go, followed_first, forks)
     # the run's own tasks keep the real traps, and the same seed gives the same task
@@ -256,3 +256,28 @@ def test_expert_demos_take_the_demonstrator_or_given_env_kwargs(tiny_tokenizer):
             assert all(x in text for x in e.expert_turns())  # sighted: the chain; blind: its coin
     run(env.reset(2_000_000))
     assert env.expert_turns() == [lookup(k) for k in env.chain] + [format_answer(env.value)]
+
+
+def test_each_fork_choice_is_counted_by_the_way_it_took():
+    env = LongLookupEnv()
+
+    async def counts(seed, trap_at):
+        await env.reset(seed)
+        turns, out = env.expert_turns(), []
+        for k, t in enumerate(turns):
+            if k - 1 == trap_at:
+                t = lookup(fork_of(env, trap_at)[1])
+            r = await env.step(t)
+            out.append(r.info.get("counts"))
+            if r.done or k - 1 == trap_at:
+                break
+        return out
+
+    run(env.reset(5))
+    forks = list(env.forks)
+    seen = run(counts(5, None))
+    # only the turn right after a fork reports counts: the way it took
+    assert [k - 1 for k, c in enumerate(seen) if c] == forks
+    assert all(c == {"fork_seen": 1, "fork_go": True, "fork_no": False} for c in seen if c)
+    trapped = run(counts(5, forks[0]))
+    assert trapped[-1] == {"fork_seen": 1, "fork_go": False, "fork_no": True}

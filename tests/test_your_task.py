@@ -5,6 +5,7 @@ mistake of such a config fails ``--dry-run`` with one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -74,6 +75,62 @@ def test_reward_components_become_metrics():
     m = trajectory_metrics([traj({"correct": 1.0, "mean": 0.5}, 1.5), traj({"correct": 0.0}, 0.0)])
     assert m["reward/correct"] == 0.5
     assert m["reward/fn_mean"] == 0.25 and m["reward/mean"] == 0.75  # a component never hides a statistic
+
+
+class CountEnv(Environment):
+    """Two turns, each reporting the event counts it was built with."""
+
+    system_prompt = "sys"
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    async def reset(self, seed):
+        self.n = 0
+        return "task"
+
+    async def step(self, action_text):
+        self.n += 1
+        return StepResult("obs", float(self.n >= 2), self.n >= 2, {"counts": self.counts})
+
+
+def _play_counts(counts, tiny_tokenizer, arun):
+    from arl.rollout.engine import Sample
+    from arl.rollout.episode import Episode
+
+    fmt = ChatFormat(tiny_tokenizer)
+    ep = Episode(CountEnv(counts), fmt, EpisodeConfig(sampling=SAMPLING), 0)
+
+    async def go():
+        await ep.start()
+        for _ in range(2):
+            ids = fmt.encode("hi")
+            await ep.apply(Sample(ids, [0.0] * len(ids), "hi", "stop"))
+    arun(go())
+    return ep.meta
+
+
+def test_env_counts_are_summed_per_episode_and_logged_as_step_totals(tiny_tokenizer, arun):
+    meta = _play_counts({"fork_go": True, "fork_no": 0, "seen": 1.5}, tiny_tokenizer, arun)
+    assert meta["env_counts"] == {"fork_go": 2.0, "fork_no": 0.0, "seen": 3.0}  # a bool counts 0 or 1
+
+    def traj(counts):
+        return Trajectory(tokens=[1, 2, 3], chunk_ids=[-1, 0, 0], rollout_logp=[0.0] * 3, reward=0.0,
+                          metadata={"env_counts": counts} if counts is not None else {})
+
+    m = trajectory_metrics([traj({"fork_go": 2.0}), traj({"fork_go": 1.0, "fork_no": 1.0}), traj(None)])
+    assert m["env/fork_go"] == 3.0 and m["env/fork_no"] == 1.0  # totals over the step's trajectories
+    assert not any(k.startswith("env/") for k in trajectory_metrics([traj(None)]))
+
+
+@pytest.mark.parametrize("counts,msg", [
+    ([1, 2], "info['counts']: expected a dict of numbers, got list"),
+    ({"go": "yes"}, "info['counts']['go']: expected a finite number, got 'yes'"),
+    ({"go": float("nan")}, "info['counts']['go']: expected a finite number, got nan"),
+])
+def test_bad_env_counts_fail_with_one_line(counts, msg, tiny_tokenizer, arun):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        _play_counts(counts, tiny_tokenizer, arun)
 
 
 def test_the_one_turn_limit_reaches_the_environment():

@@ -8,7 +8,9 @@ dataset is configured.  Then the model writes a turn, ``await env.step(action_te
 ``<answer>...</answer>``; the generic ``tools`` env: any number of calls, no call = the answer)
 and returns the observation (tool output -- one str, or one str per tool call -- or a tool-error
 message for a malformed call, never an exception), the reward (the outcome reward when ``done``,
-optionally with ``info["reward_components"]``), and ``info["fault"]``.
+optionally with ``info["reward_components"]``), and ``info["fault"]``.  ``info["counts"]``
+(``{name: number}``, any turn) are the env's own event counts: summed per episode, they are logged per
+step as ``env/<name>`` (the step's total), e.g. which way a model took at a fork.
 
 ``tools`` (OpenAI function schemas) go to the chat template with the prompt; ``stop`` are the
 strings that end one model turn (``()``: end of sequence only).
@@ -36,7 +38,7 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     # "fault": Fault, "tool": str|None, "tool_error": bool, "args", "calls": [per-call dicts],
-    # "reward_components": {name: float} (when done) ...
+    # "reward_components": {name: float} (when done), "counts": {name: number} (summed per episode) ...
     info: dict = field(default_factory=dict)
 
     @property

@@ -1,16 +1,19 @@
 """``long_lookup``: a long key chain with forks, where one wrong call early wastes the episode.
 
 A task hides a chain of 12-16 keys ``k17 -> k03 -> ... -> v42``, as ``toy_lookup`` does, so a solution
-is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, the one to
-follow after ``go``, a trap after ``no`` (in random order).  The two are twins, one key with two
-different suffix letters drawn per fork from ``a``-``h``: ``go k03c no k03f`` or ``no k03f go k03c``.
+is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, each marked
+after it: the one to follow ``go``, a trap ``no`` (in random order).  The two are twins, one key with two
+different suffix letters drawn per fork from ``a``-``h``: ``k03c go k03f no`` or ``k03f no k03c go``.
 Twins make a fork's choice one letter, copied from one of two places that follow the same digits:
 an imitation start copies either at even odds (so it samples both ways), and because the letters
 change from fork to fork it has to copy them, by attention, which is the circuit that can learn to
 prefer the one after ``go``.  (With two unrelated keys, ``go k03 no k55``, the tiny start copied the
 last-listed key with 99.6% at temperature 0.7 and RL never saw the other way; with the fixed
 letters ``a``/``b`` it drew the letter from an unconditional coin, and even sighted SFT could not
-teach it the rule: docs/design.md 1.8.)
+teach it the rule; with the marker before its key, ``go k03c no k03f``, the letter sat four tokens
+after its marker and the marker tokenized differently first and second in the list: docs/design.md 1.8.)
+The marker follows its key's letter directly, always the same token, so the rule is one step: find
+the ``go`` token and copy the letter just before it.
 The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
 Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
 trap followed to its dead end (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest
@@ -23,7 +26,8 @@ too), ``values()`` lists the value among two others.
 
 Why it separates methods: the outcome reward is 1 only when every one of ~15 calls and every fork
 choice was right, so a trajectory's reward says little about which call mattered; the env reports
-``new_state`` (the first lookup of each chain key: progress) per turn for turn-level credit.
+``new_state`` (the first lookup of each chain key: progress) per turn for turn-level credit, and
+counts the way taken at each fork (``env/fork_seen``, ``env/fork_go``, ``env/fork_no`` per step).
 
 The SFT demonstrator does not know the fork rule: it plays ``blind_forks`` tasks (``demo_kwargs``),
 where a fork's trap is harmless (it leads on to the same next key as the ``go`` key), and takes one of
@@ -55,6 +59,16 @@ VALUES = ToolSpec("values", {}, "three values, one of them right")
 NOT_FOUND, DEAD_END = "none", "dead end"
 TWINS = "abcdefgh"  # a fork's two ways take two of these suffixes, drawn per fork
 GO, NO = "go", "no"
+
+
+def fork_ways(obs: str):
+    """``(go_key, no_key, go_first)`` of a fork's observation ``"<key> go <key> no"`` (either order),
+    None for any other observation."""
+    w = obs.split() if isinstance(obs, str) else []
+    if len(w) != 4 or sorted(w[1::2]) != [GO, NO]:
+        return None
+    go_first = w[1] == GO
+    return (w[0], w[2], True) if go_first else (w[2], w[0], False)
 
 
 @register_env("long_lookup")
@@ -89,8 +103,8 @@ class LongLookupEnv(Environment):
         self._width = len(str(num_keys - 1))
         self.system_prompt = (
             "Find the value for a key. Tools:\n" + describe_tools(self.tool_specs) + "\n"
-            f"Look keys up until you get a value, then answer it. At a fork follow the key after {GO}, "
-            f"not after {NO}: that way is a {DEAD_END}.\n"
+            f"Look keys up until you get a value, then answer it. At a fork follow the key marked {GO}, "
+            f"not the one marked {NO}: that way is a {DEAD_END}.\n"
             + format_tool_call("lookup", {"key": self._key(17 % num_keys)}) + "\n"
             + format_answer(self._val(42 % num_keys)))
         self._active = False
@@ -129,8 +143,8 @@ class LongLookupEnv(Environment):
         self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
         for n, i in enumerate(self.forks):
             right, trap = chain[i + 1], self._traps[i]
-            self.table[chain[i]] = (f"{GO} {right} {NO} {trap}" if rng.random() < 0.5 else
-                                    f"{NO} {trap} {GO} {right}")
+            self.table[chain[i]] = (f"{right} {GO} {trap} {NO}" if rng.random() < 0.5 else
+                                    f"{trap} {NO} {right} {GO}")
             if not self.blind_forks:
                 path = [trap] + decoys[n * self.decoy_hops:(n + 1) * self.decoy_hops]
                 self.table.update(zip(path, path[1:] + [DEAD_END]))
@@ -142,6 +156,7 @@ class LongLookupEnv(Environment):
         self._values_obs = " ".join(vals)
         self.chain, self.seed, self.budget = chain, seed, hops + 1 + self.slack
         self.turns, self._active, self._looked_up, self._revealed = 0, True, set(), {chain[0]}
+        self._fork = None  # the (go, no, go_first) ways the last observation showed, if a fork
         return f"Find the value for {chain[0]}."
 
     def expert_turns(self) -> Optional[List[str]]:
@@ -165,6 +180,10 @@ class LongLookupEnv(Environment):
         turn = parse_turn(action_text, self.tool_specs)
         info = {"fault": Fault.NONE, "tool": turn.tool, "args": turn.arguments, "tool_error": turn.is_error,
                 "turn": self.turns, "new_state": False}
+        ways, self._fork = self._fork, None
+        if ways:  # the turn right after a fork: which way it took (logged as env/fork_*)
+            took = turn.arguments.get("key") if turn.kind == "tool" and turn.tool == "lookup" else None
+            info["counts"] = {"fork_seen": 1, "fork_go": took == ways[0], "fork_no": took == ways[1]}
         if turn.kind == "answer":
             correct = turn.answer == self.value and self.value in self._revealed
             return self._end("done", 1.0 if correct else 0.0, info, correct=correct)
@@ -182,7 +201,8 @@ class LongLookupEnv(Environment):
             self._revealed.update(w for w in obs.split() if w in self.table or w == self.value)
             # progress for turn credit: a chain key looked up for the first time reveals the next one
             info["new_state"] = shown and key in self.chain and key not in self._looked_up
-            info["fork"] = GO in obs.split()
+            self._fork = fork_ways(obs)
+            info["fork"] = self._fork is not None
             info["dead_end"] = obs == DEAD_END
             if shown:
                 self._looked_up.add(key)

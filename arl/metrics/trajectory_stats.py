@@ -13,7 +13,8 @@ The step's advantage figures (``adv/*``) come with the advantages themselves
 A figure over an empty set is 0.0 (its ``*_count`` key says the set was empty); nothing is NaN.
 
 Keys: ``reward/{mean,std,min,max,q10,q25,q50,q75,q90,pos_frac}``, ``reward/<component>`` (a reward
-function's named parts), ``success/train``,
+function's named parts), ``env/<name>`` (the env's event counts, ``info["counts"]``, step totals),
+``success/train``,
 ``len/{tokens,gen_tokens,turns}_{mean,max}``, ``len/{failed,success}_{count,tokens_mean,tokens_max}``,
 ``tools/{calls,calls_per_traj,valid_rate,repeat_rate,repeat_trajs_frac}``,
 ``tools/count/<name>``, ``tools/per_traj/<name>``, ``status/{ok,masked,filtered,truncated,faults}``,
@@ -153,6 +154,16 @@ def reward_components(ok: Sequence[Trajectory], reserved=()) -> dict:
     return out
 
 
+def env_counts(ok: Sequence[Trajectory]) -> dict:
+    """``env/<name>``: the step's total of each event count the env reported (``info["counts"]``,
+    summed per episode in ``metadata["env_counts"]``) over the OK trajectories."""
+    out: dict = {}
+    for t in ok:
+        for k, v in (t.metadata.get("env_counts") or {}).items():
+            out[f"env/{k}"] = out.get(f"env/{k}", 0.0) + float(v)
+    return out
+
+
 def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, success_threshold: float = 1.0,
                        rollout_s: Optional[float] = None) -> dict:
     """Statistics of one step's trajectories (see the module docstring for keys and populations).
@@ -179,6 +190,7 @@ def trajectory_metrics(trajs: Sequence[Trajectory], tokenizer=None, *, success_t
         out[f"reward/q{q}"] = float(np.percentile(r, q)) if r.size else 0.0
     out["reward/pos_frac"] = float((r > 0).mean()) if r.size else 0.0
     out.update(reward_components(ok, reserved=out))
+    out.update(env_counts(ok))
     succ = r >= success_threshold
     out["success/train"] = float(succ.mean()) if r.size else 0.0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -333,6 +334,7 @@ class Episode:
         info = res.info
         self._count_calls(info)
         self.meta["turn_info"].append(_turn_info(info, res.observation))
+        self._add_counts(info.get("counts"))
         fault = res.fault
         if fault is Fault.UNRECOVERABLE:
             return self._fail(fault, res.observation)
@@ -351,6 +353,18 @@ class Episode:
         if len(self.tokens) + len(obs_ids) >= self.cfg.max_total_tokens:
             return self._end(0.0, truncated="max_total_tokens")
         self._append(obs_ids, -1)
+
+    def _add_counts(self, counts) -> None:
+        """Sums the env's ``info["counts"]`` into ``meta["env_counts"]`` (logged as ``env/<name>``)."""
+        if counts is None:
+            return
+        if not isinstance(counts, dict):
+            raise ValueError(f"env step info['counts']: expected a dict of numbers, got {type(counts).__name__}")
+        acc = self.meta.setdefault("env_counts", {})
+        for k, v in counts.items():
+            if not isinstance(v, (int, float)) or not math.isfinite(v):  # a bool counts 0 or 1
+                raise ValueError(f"env step info['counts'][{k!r}]: expected a finite number, got {v!r}")
+            acc[str(k)] = acc.get(str(k), 0.0) + float(v)
 
     def _count_calls(self, info: dict) -> None:
         """One ``meta["calls"]`` record per tool-call attempt (an answer is not one): from the
