@@ -7,7 +7,8 @@ of T tokens: ~34·T·H bytes per layer without checkpointing (flash/varlen atten
 2·T·H per layer plus one full layer with it.  The fused lm_head→logprob op never materializes
 [T, V] logits (naive fp32 logits + their gradient: 8·T·V bytes, printed for comparison); its
 grad-in-forward head (``trainer.head_grad_in_forward``) holds one [rows, V] block of about T/8
-rows (at least 32M elements on CPU, at most 24M on a GPU) and a quarter of it as scratch.  The
+rows (at least 32M elements on CPU; on a GPU at most 24M, but never under 64 rows, so more above
+V ~ 393k) and a quarter of it as scratch.  The
 critic (``critic.enabled``) is a value head on the trunk: (H + 1) parameters at the same per-parameter
 cost, and three floats per chunk start of a micro-batch (values, returns, advantages).
 
