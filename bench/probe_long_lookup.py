@@ -33,8 +33,8 @@ def first_error_kind(env, turn, last_obs) -> str:
     """'' for a turn that goes on along the chain (either way of a fork counts: ``after_fork``
     tells those apart), else what went wrong: malformed, distractor (peek/values), wrong_answer
     (wrong or before the value was shown), lookup_after_value, after_dead_end (a trap followed to
-    its end), repeat (a key looked up before), copy (a key the last observation did not show; copy_added_suffix /
-    copy_dropped_suffix: a shown key with a twin's letter added or dropped)."""
+    its end), repeat (a key looked up before), copy (a key the last observation did not show; copy_added_prefix /
+    copy_dropped_prefix: a shown key with a twin's letter added or dropped)."""
     from arl.env.long_lookup import DEAD_END
 
     if turn.kind == "error":
@@ -53,10 +53,10 @@ def first_error_kind(env, turn, last_obs) -> str:
         return ""
     if key in env._looked_up:
         return "repeat"
-    if isinstance(key, str) and key[:-1] in shown:
-        return "copy_added_suffix"  # a twin's letter on a plain key
-    if isinstance(key, str) and any(w[:-1] == key for w in shown):
-        return "copy_dropped_suffix"
+    if isinstance(key, str) and key[1:] in shown:
+        return "copy_added_prefix"  # a twin's letter on a plain key
+    if isinstance(key, str) and any(w[1:] == key for w in shown):
+        return "copy_dropped_prefix"
     return "copy"
 
 
@@ -101,7 +101,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
                         took_no[0] |= what == "no"
                         # did it follow go, and was go listed first: a positional habit shows here
                         order[f"{what}|go_{'first' if go_first else 'second'}"] += 1
-                        letter[f"{what}|go_{go_key[-1]}"] += 1  # a letter habit shows here
+                        letter[f"{what}|go_{go_key[0]}"] += 1  # a letter habit shows here
                     res = await step(text)
                     last[0] = res.observation
                     return res

@@ -77,13 +77,13 @@ def test_fork_shows_go_and_no_in_either_order():
         run(env.reset(seed))
         for i in env.forks:
             obs = env.table[env.chain[i]].split()
-            assert len(obs) == 4 and sorted(obs[1::2]) == ["go", "no"]  # each key marked after it
+            assert len(obs) == 5 and obs[0] == "fork:" and sorted(obs[1::2]) == ["go", "no"]  # marker, key
             right, trap = fork_of(env, i)
             assert right == env.chain[i + 1] and trap not in env.chain
             # twins: one key, two different letters; the letter alone does not tell the way either
-            assert right[:-1] == trap[:-1] and right[-1] != trap[-1] and {right[-1], trap[-1]} <= set("abcdefgh")
+            assert right[1:] == trap[1:] and right[0] != trap[0] and {right[0], trap[0]} <= set("abcdefgh")
             orders.add(obs[1])
-            go_letters.add(right[-1])
+            go_letters.add(right[0])
     assert orders == {"go", "no"} and go_letters == set("abcdefgh")  # position alone does not tell the way
 
 
@@ -193,7 +193,7 @@ def test_blind_demonstrator_shows_forks_but_carries_no_information_about_go():
             assert took in (lookup(right), lookup(trap))
             forks += 1
             followed_go += took == lookup(right)
-            followed_first += took == lookup(demo.table[demo.chain[i]].split()[0])
+            followed_first += took == lookup(demo.table[demo.chain[i]].split()[2])
     # the choice is a coin flip: independent of go and of the position go is listed at
     assert 0.4 < followed_go / forks < 0.6 and 0.4 < followed_first / forks < 0.6, (followed_go, followed_first, forks)
     # the run's own tasks keep the real traps, and the same seed gives the same task

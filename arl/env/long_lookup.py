@@ -1,19 +1,19 @@
 """``long_lookup``: a long key chain with forks, where one wrong call early wastes the episode.
 
 A task hides a chain of 12-16 keys ``k17 -> k03 -> ... -> v42``, as ``toy_lookup`` does, so a solution
-is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, each marked
-after it: the one to follow ``go``, a trap ``no`` (in random order).  The two are twins, one key with two
-different suffix letters drawn per fork from ``a``-``h``: ``k03c go k03f no`` or ``k03f no k03c go``.
-Twins make a fork's choice one letter, copied from one of two places that follow the same digits:
-an imitation start copies either at even odds (so it samples both ways), and because the letters
-change from fork to fork it has to copy them, by attention, which is the circuit that can learn to
-prefer the one after ``go``.  (With two unrelated keys, ``go k03 no k55``, the tiny start copied the
-last-listed key with 99.6% at temperature 0.7 and RL never saw the other way; with the fixed
-letters ``a``/``b`` it drew the letter from an unconditional coin, and even sighted SFT could not
-teach it the rule; with the marker before its key, ``go k03c no k03f``, the letter sat four tokens
-after its marker and the marker tokenized differently first and second in the list: docs/design.md 1.8.)
-The marker follows its key's letter directly, always the same token, so the rule is one step: find
-the ``go`` token and copy the letter just before it.
+is 12-16 ``lookup`` calls and the answer.  At 3-4 *forks* the lookup answers two keys, each after its
+marker: the one to follow after ``go``, a trap after ``no`` (in random order).  The two are twins, one
+key with two different prefix letters drawn per fork from ``a``-``h``: ``fork: go ck03 no fk03`` or
+``fork: no fk03 go ck03``.  A fork's choice is the first letter of the call's key, and that letter
+stands right after its marker, so the rule is one attention step: copy the letter that follows
+``go`` (``fork:`` makes both markers the same tokens wherever they stand).  Letters that change from
+fork to fork have to be copied by attention, the circuit that can learn the rule; an imitation start
+copies either twin at even odds, so it samples both ways.  Earlier forms, each measured and dropped
+(docs/design.md 1.8): two unrelated keys (``go k03 no k55``: the start copied the last-listed key,
+99.6%, and never explored); fixed suffix letters ``a``/``b`` (drawn from a coin, not by attention:
+not even sighted SFT taught the rule); suffix letters with the marker before the key (``go k03c no
+k03f``: learnable but slow, the letter four tokens after its marker) or after it (``k03c go k03f
+no``: not learnable, a letter cannot see the marker that follows it).
 The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
 Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
 trap followed to its dead end (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest
@@ -57,18 +57,18 @@ LOOKUP = ToolSpec("lookup", {"key": "string"}, "the next key, a fork, or the val
 PEEK = ToolSpec("peek", {"key": "string"}, "yes if the key exists")
 VALUES = ToolSpec("values", {}, "three values, one of them right")
 NOT_FOUND, DEAD_END = "none", "dead end"
-TWINS = "abcdefgh"  # a fork's two ways take two of these suffixes, drawn per fork
-GO, NO = "go", "no"
+TWINS = "abcdefgh"  # a fork's two ways take two of these prefixes, drawn per fork
+GO, NO, FORK = "go", "no", "fork:"
 
 
 def fork_ways(obs: str):
-    """``(go_key, no_key, go_first)`` of a fork's observation ``"<key> go <key> no"`` (either order),
-    None for any other observation."""
+    """``(go_key, no_key, go_first)`` of a fork's observation ``"fork: go <key> no <key>"`` (either
+    order), None for any other observation."""
     w = obs.split() if isinstance(obs, str) else []
-    if len(w) != 4 or sorted(w[1::2]) != [GO, NO]:
+    if len(w) != 5 or w[0] != FORK or sorted(w[1::2]) != [GO, NO]:
         return None
     go_first = w[1] == GO
-    return (w[0], w[2], True) if go_first else (w[2], w[0], False)
+    return (w[2], w[4], True) if go_first else (w[4], w[2], False)
 
 
 @register_env("long_lookup")
@@ -103,8 +103,8 @@ class LongLookupEnv(Environment):
         self._width = len(str(num_keys - 1))
         self.system_prompt = (
             "Find the value for a key. Tools:\n" + describe_tools(self.tool_specs) + "\n"
-            f"Look keys up until you get a value, then answer it. At a fork follow the key marked {GO}, "
-            f"not the one marked {NO}: that way is a {DEAD_END}.\n"
+            f"Look keys up until you get a value, then answer it. At a fork follow the key after {GO}, "
+            f"not the one after {NO}: that way is a {DEAD_END}.\n"
             + format_tool_call("lookup", {"key": self._key(17 % num_keys)}) + "\n"
             + format_answer(self._val(42 % num_keys)))
         self._active = False
@@ -133,18 +133,18 @@ class LongLookupEnv(Environment):
         chain, decoys = keys[:hops], keys[hops:]
         self.value = self._val(rng.randrange(self.num_keys))
         # forks on the lookups of chain keys 0..hops-2 (the last one answers the value); the two ways
-        # of a fork are twins, one key with two letters of TWINS, both drawn per fork
+        # of a fork are twins, one key with two prefix letters of TWINS, both drawn per fork
         self.forks = sorted(rng.sample(range(hops - 1), forks))
         self._traps = {}
         for i in self.forks:
             go, no = rng.sample(TWINS, 2)
-            self._traps[i] = chain[i + 1] + no
-            chain[i + 1] += go
+            self._traps[i] = no + chain[i + 1]
+            chain[i + 1] = go + chain[i + 1]
         self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
         for n, i in enumerate(self.forks):
             right, trap = chain[i + 1], self._traps[i]
-            self.table[chain[i]] = (f"{right} {GO} {trap} {NO}" if rng.random() < 0.5 else
-                                    f"{trap} {NO} {right} {GO}")
+            self.table[chain[i]] = (f"{FORK} {GO} {right} {NO} {trap}" if rng.random() < 0.5 else
+                                    f"{FORK} {NO} {trap} {GO} {right}")
             if not self.blind_forks:
                 path = [trap] + decoys[n * self.decoy_hops:(n + 1) * self.decoy_hops]
                 self.table.update(zip(path, path[1:] + [DEAD_END]))
