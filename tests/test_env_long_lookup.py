@@ -193,7 +193,8 @@ def test_blind_demonstrator_shows_forks_but_carries_no_information_about_go():
             assert took in (lookup(right), lookup(trap))
             forks += 1
             followed_go += took == lookup(right)
-            followed_first += took == lookup(demo.table[demo.chain[i]].split()[2])
+            go_key, no_key, go_first = fork_ways(demo.table[demo.chain[i]])
+            followed_first += took == lookup(go_key if go_first else no_key)
     # the choice is a coin flip: independent of go and of the position go is listed at
     assert 0.4 < followed_go / forks < 0.6 and 0.4 < followed_first / forks < 0.6, (followed_go, followed_first, forks)
     # the run's own tasks keep the real traps, and the same seed gives the same task

@@ -14,6 +14,8 @@ from arl.data import EVAL_SEED_BASE, TaskSet, Trajectory
 from arl.env import Environment, StepResult, env_kwargs
 from arl.metrics import trajectory_metrics
 from arl.rollout import ChatFormat, EpisodeConfig, RolloutManager, SamplingConfig
+from arl.rollout.engine import Sample
+from arl.rollout.episode import Episode
 from arl.rollout.expert import sft_demonstrations
 from arl.rollout.worker import engine_task_seeds, evaluate
 from arl.train import main
@@ -95,9 +97,6 @@ class CountEnv(Environment):
 
 
 def _play_counts(counts, tiny_tokenizer, arun):
-    from arl.rollout.engine import Sample
-    from arl.rollout.episode import Episode
-
     fmt = ChatFormat(tiny_tokenizer)
     ep = Episode(CountEnv(counts), fmt, EpisodeConfig(sampling=SAMPLING), 0)
 

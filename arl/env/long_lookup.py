@@ -8,12 +8,8 @@ key with two different prefix letters drawn per fork from ``a``-``h``: ``fork: g
 stands right after its marker, so the rule is one attention step: copy the letter that follows
 ``go`` (``fork:`` makes both markers the same tokens wherever they stand).  Letters that change from
 fork to fork have to be copied by attention, the circuit that can learn the rule; an imitation start
-copies either twin at even odds, so it samples both ways.  Earlier forms, each measured and dropped
-(docs/design.md 1.8): two unrelated keys (``go k03 no k55``: the start copied the last-listed key,
-99.6%, and never explored); fixed suffix letters ``a``/``b`` (drawn from a coin, not by attention:
-not even sighted SFT taught the rule); suffix letters with the marker before the key (``go k03c no
-k03f``: learnable but slow, the letter four tokens after its marker) or after it (``k03c go k03f
-no``: not learnable, a letter cannot see the marker that follows it).
+copies either twin at even odds, so it samples both ways.  Why this form and not simpler ones (each
+measured): docs/design.md 1.8.
 The trap leads on to ``decoy_hops`` decoy keys that look like chain keys and end in ``dead end``.
 Each task has a turn budget of its chain, the answer and ``slack`` (default 1) spare turns, so a
 trap followed to its dead end (``decoy_hops`` + 1 wasted calls) cannot be recovered from: the rest

@@ -63,7 +63,8 @@ def default_tile_rows(T: int, V: int, device_type: str = "cpu", with_entropy: bo
     reduces over the rows, and short reductions are memory-bound).  With the entropy that budget
     holds the block and its [rows / _GROUPS, V] scratch together."""
     share = _GROUPS / (_GROUPS + 1) if with_entropy else 1.0
-    if device_type == "cuda":  # as api._default_tiles: an fp32 row block of at most 24M elements (64 rows above V ~ 393k)
+    # as api._default_tiles: an fp32 row block of at most 24M elements (64 rows above V ~ 393k)
+    if device_type == "cuda":
         return max(1, min(T, max(64, int((24 << 20) * share) // V // 64 * 64)))
     return max(1, min(T, int(max((32 << 20) // V, -(-T // 8)) * share)))
 
