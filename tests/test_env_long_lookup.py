@@ -1,6 +1,7 @@
 """The long-horizon task (arl/env/long_lookup.py): seeded tasks, an expert that solves every one,
 forks whose trap wastes the episode, distractor tools, error observations, ``new_state`` per turn,
-and the blind demonstrator (harmless forks, a branch at random)."""
+the blind demonstrator (harmless forks, a branch at random), marked keys and the demonstrator's
+needless checks of them (the config's form)."""
 import asyncio
 
 import pytest
@@ -175,10 +176,12 @@ def test_guessing_cannot_skip_the_chain_or_the_value():
     assert res[-1].reward == 1.0 and env.slack == 1
 
 
+BLIND = {"min_hops": 12, "max_hops": 16, "min_forks": 3, "max_forks": 4, "decoy_hops": 2, "slack": 1, "max_turns": 18}
+
+
 def test_blind_demonstrator_shows_forks_but_carries_no_information_about_go():
-    cfg = load_config("configs/long_horizon_cpu.yaml")
-    kw = env_class("long_lookup").demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
-    demo, run_env = make_env("long_lookup", **kw), make_env("long_lookup", **expert_env_kwargs(cfg, True))
+    kw = env_class("long_lookup").demo_kwargs(BLIND)
+    demo, run_env = make_env("long_lookup", **kw), make_env("long_lookup", **BLIND)
     assert demo.blind_forks and not run_env.blind_forks
     followed_go = followed_first = forks = 0
     for seed in range(2_000_000, 2_000_200):
@@ -238,8 +241,9 @@ def test_step_before_reset_and_bad_seed_raise():
 
 
 def test_expert_demos_take_the_demonstrator_or_given_env_kwargs(tiny_tokenizer):
-    """The SFT data comes from the blind demonstrator; ``env_kwargs`` gives the sighted expert on the
-    run's own tasks (probe_long_lookup.py --sighted-sft): every fork call follows go there."""
+    """The SFT data comes from the demonstrator (the config's: needless checks of marked keys);
+    ``env_kwargs`` gives the expert on the run's own tasks (probe_long_lookup.py --sighted-sft):
+    every fork call follows go there, and no key is checked."""
     from arl.rollout.episode import ChatFormat
     from arl.rollout.expert import expert_demos
 
@@ -254,7 +258,9 @@ def test_expert_demos_take_the_demonstrator_or_given_env_kwargs(tiny_tokenizer):
         for k, t in enumerate(trajs):
             run(e.reset(2_000_000 + k))
             text = tiny_tokenizer.decode(t.tokens)
-            assert all(x in text for x in e.expert_turns())  # sighted: the chain; blind: its coin
+            assert all(x in text for x in e.expert_turns())  # the expert: the chain; the demonstrator: its coins
+    assert sum(tiny_tokenizer.decode(t.tokens).count('"peek"') for t in blind) > 0
+    assert not any('"name": "peek"' in tiny_tokenizer.decode(t.tokens) for t in sighted)
     run(env.reset(2_000_000))
     assert env.expert_turns() == [lookup(k) for k in env.chain] + [format_answer(env.value)]
 
@@ -282,3 +288,73 @@ def test_each_fork_choice_is_counted_by_the_way_it_took():
     assert all(c == {"fork_seen": 1, "fork_go": True, "fork_no": False} for c in seen if c)
     trapped = run(counts(5, forks[0]))
     assert trapped[-1] == {"fork_seen": 1, "fork_go": False, "fork_no": True}
+
+
+MARKED = {**BLIND, "fork_order": "go_last", "demo_blind": False, "marks": 0.4, "demo_checks": 0.7, "max_turns": 22}
+
+
+def test_go_last_lists_the_go_way_second_and_keeps_the_tasks():
+    """``fork_order: go_last`` changes only where a fork lists its go way (same chains, same forks)."""
+    rand, last = LongLookupEnv(), LongLookupEnv(fork_order="go_last")
+    for seed in range(40):
+        run(rand.reset(seed)); run(last.reset(seed))
+        assert rand.chain == last.chain and rand.forks == last.forks
+        for i in last.forks:
+            go_key, no_key, go_first = fork_ways(last.table[last.chain[i]])
+            assert not go_first and (go_key, no_key) == fork_ways(rand.table[rand.chain[i]])[:2]
+
+
+def test_marked_keys_show_a_mark_that_changes_nothing_else():
+    plain, marked = LongLookupEnv(), LongLookupEnv(marks=0.4)
+    n_marked = n_markable = 0
+    for seed in range(200):
+        run(plain.reset(seed)); run(marked.reset(seed))
+        assert plain.chain == marked.chain and plain.forks == marked.forks and plain.marked == []
+        for j in marked.marked:  # the lookup that shows key j marks it; never a fork's answer
+            assert j - 1 not in marked.forks and marked.table[marked.chain[j - 1]] == f"{marked.chain[j]} ?"
+        n_marked += len(marked.marked)
+        n_markable += len(marked.chain) - 1 - len(marked.forks)
+        res = run(play(marked, seed, marked.expert_turns()))  # the expert ignores marks and solves it
+        assert res[-1].reward == 1.0 and not any('"peek"' in t for t in marked.expert_turns())
+    assert 0.35 < n_marked / n_markable < 0.45
+
+
+def test_demonstrator_checks_marked_keys_needlessly_and_still_succeeds():
+    kw = LongLookupEnv.demo_kwargs(MARKED)
+    assert kw["checks"] == 0.7 and kw["slack"] == 22 - 17 and "blind_forks" not in kw
+    demo, run_env = LongLookupEnv(**kw), LongLookupEnv(**MARKED)
+    checks = marks = 0
+    for seed in range(2_000_000, 2_000_200):
+        run(demo.reset(seed))
+        turns = demo.expert_turns()
+        assert len(turns) <= 22
+        res = run(play(demo, seed, turns))
+        assert res[-1].reward == 1.0
+        peeks = [k for k, t in enumerate(turns) if '"peek"' in t]
+        for k in peeks:  # a check is a peek of the very key looked up next, and only of a marked one
+            assert turns[k + 1] == turns[k].replace('"peek"', '"lookup"')
+        marks += len(demo.marked)
+        checks += len(peeks)
+    assert 0.6 < checks / marks < 0.75, (checks, marks)
+    # the run's own task: checking two marked keys spends the one spare turn and then some
+    seed = next(s for s in range(100) if run(run_env.reset(s)) and len(run_env.marked) >= 2)
+    turns = []
+    for j, k in enumerate(run_env.chain):
+        if j in run_env.marked:
+            turns.append(format_tool_call("peek", {"key": k}))
+        turns.append(lookup(k))
+    res = run(play(run_env, seed, turns + [format_answer(run_env.value)]))
+    assert res[-1].reward == 0.0 and res[-1].info.get("truncated")
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"fork_order": "go_first"}, "fork_order"),
+    ({"marks": 1.0}, "marks"),
+    ({"demo_checks": -0.1}, "demo_checks"),
+    ({"checks": "often"}, "checks"),
+    ({"demo_blind": 1}, "demo_blind"),
+])
+def test_bad_mark_and_order_arguments_fail_with_one_line(kwargs, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        LongLookupEnv(**kwargs)
+    assert "\n" not in str(e.value)

@@ -55,6 +55,8 @@ VALUES = ToolSpec("values", {}, "three values, one of them right")
 NOT_FOUND, DEAD_END = "none", "dead end"
 TWINS = "abcdefgh"  # a fork's two ways take two of these prefixes, drawn per fork
 GO, NO, FORK = "go", "no", "fork:"
+MARK = "?"  # after a key a lookup shows: "k47 ?" (marks: a cue the demonstrator checks needlessly)
+FORK_ORDERS = ("random", "go_last")  # where a fork lists its go way: either place, or always second
 
 
 def fork_ways(obs: str):
@@ -73,7 +75,9 @@ class LongLookupEnv(Environment):
 
     def __init__(self, min_hops: int = 12, max_hops: int = 16, min_forks: int = 3, max_forks: int = 4,
                  decoy_hops: int = 2, slack: int = 1, num_keys: int = 100, demo_forks: Optional[int] = None,
-                 blind_forks: bool = False, max_turns: Optional[int] = None):
+                 blind_forks: bool = False, fork_order: str = "random", demo_blind: bool = True,
+                 marks: float = 0.0, demo_checks: float = 0.0, checks: float = 0.0,
+                 max_turns: Optional[int] = None):
         if not 2 <= min_hops <= max_hops:
             raise ValueError(f"min_hops/max_hops: need 2 <= min_hops <= max_hops, got {min_hops}/{max_hops}")
         if not 0 <= min_forks <= max_forks < min_hops:
@@ -87,10 +91,17 @@ class LongLookupEnv(Environment):
         if num_keys < need_keys:
             raise ValueError(f"num_keys: need >= {need_keys} (chain + decoys), got {num_keys}")
         self.min_hops, self.max_hops, self.min_forks, self.max_forks = min_hops, max_hops, min_forks, max_forks
-        if not isinstance(blind_forks, bool):
-            raise ValueError(f"blind_forks: need true or false, got {blind_forks!r}")
+        for name, flag in (("blind_forks", blind_forks), ("demo_blind", demo_blind)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: need true or false, got {flag!r}")
+        if fork_order not in FORK_ORDERS:
+            raise ValueError(f"fork_order: need one of {', '.join(FORK_ORDERS)}, got {fork_order!r}")
+        for name, p in (("marks", marks), ("demo_checks", demo_checks), ("checks", checks)):
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                raise ValueError(f"{name}: need a probability in [0, 1), got {p!r}")
         self.decoy_hops, self.slack, self.num_keys, self.demo_forks = decoy_hops, slack, num_keys, demo_forks
-        self.blind_forks = blind_forks
+        self.blind_forks, self.fork_order, self.demo_blind = blind_forks, fork_order, demo_blind
+        self.marks, self.demo_checks, self.checks = float(marks), float(demo_checks), float(checks)
         longest = max_hops + 1 + slack  # the longest chain's budget: every lookup, the answer, the slack
         self.max_turns = max_turns if max_turns is not None else longest
         if self.max_turns < max_hops + 1:
@@ -107,10 +118,20 @@ class LongLookupEnv(Environment):
 
     @classmethod
     def demo_kwargs(cls, kwargs: dict) -> dict:
-        """The demonstrator's tasks: harmless forks (``blind_forks``), ``demo_forks`` of them (None: the
-        run's range)."""
-        d = kwargs.get("demo_forks")
-        return {**kwargs, "blind_forks": True, **({} if d is None else {"min_forks": d, "max_forks": d})}
+        """The demonstrator's tasks: harmless forks taken at random (``blind_forks``, unless
+        ``demo_blind`` is false), ``demo_forks`` of them (None: the run's range), and a needless
+        ``peek`` of a marked key before its lookup with probability ``demo_checks``, with the spare
+        turns for them (every turn the episode limit ``max_turns`` leaves beyond the longest chain)."""
+        d, out = kwargs.get("demo_forks"), dict(kwargs)
+        if out.get("demo_blind", True):
+            out["blind_forks"] = True
+        if d is not None:
+            out.update(min_forks=d, max_forks=d)
+        if out.get("demo_checks"):
+            longest = out.get("max_hops", 16) + 1
+            out.update(checks=out["demo_checks"],
+                       slack=max(out.get("slack", 1), (out.get("max_turns") or longest + 1) - longest))
+        return out
 
     def _key(self, i: int) -> str:
         return f"k{i:0{self._width}d}"
@@ -139,11 +160,19 @@ class LongLookupEnv(Environment):
         self.table = {k: nxt for k, nxt in zip(chain, chain[1:] + [self.value])}
         for n, i in enumerate(self.forks):
             right, trap = chain[i + 1], self._traps[i]
-            self.table[chain[i]] = (f"{FORK} {GO} {right} {NO} {trap}" if rng.random() < 0.5 else
+            go_first = rng.random() < 0.5 and self.fork_order == "random"  # one draw per fork either way
+            self.table[chain[i]] = (f"{FORK} {GO} {right} {NO} {trap}" if go_first else
                                     f"{FORK} {NO} {trap} {GO} {right}")
             if not self.blind_forks:
                 path = [trap] + decoys[n * self.decoy_hops:(n + 1) * self.decoy_hops]
                 self.table.update(zip(path, path[1:] + [DEAD_END]))
+        # marked keys: the lookup that shows chain key j (not a fork's) adds " ?"; a seed-only coin, so
+        # the tasks without marks are the ones above
+        mark = random.Random(f"long_lookup/mark/{seed}")
+        self.marked = [j for j in range(1, hops) if j - 1 not in self.forks and self.marks
+                       and mark.random() < self.marks]
+        for j in self.marked:
+            self.table[chain[j - 1]] = f"{chain[j]} {MARK}"
         if self.blind_forks:  # a trap answers what its go key answers (a next fork included)
             self.table.update({trap: self.table[chain[i + 1]] for i, trap in self._traps.items()})
         others = rng.sample([i for i in range(self.num_keys) if self._val(i) != self.value], 2)
@@ -158,7 +187,9 @@ class LongLookupEnv(Environment):
     def expert_turns(self) -> Optional[List[str]]:
         """The exact model turns that solve the current episode: every chain key, then the value.  On
         ``blind_forks`` tasks the expert is the blind demonstrator: at each fork it follows the go key
-        or the (harmless) trap at random, a choice drawn from the seed alone."""
+        or the (harmless) trap at random, a choice drawn from the seed alone.  With ``checks`` it
+        first ``peek``s a marked key with that probability (a needless check that costs a turn), as
+        many times as the task's spare turns allow (coins from the seed alone)."""
         if not hasattr(self, "chain"):
             return None
         keys = list(self.chain)
@@ -167,7 +198,14 @@ class LongLookupEnv(Environment):
             for i in self.forks:
                 if coin.random() < 0.5:
                     keys[i + 1] = self._traps[i]
-        return [format_tool_call("lookup", {"key": k}) for k in keys] + [format_answer(self.value)]
+        turns, spare, marked = [], self.budget - len(keys) - 1, set(self.marked)
+        coin = random.Random(f"long_lookup/check/{self.seed}")
+        for j, k in enumerate(keys):
+            if j in marked and self.checks and spare > 0 and coin.random() < self.checks:
+                turns.append(format_tool_call("peek", {"key": k}))
+                spare -= 1
+            turns.append(format_tool_call("lookup", {"key": k}))
+        return turns + [format_answer(self.value)]
 
     async def step(self, action_text: str) -> StepResult:
         if not self._active:
