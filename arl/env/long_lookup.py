@@ -35,6 +35,16 @@ cannot change that (the demonstrator's choice is independent of ``go``).  RL has
 0: plain chains, which teach no fork at all).  The expert itself (``expert_turns`` on a run's task,
 also IPA's resampling anchors) solves every task, forks included.
 
+*Marks and checks* (the form ``configs/long_horizon_cpu.yaml`` runs; docs/design.md 1.8 says why).
+With ``marks`` a lookup shows some chain keys with a mark (``k47 ?``: the fraction ``marks`` of the
+keys not shown by a fork), and with ``demo_checks`` the demonstrator has a habit: it checks a marked
+key with a needless ``peek`` before looking it up, with that probability; ``demo_blind: false`` lets
+it play the run's own forks (it follows ``go``), and ``fork_order: go_last`` always lists the ``go``
+way second.  Its demonstrations all succeed (its tasks get the spare turns its checks need), but an
+imitation of them checks every mark greedily (the habit's probability is above one half), and a run
+task's one spare turn pays for one check: a task with two marks or more fails.  More SFT only fits
+the habit; dropping the checks has to come from RL, and the turn that costs is one of ~15.
+
 Deterministic: the task depends on ``seed`` only (``reset(seed, sample=...)`` takes ``sample`` for
 the rollout's API; nothing here is random per sample).  Training seeds count up from 0, held-out
 ones from ``arl.data.tasks.EVAL_SEED_BASE``, SFT demonstrations from 2,000,000: disjoint seeds.
