@@ -45,10 +45,13 @@ def group_std(r):
 # ---------------------------------------------------------------------------------------- config
 def test_config_defaults_off_and_one_line_errors():
     cfg = StabilizerConfig()
-    assert not any(getattr(cfg, k).enabled for k in type(cfg).model_fields)
+    assert not any(getattr(cfg, k).enabled for k in type(cfg).model_fields if k != "stall")
+    assert (cfg.stall.patience, cfg.stall.action) == (20, "stop")  # the one guard on by default
     for bad, key in [(dict(kl=dict(targt=1)), "kl.targt: unknown key"), (dict(shaping=dict(cap=1.0)), "cap"),
                      (dict(curriculum=dict(enabled=True)), "until_step"), (dict(entropy=dict(steps=0)), "entropy.steps"),
-                     (dict(monitors=dict(alarms=[dict(z=1.0)])), "monitors.alarms.0.signal")]:
+                     (dict(monitors=dict(alarms=[dict(z=1.0)])), "monitors.alarms.0.signal"),
+                     (dict(stall=dict(patience=-1)), "stall.patience"), (dict(stall=dict(action="halt")), "stall.action"),
+                     (dict(stall=dict(patiense=5)), "stall.patiense: unknown key")]:
         with pytest.raises(ValueError, match=key) as e:
             StabilizerConfig(**bad)
         assert "\n" not in str(e.value)
