@@ -92,7 +92,7 @@ def test_print_config_is_the_resolved_config_and_loads_back(tmp_path, capsys):
     assert main(["--print-config", "trainer.steps=7", "rollout.over_cap=mask"]) == 0
     text = capsys.readouterr().out
     for key in ("seed:", "output_dir:", "stabilizers:", "dynamic_sampling:", "log_ratio_clamp:", "over_cap: mask",
-                "steps: 7"):
+                "steps: 7", "stall:\n    patience: 20\n    action: stop"):
         assert key in text, key
     path = tmp_path / "resolved.yaml"
     path.write_text(text)

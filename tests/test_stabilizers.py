@@ -45,10 +45,13 @@ def group_std(r):
 # ---------------------------------------------------------------------------------------- config
 def test_config_defaults_off_and_one_line_errors():
     cfg = StabilizerConfig()
-    assert not any(getattr(cfg, k).enabled for k in type(cfg).model_fields)
+    assert not any(getattr(cfg, k).enabled for k in type(cfg).model_fields if k != "stall")
+    assert (cfg.stall.patience, cfg.stall.action) == (20, "stop")  # the one guard on by default
     for bad, key in [(dict(kl=dict(targt=1)), "kl.targt: unknown key"), (dict(shaping=dict(cap=1.0)), "cap"),
                      (dict(curriculum=dict(enabled=True)), "until_step"), (dict(entropy=dict(steps=0)), "entropy.steps"),
-                     (dict(monitors=dict(alarms=[dict(z=1.0)])), "monitors.alarms.0.signal")]:
+                     (dict(monitors=dict(alarms=[dict(z=1.0)])), "monitors.alarms.0.signal"),
+                     (dict(stall=dict(patience=-1)), "stall.patience"), (dict(stall=dict(action="halt")), "stall.action"),
+                     (dict(stall=dict(patiense=5)), "stall.patiense: unknown key")]:
         with pytest.raises(ValueError, match=key) as e:
             StabilizerConfig(**bad)
         assert "\n" not in str(e.value)
@@ -323,6 +326,100 @@ def test_facade_state_dict_roundtrip_keeps_rollback_count():
     st.load_state_dict(saved)
     assert st.alarm.rollbacks == 1 and st.kl.beta == saved["kl"]["beta"]
     assert st.stab_metrics()["stab/rollbacks"] == 1
+
+
+# ------------------------------------------------------------------------------------ stall guard
+def no_signal(success=0.0, valid=0.0, **kw):
+    """A step record as the loop logs it, of a step whose groups all had equal rewards."""
+    return {"train/skipped_no_signal": 1.0, "success/train": success, "tools/valid_rate": valid,
+            "adv/zero_var_group_frac": 1.0, **kw}
+
+
+SIGNAL = {"train/skipped_no_signal": 0.0, "success/train": 0.3, "adv/zero_var_group_frac": 0.5}
+
+
+def test_stall_streak_counts_and_resets_on_a_signal_step():
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=3)))
+    assert st.after_step(1, no_signal()).ok and st.after_step(2, no_signal()).ok
+    assert st.stab_metrics()["stab/no_signal_streak"] == 2
+    assert st.after_step(3, SIGNAL).ok and st.stab_metrics()["stab/no_signal_streak"] == 0
+    assert st.after_step(4, {}).ok and st.stall.streak == 0  # a record without the key is no evidence
+    for s in (5, 6):
+        assert st.after_step(s, no_signal()).ok
+    assert st.after_step(7, no_signal()).action == "stop"  # 3 in a row again
+
+
+def test_stall_collapse_stops_with_one_line_reason():
+    st = Stabilizers()  # defaults: patience 20, stop; monitors off
+    for s in range(1, 20):
+        assert st.after_step(s, no_signal()).ok
+    d = st.after_step(20, no_signal())
+    assert d.action == "stop" and not d.notes
+    assert d.reason == ("no learning signal for 20 steps (every group's rewards equal; success/train 0.00, "
+                        "tools/valid_rate 0.00): the policy collapsed")
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=2)))  # some groups solved, no valid-rate key
+    st.after_step(1, {"train/skipped_no_signal": 1.0, "success/train": 0.25})
+    d = st.after_step(2, {"train/skipped_no_signal": 1.0, "success/train": 0.25})
+    assert d.reason == "no learning signal for 2 steps (no trajectory had an advantage; success/train 0.25): " \
+                       "the policy is stuck"
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=1)))  # success from the loop's argument
+    assert st.after_step(1, {"train/skipped_no_signal": 1.0}, success_rate=0.0).action == "stop"
+
+
+def test_stall_solved_continues_with_one_note():
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=2)))
+    ds = [st.after_step(s, no_signal(success=1.0, valid=1.0)) for s in range(1, 9)]
+    assert all(d.ok for d in ds) and [n for d in ds for n in d.notes] == ["every group solved for 2 steps: nothing left to learn from this task set"]
+    assert st.stab_metrics()["stab/no_signal_streak"] == 8
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=1)))
+    d = st.after_step(1, no_signal(success=0.75))
+    assert d.ok and "success/train 0.75" in d.notes[0] and "nothing left to learn" in d.notes[0]
+
+
+def test_stall_patience_null_or_zero_disables():
+    for p in (None, 0):
+        st = Stabilizers(StabilizerConfig(stall=dict(patience=p)))
+        ds = [st.after_step(s, no_signal()) for s in range(100)]
+        assert all(d.ok and not d.notes for d in ds)
+        assert st.stab_metrics()["stab/no_signal_streak"] == 100  # still counted and logged
+
+
+def test_stall_warn_and_rollback_actions():
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=2, action="warn")))
+    ds = [st.after_step(s, no_signal()) for s in range(1, 5)]
+    assert all(d.ok for d in ds) and [len(d.notes) for d in ds] == [0, 1, 0, 1]  # every `patience` steps
+    assert "the policy collapsed" in ds[1].notes[0] and "for 4 steps" in ds[3].notes[0]
+    # rollback: as an alarm's, within monitors.max_rollbacks (monitors off), merged with the alarm's
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=2, action="rollback"), monitors=dict(max_rollbacks=1)))
+    st.after_step(1, no_signal())
+    d = st.after_step(2, no_signal())
+    assert d.action == "rollback" and "the policy collapsed" in d.reason and st.stab_metrics()["stab/rollbacks"] == 1
+    st.after_step(3, no_signal())
+    d = st.after_step(4, no_signal())
+    assert d.action == "stop" and "max_rollbacks 1" in d.reasons[-1] and "no learning signal" in d.reasons[0]
+    cfg = StabilizerConfig(stall=dict(patience=1, action="rollback"),
+                           monitors=dict(enabled=True, alarms=[dict(signal="x", above=0, action="stop")]))
+    d = Stabilizers(cfg).after_step(1, no_signal(x=1.0))
+    assert d.action == "stop" and len(d.reasons) == 2  # both fire; stop wins
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=1, action="rollback"),
+                                      monitors=dict(enabled=True, alarms=[dict(signal="x", above=0)])))
+    assert st.after_step(1, no_signal(x=1.0)).action == "rollback" and st.alarm.rollbacks == 1  # one spent, not two
+
+
+def test_stall_state_dict_roundtrip_and_old_checkpoints():
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=4)))
+    for s in range(3):
+        st.after_step(s, no_signal(valid=0.5))
+    saved = st.state_dict()
+    assert saved["stall"]["streak"] == 3
+    back = Stabilizers(StabilizerConfig(stall=dict(patience=4)))
+    back.load_state_dict(saved)
+    d = back.after_step(3, no_signal(valid=0.25))
+    assert d.action == "stop" and "tools/valid_rate 0.44" in d.reason  # (3 * 0.5 + 0.25) / 4
+    old = {k: v for k, v in saved.items() if k != "stall"}  # a checkpoint from before the guard
+    fresh = Stabilizers()
+    fresh.load_state_dict(old)
+    assert fresh.stall.streak == 0
 
 
 # ------------------------------------------------------------------------------------------- IPA

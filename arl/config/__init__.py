@@ -5,13 +5,13 @@ from .schema import (WANDB_PIN, ArchConfig, DatasetConfig, EnvConfig, LayoutConf
                      OptimConfig, RolloutConfig, SFTConfig, TinyModelConfig, TrainConfig, TrainerConfig, WandbConfig)
 from .stabilizers import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                           ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig,
-                          TurnCreditConfig, check_turn_credit_loss)
+                          StallConfig, TurnCreditConfig, check_turn_credit_loss)
 
 __all__ = [
     "WANDB_PIN", "AdaptiveKLConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError", "CriticConfig", "CurriculumConfig",
     "DatasetConfig", "DynamicSamplingConfig", "EntropyScheduleConfig", "EnvConfig", "ExtremeTrajectoryConfig",
     "IPAResampleConfig",
     "LayoutConfig", "LoggingConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
-    "ShapingConfig", "StabilizerConfig", "TinyModelConfig", "TrainConfig", "TrainerConfig", "TurnCreditConfig",
+    "ShapingConfig", "StabilizerConfig", "StallConfig", "TinyModelConfig", "TrainConfig", "TrainerConfig", "TurnCreditConfig",
     "WandbConfig", "check_critic", "check_turn_credit_loss", "dump_config", "load_config",
 ]

@@ -1,6 +1,7 @@
 """The ``stabilizers`` section: one sub-section per stabilizer (arl/stabilizers/), every one off by
-default.  Standalone construction (``StabilizerConfig(**yaml_dict)``) raises one-line ValueErrors
-naming the dotted key.
+default but the stall guard (``stall``: a run with no learning signal must not step on silently).
+Standalone construction (``StabilizerConfig(**yaml_dict)``) raises one-line ValueErrors naming the
+dotted key.
 """
 from __future__ import annotations
 
@@ -152,6 +153,15 @@ class MonitorConfig(_Section):
     max_rollbacks: int = Field(3, ge=0)  # past this a rollback alarm stops the run
 
 
+class StallConfig(_Section):
+    """Stall guard: ``patience`` consecutive steps without learning signal (``train/skipped_no_signal``)
+    with success/train below 0.5 is a collapse, and ``action`` is taken; with it at or above 0.5
+    the tasks are solved: one note, and the run goes on.  On by default; ``patience`` null or 0: off."""
+
+    patience: Optional[int] = Field(20, ge=0)
+    action: Literal["stop", "rollback", "warn"] = "stop"  # rollback: as an alarm's, within monitors.max_rollbacks
+
+
 class StabilizerConfig(OneLineErrors, _Section):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     extreme: ExtremeTrajectoryConfig = ExtremeTrajectoryConfig()
@@ -162,6 +172,7 @@ class StabilizerConfig(OneLineErrors, _Section):
     kl: AdaptiveKLConfig = AdaptiveKLConfig()
     entropy: EntropyScheduleConfig = EntropyScheduleConfig()
     monitors: MonitorConfig = MonitorConfig()
+    stall: StallConfig = StallConfig()
 
     @model_validator(mode="after")
     def _check(self):

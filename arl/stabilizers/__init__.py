@@ -1,6 +1,7 @@
 """Agentic-RL stabilizers: switches that control which trajectories, which parts of them and with
 what weight enter the gradient, plus monitors of the signals that move before reward collapses.
-Every one is off by default (``StabilizerConfig``) and exports metrics that show its effect.
+Every one is off by default (``StabilizerConfig``) but the stall guard, and each exports metrics
+that show its effect.
 
 Where each acts, and what it exports (``stab/*``, ``monitor/*``, ``ipa/*``):
 
@@ -31,6 +32,8 @@ IPA chunk-init         rollout start        stab/ipa_offset; ipa/il_nll, il_toke
 behaviour monitors     after the step       monitor/tool_freq/<tool>, tool_calls_per_traj,
  and alarm             (decision: continue  tool_error_rate, repeat_call_frac, looping_frac,
  (monitors.py)         / rollback / stop)   destructive_calls, destructive_traj_frac; stab/rollbacks
+stall guard (on;       after the step       stab/no_signal_streak (steps in a row with
+ stall.py)             (same decisions)     train/skipped_no_signal)
 =====================  ===================  =====================================================
 
 Weights reach the loss only through per-trajectory advantages (``policy_loss(...,
@@ -43,7 +46,7 @@ RL loop calls a few times per step.
 from .advantages import StepAdvantages, advantage_metrics, group_step_advantages, step_advantages
 from ..config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                      ExtremeTrajectoryConfig, IPAResampleConfig, MonitorConfig, ShapingConfig, StabilizerConfig,
-                     TurnCreditConfig)
+                     StallConfig, TurnCreditConfig)
 from .curriculum import PositiveOnlyCurriculum
 from .dynamic_sampling import DynamicSampler, filter_zero_variance_groups
 from .extreme import control_extremes, length_metrics, reweight_negatives
@@ -53,12 +56,14 @@ from .monitors import Alarm, Decision, behaviour_metrics
 from .pipeline import PreparedBatch, Stabilizers
 from .schedules import AdaptiveKLController, entropy_coef
 from .shaping import shape_rewards
+from .stall import StallGuard
 from .turn_credit import chunk_segments, turn_advantages
 
 __all__ = [
     "AdaptiveKLConfig", "AdaptiveKLController", "Alarm", "AlarmRule", "CurriculumConfig", "Decision", "DynamicSampler",
     "DynamicSamplingConfig", "EntropyScheduleConfig", "ExtremeTrajectoryConfig", "IPAResampleConfig", "IPAResampler",
     "MonitorConfig", "PositiveOnlyCurriculum", "PreparedBatch", "ShapingConfig", "StabilizerConfig", "Stabilizers",
+    "StallConfig", "StallGuard",
     "StepAdvantages", "advantage_metrics", "group_step_advantages", "step_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
     "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
     "reweight_negatives", "shape_rewards", "split_chunk_roles",

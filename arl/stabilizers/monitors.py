@@ -14,7 +14,8 @@ decoding each model turn's tokens with the ``decode`` callable (the tokenizer's 
 value leaves ``running mean +- (z * running std + min_delta)`` in its ``direction`` after
 ``min_history`` values, crosses the absolute bound ``above``, or is non-finite.  A firing value is
 not folded into the running statistics.  The decision is "continue", "rollback" (the loop restores
-the last checkpoint) or "stop"; stop wins, and rollbacks past ``max_rollbacks`` become stop.
+the last checkpoint) or "stop"; stop wins, and rollbacks past ``max_rollbacks`` become stop (the
+stall guard's too, arl/stabilizers/stall.py: ``Decision.merge``, then ``Alarm.charge``).
 """
 from __future__ import annotations
 
@@ -141,10 +142,14 @@ class _Running:
                 self.m2 = 0.0
 
 
+_RANK = {"continue": 0, "rollback": 1, "stop": 2}
+
+
 @dataclass
 class Decision:
     action: str = "continue"  # "continue" | "rollback" | "stop"
     reasons: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # lines the loop prints whatever the action
 
     @property
     def ok(self) -> bool:
@@ -152,8 +157,13 @@ class Decision:
 
     @property
     def reason(self) -> str:
-        """One line for the log (the loop prints it when an alarm stops the run)."""
+        """One line for the log (the loop prints it when the run stops or rolls back)."""
         return "; ".join(map(str, self.reasons)) or self.action
+
+    def merge(self, other: "Decision") -> "Decision":
+        """Both decisions' reasons and notes; the stronger action (stop > rollback > continue)."""
+        action = max(self.action, other.action, key=_RANK.__getitem__)
+        return Decision(action, self.reasons + other.reasons, self.notes + other.notes)
 
 
 class Alarm:
@@ -177,7 +187,12 @@ class Alarm:
         return None
 
     def observe(self, metrics: dict) -> Decision:
-        """Check every rule against this step's metrics, then fold the quiet values in."""
+        """Check every rule against this step's metrics, then fold the quiet values in; a rollback
+        spends one of ``max_rollbacks``."""
+        return self.charge(self.check(metrics))
+
+    def check(self, metrics: dict) -> Decision:
+        """``observe`` without the rollback budget (``charge``), for decisions merged with others."""
         dec = Decision()
         fired = set()
         for r in self.rules:
@@ -192,6 +207,10 @@ class Alarm:
         for sig in {r.signal for r in self.rules} - fired:
             if sig in metrics and math.isfinite(float(metrics[sig])):
                 self.stats.setdefault(sig, _Running()).add(float(metrics[sig]), self.ema)
+        return dec
+
+    def charge(self, dec: Decision) -> Decision:
+        """A rollback (any source's) counts; past ``max_rollbacks`` it becomes stop."""
         if dec.action == "rollback":
             self.rollbacks += 1
             if self.rollbacks > self.max_rollbacks:

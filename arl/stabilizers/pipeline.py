@@ -12,6 +12,7 @@ from .extreme import length_metrics
 from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
+from .stall import StallGuard
 from .gae import critic_points
 from .turn_credit import chunk_segments
 
@@ -27,7 +28,7 @@ class Stabilizers:
         packed = pack_step(prep.trajectories, packer_cfg, loss_cfg, advantages=prep.advantages)
         stab.apply(packed, prep, loss_cfg)                 # turn credit segments, IPA loss roles
         ... every rank: rl_step(...) ...
-        decision = stab.after_step(step, record, success_rate)   # KL controller, IPA schedule, alarms
+        decision = stab.after_step(step, record, success_rate)   # KL controller, IPA schedule, alarms, stall
         if decision.action != "continue": ...              # "stop" or "rollback" to the last checkpoint
 
     Dynamic sampling and IPA's start states act on the rollout side; their judges
@@ -46,6 +47,7 @@ class Stabilizers:
         check_turn_credit_loss(self.cfg, self.loss_cfg)
         m = self.cfg.monitors
         self.alarm = Alarm(m.alarms, m.ema, m.max_rollbacks)
+        self.stall = StallGuard(self.cfg.stall)
         self._patterns = compile_patterns(m.destructive_patterns)
 
     # -- batch and advantages ---------------------------------------------------------------------
@@ -100,30 +102,32 @@ class Stabilizers:
 
     # -- after the optimizer step ---------------------------------------------------------------
     def after_step(self, step: int, metrics: dict, success_rate: Optional[float] = None) -> Decision:
-        """Feed the step's metrics (loss, rollout, prepare's): KL controller, IPA schedule, alarms.
-        Returns the alarm decision; ``stab_metrics()`` has the controllers' state to log."""
+        """Feed the step's metrics (loss, rollout, prepare's): KL controller, IPA schedule, alarms,
+        stall guard.  Returns their merged decision (stop wins; a rollback of either spends the
+        alarm's budget); ``stab_metrics()`` has the controllers' state to log."""
         if self.cfg.kl.enabled:  # a missing signal counts as skipped (stab/kl_skipped), never silently
             self.kl.update(float(metrics.get(self.cfg.kl.signal, float("nan"))))
         if self.cfg.ipa.enabled and self.cfg.ipa.mode == "sequential":
             self.ipa.advance(success_rate)
-        if not self.cfg.monitors.enabled:
-            return Decision()
-        return self.alarm.observe(metrics)
+        dec = self.alarm.check(metrics) if self.cfg.monitors.enabled else Decision()
+        # the stall guard runs with the monitors off too: it is on by default
+        return self.alarm.charge(dec.merge(self.stall.observe(metrics, success_rate)))
 
     def stab_metrics(self) -> dict:
         out = dict(self.curriculum.metrics())
+        out.update(self.stall.metrics())
         if self.cfg.kl.enabled:
             out.update(self.kl.metrics())
         if self.cfg.ipa.enabled:
             out.update(self.ipa.metrics())
-        if self.cfg.monitors.enabled:
+        if self.cfg.monitors.enabled or self.cfg.stall.action == "rollback":  # either can spend the budget
             out["stab/rollbacks"] = self.alarm.rollbacks
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"curriculum": self.curriculum.state_dict(), "kl": self.kl.state_dict(),
-                "ipa": self.ipa.state_dict(), "alarm": self.alarm.state_dict()}
+                "ipa": self.ipa.state_dict(), "alarm": self.alarm.state_dict(), "stall": self.stall.state_dict()}
 
     def load_state_dict(self, s: dict) -> None:
         """Restore (resume or rollback); the alarm's rollback count never goes back."""
@@ -131,3 +135,5 @@ class Stabilizers:
         self.kl.load_state_dict(s["kl"])
         self.ipa.load_state_dict(s["ipa"])
         self.alarm.load_state_dict(s["alarm"])
+        if "stall" in s:  # checkpoints from before the stall guard have none: the streak starts at 0
+            self.stall.load_state_dict(s["stall"])

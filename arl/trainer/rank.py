@@ -127,6 +127,7 @@ class TrainerRank:
         self.log = self.link = self.stab = self.tr = self.sync = None
         self.batches, self.orders = batches, orders
         self.start_step, self.success, self.finished = 0, None, False
+        self.decision = None  # rank 0: the stabilizers' decision of the last step
 
     # ------------------------------------------------------------ set-up
     def setup(self, demos: list, resume: bool, sync_addr: Optional[tuple]) -> None:
@@ -190,11 +191,15 @@ class TrainerRank:
                 if last is not None:  # model + optimizer back to the last checkpoint; versions keep counting
                     self._restore(last, restore_clock=False)
                     self.sync_weights(version)
+                if self.rank == 0:  # the alarm's or the stall guard's reason, one line
+                    what = (f"rolled back at step {version} to the step {last} checkpoint" if last is not None
+                            else f"no checkpoint to roll back to at step {version}, going on")
+                    print(f"arl.train: {what}: {self.decision.reason}", flush=True)
             if out_of_time:
                 break
 
     def step(self, step: int):
-        """One RL step; returns ``(alarm action, out of time)``, the same on every rank."""
+        """One RL step; returns ``(stabilizers' action, out of time)``, the same on every rank."""
         ts = time.perf_counter()
         faults.step_started(step + 1)
         mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
@@ -217,8 +222,11 @@ class TrainerRank:
             decision = self.stab.after_step(version, rec, self.success)
             rec.update(self.stab.stab_metrics())
             self.log.add(version, rec, self.wall())
-            if decision.action == "stop":
-                print(f"arl.train: stopped by the behaviour alarm at step {version}: {decision.reason}")
+            self.decision = decision  # train() prints a rollback's reason
+            for note in decision.notes:
+                print(f"arl.train: step {version}: {note}", flush=True)
+            if decision.action == "stop":  # the alarm's or the stall guard's reason, one line
+                print(f"arl.train: stopped at step {version}: {decision.reason}", flush=True)
         action = broadcast_from_rank0(decision.action if decision is not None else "continue", self.rank)
         if version % self.cfg.trainer.checkpoint_every == 0 or version == self.steps or out_of_time:
             self.checkpoint(version)
