@@ -14,7 +14,8 @@ evaluation of the start policy (step 0), so engine start-up and the replayed war
 counted.  Per method: held-out greedy success vs step and wall (mean and min/max over seeds),
 wall and step to 50% and 80%, collapse events, trained tokens/s.  A *collapse event* is an
 evaluation that falls 0.3 or more below the run's best success so far, after that best reached
-0.5; consecutive such evaluations count as one event.
+0.5 (consecutive such evaluations count as one event), or a run that the stall guard or an alarm
+stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps).
 
     python bench/bench_methods.py --quick                         # 2 methods, 1 rate, a few steps
     python bench/bench_methods.py --out runs/methods              # the table (hours on 2 cores)
@@ -174,6 +175,9 @@ def summarize_run(out: Path) -> dict:
            "success_mean": sum(v for *_, v in evals) / len(evals) if evals else float("nan"),
            "train_tokens_per_s": sum(tps) / len(tps) if tps else float("nan"),
            "collapses": collapse_events([v for *_, v in evals])}
+    stop = next((r["step"] for r in recs if r.get("stab/stopped")), None)
+    res["stopped_at_step"] = stop  # the stall guard or an alarm ended the run: counted as a collapse
+    res["collapses"] += stop is not None
     for th in THRESHOLDS:
         hit = next(((s, w) for s, w, v in evals if v >= th), None)
         res[f"step_to_{int(th * 100)}"] = hit[0] if hit else None

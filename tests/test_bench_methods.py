@@ -39,9 +39,19 @@ def test_summarize_run_thresholds(tmp_path):
     assert r["success_start"] == 0.1 and r["success_end"] == 0.9 and r["success_best"] == 0.9
     assert r["success_mean"] == pytest.approx(sum([0.1, 0.3, 0.55, 0.85, 0.4, 0.9]) / 6)
     assert r["collapses"] == 1 and r["train_tokens_per_s"] == pytest.approx(1002.5)
+    assert r["stopped_at_step"] is None
     _run(tmp_path / "never", [0.0, 0.2])
     r = bm.summarize_run(tmp_path / "never")
     assert r["wall_to_50"] is None and r["step_to_80"] is None
+
+
+def test_a_stopped_run_counts_as_a_collapse(tmp_path):
+    """The stall guard's stop (``stab/stopped`` in the step's record) is a collapse event."""
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False) as lg:
+        lg.log(0, {"success/heldout": 0.1}, wall_s=0.0)
+        lg.log(29, {"stab/stopped": 1.0, "stab/no_signal_streak": 20}, wall_s=100.0)
+    r = bm.summarize_run(tmp_path)
+    assert r["stopped_at_step"] == 29 and r["collapses"] == 1
 
 
 def test_method_row_spread(tmp_path):

@@ -221,6 +221,8 @@ class TrainerRank:
                    **{f"train/{k}": v for k, v in m.items()}, **extra}
             decision = self.stab.after_step(version, rec, self.success)
             rec.update(self.stab.stab_metrics())
+            if decision.action == "stop":  # in the record too: a table reading metrics.jsonl sees why it ended
+                rec["stab/stopped"] = 1.0
             self.log.add(version, rec, self.wall())
             self.decision = decision  # train() prints a rollback's reason
             for note in decision.notes:
