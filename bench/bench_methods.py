@@ -23,7 +23,12 @@ stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps).
 
 ``--resume`` reads the runs already finished in ``--out`` (their ``metrics.jsonl`` and the
 ``run.json`` written when the run ended) instead of running them again, so the table can be built
-over several sessions; each run records its own date, commit and load average.  The last stdout
+over several sessions; each run records its own date, commit and load average.  ``--light``
+deletes a finished run's weights (checkpoints, HF export, snapshots, TensorBoard) and keeps its
+records, so ``--out`` stays small enough to commit (the SFT start's HF export is kept: every later
+run starts from it):
+
+    python bench/bench_methods.py --out bench/results/methods --resume --light  The last stdout
 line is the JSON of the table; ``table.json`` and ``curves.png`` (``arl.plot``: mean and spread
 per method) are written into ``--out``.
 """
@@ -157,6 +162,18 @@ def run_method(name: str, config: str, start: Path, out: Path, lr: float, seed: 
         "elapsed_s": time.time() - t0}))
 
 
+HEAVY = ("checkpoints", "hf", "snapshots", "tb", "wandb", "reference")  # what --light deletes from a run
+
+
+def prune_run(out: Path) -> None:
+    """A finished run's records only (``metrics.jsonl``, ``run.json``, ``config.json``)."""
+    import shutil
+
+    for name in HEAVY:
+        if (out / name).exists():
+            shutil.rmtree(out / name)
+
+
 def summarize_run(out: Path) -> dict:
     """One finished run's figures from its ``metrics.jsonl``."""
     from arl.metrics.logger import read_metrics
@@ -259,6 +276,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="run directories and table.json (default: a temp dir)")
     ap.add_argument("--resume", action="store_true", help="read runs already finished in --out")
     ap.add_argument("--quick", action="store_true", help="2 methods, 1 rate, 1 seed, a few steps: the harness")
+    ap.add_argument("--light", action="store_true", help="delete each finished run's weights, keep its records")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (the SFT start too)")
     args = ap.parse_args()
@@ -293,6 +311,8 @@ def main() -> None:
 
                 shutil.rmtree(out)  # an unfinished run: its metrics would mix with the new one's
             run_method(name, args.config, start, out, lr, seed, args.wall, common, sft_wall, eval_every)
+            if args.light:
+                prune_run(out)
         r = summarize_run(out)
         r["dir"] = str(out)
         print(f"[methods] {name} lr={lr:g} seed={seed}: success {r['success_start']:.3f} -> "

@@ -75,3 +75,13 @@ def test_method_overrides_are_valid_config(name):
     cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [*m.overrides, "sft.enabled=false"])
     assert cfg.stabilizers.turn_credit.enabled == ("turn_credit" in name)
     assert cfg.critic.enabled == ("critic" in name)
+
+
+def test_prune_run_keeps_the_records(tmp_path):
+    _run(tmp_path, [0.1, 0.5])
+    for d in ("checkpoints/step5/hf", "hf", "tb", "snapshots/sft10"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "model.safetensors").write_bytes(b"0" * 64)
+    bm.prune_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "run.json"]
+    assert bm.summarize_run(tmp_path)["success_end"] == 0.5
