@@ -146,17 +146,28 @@ def sft_start(out: Path, common: list) -> tuple:
     return hf, round(time.perf_counter() - t0, 1)
 
 
-def run_arl(out: Path, common: list, start: Path, budget_s: float, ckpt_every: int) -> dict:
+def run_arl(out: Path, common: list, start: Path, budget_s: float, ckpt_every: int, reuse: bool = False) -> dict:
     from arl.config import load_config
     from arl.launch import launch
-    from arl.metrics.logger import read_metrics
 
+    done = out / "bench_run.json"  # written when the run ended: --reuse reads it instead of running again
+    if reuse and done.is_file() and (out / "metrics.jsonl").is_file():
+        return summarize_arl(out, start, **json.loads(done.read_text()))
     load0 = uptime()
     cfg = load_config(CONFIG, [f"output_dir={out}", "logging.progress=false", *common, f"model.name_or_path={start}",
                                "sft.enabled=false", "trainer.steps=100000", f"trainer.max_wall_s={budget_s}",
                                f"trainer.checkpoint_every={ckpt_every}", "trainer.checkpoint_hf=true",
                                "env.eval_tasks=0"])  # evaluated afterwards, off the clock
     launch(cfg)
+    loads = {"uptime_before": load0, "uptime_after": uptime()}
+    done.write_text(json.dumps(loads))
+    return summarize_arl(out, start, **loads)
+
+
+def summarize_arl(out: Path, start: Path, uptime_before: str, uptime_after: str) -> dict:
+    """A finished arl run's snapshots (its checkpoints' HF exports) and training figures."""
+    from arl.metrics.logger import read_metrics
+
     recs = read_metrics(out / "metrics.jsonl")
     wall = {r["step"]: r["wall_s"] for r in recs if "wall_s" in r}
     snaps = [{"step": 0, "wall_s": 0.0, "dir": str(start)}]
@@ -170,7 +181,7 @@ def run_arl(out: Path, common: list, start: Path, budget_s: float, ckpt_every: i
     return {"snapshots": snaps, "steps": len(steps), "wall_s": end, "trained_tokens": tokens,
             "trained_tokens_per_s": tokens / end if end else float("nan"),
             "trainer_tokens_per_s_mean": sum(r["perf/train_tokens_per_s"] for r in steps) / max(len(steps), 1),
-            "uptime_before": load0, "uptime_after": uptime()}
+            "uptime_before": uptime_before, "uptime_after": uptime_after}
 
 
 def run_trl(out: Path, common: list, start: Path, lr: float, budget_s: float, max_steps: int,
@@ -258,7 +269,7 @@ def part_trl(args) -> dict:
     if args.quick:
         common += ["rollout.tasks_per_step=4", "sft.steps=10", "sft.episodes=32"]
     start, sft_wall = (Path(args.start), None) if args.start else sft_start(out, common)
-    runs = {"arl": run_arl(out / "arl", common, start, args.budget_s, args.arl_ckpt_every)}
+    runs = {"arl": run_arl(out / "arl", common, start, args.budget_s, args.arl_ckpt_every, args.reuse)}
     print(f"arl: {runs['arl']['steps']} steps in {runs['arl']['wall_s']:.0f} s", flush=True)
     for lr in args.trl_lrs:
         name = f"trl_lr{lr:g}"
@@ -337,6 +348,8 @@ def main() -> None:
     ap.add_argument("--trl-max-steps", type=int, default=200, help="TRL max_steps (its linear lr decay reaches 0 there)")
     ap.add_argument("--trl-snap-every-s", type=float, default=None, help="TRL snapshot interval (default 20 s, --quick 5)")
     ap.add_argument("--arl-ckpt-every", type=int, default=None, help="arl checkpoint interval in steps (default 5)")
+    ap.add_argument("--reuse", action="store_true", help="TRL part: read the arl run already finished in --out "
+                                                          "(its bench_run.json) instead of running it again")
     ap.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (default 64, --quick 8)")
     args = ap.parse_args()
     q = args.quick

