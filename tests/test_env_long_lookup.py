@@ -358,3 +358,19 @@ def test_bad_mark_and_order_arguments_fail_with_one_line(kwargs, msg):
     with pytest.raises(ValueError, match=msg) as e:
         LongLookupEnv(**kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_each_turn_after_a_mark_is_counted_checked_or_not():
+    env = LongLookupEnv(**MARKED)
+    seed = next(s for s in range(100) if run(env.reset(s)) and len(env.marked) >= 2)
+    first, second = env.marked[:2]
+    turns = []
+    for j, k in enumerate(env.chain):
+        if j == first:  # check the first marked key, not the second
+            turns.append(format_tool_call("peek", {"key": k}))
+        turns.append(lookup(k))
+    res = run(play(env, seed, turns + [format_answer(env.value)]))
+    counts = [r.info.get("counts") for r in res if r.info.get("counts") and "mark_seen" in r.info["counts"]]
+    assert counts == [{"mark_seen": 1, "mark_checked": True}] + [{"mark_seen": 1, "mark_checked": False}] * (
+        len(env.marked) - 1)
+    assert res[-1].reward == 1.0  # one check fits the spare turn

@@ -43,7 +43,9 @@ it play the run's own forks (it follows ``go``), and ``fork_order: go_last`` alw
 way second.  Its demonstrations all succeed (its tasks get the spare turns its checks need), but an
 imitation of them checks every mark greedily (the habit's probability is above one half), and a run
 task's one spare turn pays for one check: a task with two marks or more fails.  More SFT only fits
-the habit; dropping the checks has to come from RL, and the turn that costs is one of ~15.
+the habit; dropping the checks has to come from RL, and the turn that costs is one of ~15.  The turn
+after each marked key is counted (``env/mark_seen``, ``env/mark_checked`` per step): the habit's
+rate in every run's metrics.
 
 Deterministic: the task depends on ``seed`` only (``reset(seed, sample=...)`` takes ``sample`` for
 the rollout's API; nothing here is random per sample).  Training seeds count up from 0, held-out
@@ -192,6 +194,7 @@ class LongLookupEnv(Environment):
         self.chain, self.seed, self.budget = chain, seed, hops + 1 + self.slack
         self.turns, self._active, self._looked_up, self._revealed = 0, True, set(), {chain[0]}
         self._fork = None  # the (go, no, go_first) ways the last observation showed, if a fork
+        self._mark = False  # the last observation showed a marked key
         return f"Find the value for {chain[0]}."
 
     def expert_turns(self) -> Optional[List[str]]:
@@ -228,6 +231,9 @@ class LongLookupEnv(Environment):
         if ways:  # the turn right after a fork: which way it took (logged as env/fork_*)
             took = turn.arguments.get("key") if turn.kind == "tool" and turn.tool == "lookup" else None
             info["counts"] = {"fork_seen": 1, "fork_go": took == ways[0], "fork_no": took == ways[1]}
+        marked, self._mark = self._mark, False
+        if marked:  # the turn right after a marked key: checked it first, or not (env/mark_*)
+            info["counts"] = {"mark_seen": 1, "mark_checked": turn.kind == "tool" and turn.tool == "peek"}
         if turn.kind == "answer":
             correct = turn.answer == self.value and self.value in self._revealed
             return self._end("done", 1.0 if correct else 0.0, info, correct=correct)
@@ -246,6 +252,7 @@ class LongLookupEnv(Environment):
             # progress for turn credit: a chain key looked up for the first time reveals the next one
             info["new_state"] = shown and key in self.chain and key not in self._looked_up
             self._fork = fork_ways(obs)
+            self._mark = obs.endswith(f" {MARK}")
             info["fork"] = self._fork is not None
             info["dead_end"] = obs == DEAD_END
             if shown:
