@@ -54,6 +54,7 @@ Malformed turns get an ``error: ...`` observation and use a turn; nothing raises
 """
 from __future__ import annotations
 
+import inspect
 import random
 from typing import List, Optional
 
@@ -140,7 +141,7 @@ class LongLookupEnv(Environment):
         if d is not None:
             out.update(min_forks=d, max_forks=d)
         if out.get("demo_checks"):
-            longest = out.get("max_hops", 16) + 1
+            longest = out.get("max_hops", inspect.signature(cls).parameters["max_hops"].default) + 1
             out.update(checks=out["demo_checks"],
                        slack=max(out.get("slack", 1), (out.get("max_turns") or longest + 1) - longest))
         return out

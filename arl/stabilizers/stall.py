@@ -38,11 +38,8 @@ class StallGuard:
             self._reset()
             return Decision()
         self.streak += 1
-        values = dict(metrics)
-        if "success/train" not in values and success_rate is not None:
-            values["success/train"] = success_rate
         for k in _MEANS:
-            v = values.get(k)
+            v = metrics.get(k, success_rate if k == "success/train" else None)
             if v is not None and math.isfinite(float(v)):
                 s = self.sums.setdefault(k, [0.0, 0])
                 s[0], s[1] = s[0] + float(v), s[1] + 1
