@@ -2,7 +2,9 @@
 fork-free chains, and what its call is right after a fork (the ``go`` key, the ``no`` key, or
 anything else, malformed calls included), and how its sampling policy splits between the two keys
 of a fork on the expert's path (``fork_sampling``), and each failed episode's first wrong turn by
-kind (``first_error``: a copy slip, a repeat, a distractor, a malformed call, ...).
+kind (``first_error``: a copy slip, a repeat, a distractor, a malformed call, ...), and, on a
+task with marks, how often the turn after a marked key checks it (``after_mark``) and the sampling
+policy's chance of that check on the expert's path (``mark_sampling``).
 
     python bench/probe_long_lookup.py runs/cal/lh_sft/snapshots/sft500 --tasks 32
     python bench/probe_long_lookup.py MODEL_DIR --quick
@@ -65,7 +67,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
 
     from arl.config import load_config
     from arl.data.tasks import EVAL_SEED_BASE
-    from arl.env.long_lookup import LongLookupEnv, fork_ways
+    from arl.env.long_lookup import MARK, LongLookupEnv, fork_ways
     from arl.env.toolcall import parse_turn
     from arl.rollout.episode import ChatFormat, run_episode
     from arl.rollout.worker import episode_config, run_engine
@@ -77,6 +79,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     try:
         for name, kw in FAMILIES.items():
             after, order, letter, first_err, wins, won_after_no = Counter(), Counter(), Counter(), Counter(), [], [0]
+            marks = Counter()
 
             async def one(i):
                 env = LongLookupEnv(**{**cfg.env.kwargs, **kw}, max_turns=cfg.env.max_turns)
@@ -102,6 +105,9 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
                         # did it follow go, and was go listed first: a positional habit shows here
                         order[f"{what}|go_{'first' if go_first else 'second'}"] += 1
                         letter[f"{what}|go_{go_key[0]}"] += 1  # a letter habit shows here
+                    if isinstance(last[0], str) and last[0].endswith(f" {MARK}"):  # this turn follows a mark
+                        marks["seen"] += 1
+                        marks["checked"] += t.kind == "tool" and t.tool == "peek"
                     res = await step(text)
                     last[0] = res.observation
                     return res
@@ -114,7 +120,7 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
             await asyncio.gather(*(one(i) for i in range(n)))
             out[name] = {"tasks": n, "success": sum(wins) / n, "after_fork": dict(after),
                          "after_fork_by_order": dict(order), "after_fork_by_letter": dict(letter), "won_after_a_no": won_after_no[0],
-                         "first_error": dict(first_err)}
+                         "first_error": dict(first_err), "after_mark": dict(marks)}
     finally:
         await engine.close()
     return out
@@ -147,7 +153,7 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
             lp = torch.log_softmax(lm(ids).logits[0, :-1].float() / temp, -1)
         return float(lp[len(ctx) - 1:].gather(1, ids[0, len(ctx):, None]).sum())
 
-    p_go, p_first = [], []
+    p_go, p_first, p_check = [], [], []
     for i in range(n):
         env = LongLookupEnv(**cfg.env.kwargs, max_turns=cfg.env.max_turns)
         ep = Episode(env, fmt, EpisodeConfig(max_turns=cfg.env.max_turns,
@@ -162,9 +168,15 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
                 p = 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
                 p_go.append(p)
                 p_first.append(p if go_first else 1.0 - p)
-    return {"forks": len(p_go), "temperature": temp, "p_go_mean": statistics.mean(p_go),
-            "p_first_listed_mean": statistics.mean(p_first),
-            "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go)}
+            if k + 1 in env.marked:  # the observation shows chain key k+1 marked: check it, or look it up
+                key = env.chain[k + 1]
+                a, b = (logp(ep.tokens, fmt.encode(format_tool_call(tool, {"key": key}))) for tool in ("peek", "lookup"))
+                p_check.append(1.0 / (1.0 + math.exp(min(b - a, 700.0))))
+    mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731 (a family may have no forks or marks)
+    return {"forks": len(p_go), "temperature": temp, "p_go_mean": mean(p_go),
+            "p_first_listed_mean": mean(p_first),
+            "forks_sampling_both_1pct": sum(0.01 < p < 0.99 for p in p_go),
+            "marks": len(p_check), "p_check_mean": mean(p_check)}
 
 
 def sighted_sft(config: str, model: str, steps: int, lr: float, n: int, every: int = 50,
@@ -211,7 +223,7 @@ def sighted_sft(config: str, model: str, steps: int, lr: float, n: int, every: i
                 fs = asyncio.run(fork_probs(config, tmp, n, overrides))
                 curve.append({"step": step, "nll_per_token": round(float(loss), 5), "p_go_mean": fs["p_go_mean"],
                               "p_first_listed_mean": fs["p_first_listed_mean"]})
-                print(f"sighted SFT step {step}: nll/token {float(loss):.4f}  P(go) {fs['p_go_mean']:.3f}",
+                print(f"sighted SFT step {step}: nll/token {float(loss):.4f}  P(go) {fs['p_go_mean']}",
                       file=sys.stderr, flush=True)
     return curve
 
