@@ -35,7 +35,8 @@ cannot change that (the demonstrator's choice is independent of ``go``).  RL has
 0: plain chains, which teach no fork at all).  The expert itself (``expert_turns`` on a run's task,
 also IPA's resampling anchors) solves every task, forks included.
 
-*Marks and checks* (the form ``configs/long_horizon_cpu.yaml`` runs; docs/design.md 1.8 says why).
+*Marks and checks* (the form ``configs/long_horizon_cpu.yaml`` runs, with no forks; docs/design.md 1.8
+says why).
 With ``marks`` a lookup shows some chain keys with a mark (``k47 ?``: the fraction ``marks`` of the
 keys not shown by a fork), and with ``demo_checks`` the demonstrator has a habit: it checks a marked
 key with a needless ``peek`` before looking it up, with that probability; ``demo_blind: false`` lets
