@@ -4,7 +4,7 @@ anything else, malformed calls included), and how its sampling policy splits bet
 of a fork on the expert's path (``fork_sampling``), and each failed episode's first wrong turn by
 kind (``first_error``: a copy slip, a repeat, a distractor, a malformed call, ...), and, on a
 task with marks, how often the turn after a marked key checks it (``after_mark``) and the sampling
-policy's chance of that check on the expert's path (``mark_sampling``).
+policy's chance of that check on the expert's path (``p_check_mean`` in ``fork_sampling``).
 
     python bench/probe_long_lookup.py runs/cal/lh_sft/snapshots/sft500 --tasks 32
     python bench/probe_long_lookup.py MODEL_DIR --quick
@@ -126,10 +126,16 @@ async def probe(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     return out
 
 
+def first_of_two(a: float, b: float) -> float:
+    """The chance of the first of two continuations with log-probs ``a`` and ``b``, between the two."""
+    return 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
+
+
 async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> dict:
     """The sampling policy at forks: on the expert's path through ``n`` held-out tasks, the chance
     (at the rollout temperature, between the two keys) that the model's call takes the go key, and
-    the first-listed key.  A start that never samples one of the two cannot learn from comparing them."""
+    the first-listed key, and at each marked key the chance of checking it (``peek``) rather than looking
+    it up.  A start that never samples one of the two cannot learn from comparing them."""
     import statistics
 
     import torch
@@ -165,13 +171,13 @@ async def fork_probs(config: str, model: str, n: int, overrides: tuple = ()) -> 
             if k in env.forks:
                 go_key, no_key, go_first = fork_ways(env.table[env.chain[k]])
                 a, b = (logp(ep.tokens, fmt.encode(format_tool_call("lookup", {"key": w}))) for w in (go_key, no_key))
-                p = 1.0 / (1.0 + math.exp(min(b - a, 700.0)))
+                p = first_of_two(a, b)
                 p_go.append(p)
                 p_first.append(p if go_first else 1.0 - p)
             if k + 1 in env.marked:  # the observation shows chain key k+1 marked: check it, or look it up
                 key = env.chain[k + 1]
                 a, b = (logp(ep.tokens, fmt.encode(format_tool_call(tool, {"key": key}))) for tool in ("peek", "lookup"))
-                p_check.append(1.0 / (1.0 + math.exp(min(b - a, 700.0))))
+                p_check.append(first_of_two(a, b))
     mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731 (a family may have no forks or marks)
     return {"forks": len(p_go), "temperature": temp, "p_go_mean": mean(p_go),
             "p_first_listed_mean": mean(p_first),
