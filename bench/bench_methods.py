@@ -245,13 +245,17 @@ def method_row(name: str, lr: float, runs: list) -> dict:
     return row
 
 
+def _fmt(s: dict, fmt: str = "{:.2f}") -> str:
+    """``mean [min-max]`` over seeds, ``mean`` for one, ``-`` for none."""
+    if s["mean"] is None:
+        return "-"
+    if s["n"] > 1:
+        return (fmt + " [" + fmt + "-" + fmt + "]").format(s["mean"], s["min"], s["max"])
+    return fmt.format(s["mean"])
+
+
 def print_table(rows: list) -> None:
-    def f(s: dict, fmt="{:.2f}") -> str:
-        if s["mean"] is None:
-            return "-"
-        if s["n"] > 1:
-            return (fmt + " [" + fmt + "-" + fmt + "]").format(s["mean"], s["min"], s["max"])
-        return fmt.format(s["mean"])
+    f = _fmt
 
     def reach(r: dict, key: str) -> str:
         s = r[key]
@@ -263,6 +267,34 @@ def print_table(rows: list) -> None:
         print(f"{r['method']:24} {r['lr']:8.1e} {len(r['seeds']):>5}  {f(r['success_start']):>5}  "
               f"{f(r['success_end']):>22}  {reach(r, 'wall_to_50'):>16}  {reach(r, 'wall_to_80'):>16}  "
               f"{r['collapses']}")
+
+
+def markdown_table(rows: list, grid: dict) -> str:
+    """The table as Markdown (for the README): one row per method at its chosen rate, then the
+    rate grid (seed 0) that chose it."""
+    out = ["| method | lr | seeds | held-out end | mean over evals | wall to 50% (s) | wall to 80% (s) "
+           "| step to 80% | collapses | train tok/s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def reach(key, fmt="{:.0f}"):
+            return f"{_fmt(r[key], fmt)} ({r[key]['reached']}/{len(r['seeds'])})"
+
+        out.append(f"| {r['method']} | {r['lr']:g} | {len(r['seeds'])} | {_fmt(r['success_end'])} "
+                   f"| {_fmt(r['success_mean'])} | {reach('wall_to_50')} | {reach('wall_to_80')} "
+                   f"| {reach('step_to_80')} | {r['collapses']} | {_fmt(r['train_tokens_per_s'], '{:.0f}')} |")
+    out += ["", "| method | " + " | ".join(f"lr {lr:g}: mean, end, wall to 80%" for lr in
+                                            sorted({lr for g in grid.values() for lr in g})) + " |"]
+    lrs = sorted({lr for g in grid.values() for lr in g})
+    out.append("|---|" + "---|" * len(lrs))
+    for m, g in grid.items():
+        cells = []
+        for lr in lrs:
+            r = g.get(lr)
+            cells.append("" if r is None else
+                         f"{r['success_mean']:.2f}, {r['success_end']:.2f}, {r['wall_to_80'] if r['wall_to_80'] is not None else '-'}"
+                         + (f", {r['collapses']} collapse" if r["collapses"] else ""))
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:
@@ -331,11 +363,12 @@ def main() -> None:
 
     from arl.plot import plot_groups
 
-    png = plot_groups({m: [r["dir"] for r in runs[m]] for m in order}, base / "curves.png", key="success/heldout",
-                      x="wall")
+    groups = {m: [r["dir"] for r in runs[m]] for m in order}
+    png = plot_groups(groups, base / "curves.png", key="success/heldout", x="wall")
+    png_step = plot_groups(groups, base / "curves_step.png", key="success/heldout", x="step")
     table = {"bench": "methods", "quick": args.quick, "config": args.config, "wall_budget_s": args.wall,
              "lrs": lrs, "sft_lrs": sft_lrs, "seeds": seeds, "top": args.top, "date": time.strftime("%Y-%m-%d"),
-             "commit": _git_commit(), "nproc": os.cpu_count(), "png": str(png),
+             "commit": _git_commit(), "nproc": os.cpu_count(), "png": str(png), "png_step": str(png_step),
              "grid": {m: {f"{lr:g}": {k: v for k, v in g[lr].items() if k != "curve"} for lr in g}
                       for m, g in grid.items()},
              "rows": rows,
@@ -343,6 +376,7 @@ def main() -> None:
                         for m in order}}
     table = _clean(table)
     (base / "table.json").write_text(json.dumps(table, indent=1))
+    (base / "table.md").write_text(markdown_table(rows, grid))
     print(json.dumps(table))
 
 

@@ -65,6 +65,10 @@ def test_method_row_spread(tmp_path):
     assert row["wall_to_80"]["reached"] == 2 and row["wall_to_80"]["mean"] == pytest.approx(15.0)
     assert row["wall_to_50"]["reached"] == 3
     bm.print_table([row])  # renders without error
+    md = bm.markdown_table([row], {"ipa_turn_credit": {4e-4: runs[0], 8e-4: runs[1]}}).splitlines()
+    assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.48 [0.27-0.63] | 13 [10-20] (3/3) "
+                     "| 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 1001 [1001-1001] |")
+    assert md[-1] == "| ipa_turn_credit | 0.53, 0.90, 20.0 | 0.27, 0.50, - |"
     assert json.loads(json.dumps(bm._clean({"a": float("nan"), "b": [float("inf"), 1.0]}))) == {"a": None, "b": [None, 1.0]}
 
 
