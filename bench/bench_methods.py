@@ -3,9 +3,10 @@
 Every run starts from the same SFT checkpoint (made once, first, by ``arl.train`` with
 ``trainer.steps=0``) and gets the same wall budget (``trainer.max_wall_s``, default 900 s); only
 the method's own keys differ (``METHODS``).  Phase 1 (grid): every method at every learning rate
-of ``--lrs``, seed 0; each method's best rate is the one with the largest mean held-out success
-over its evaluations (every ``trainer.eval_every`` steps: about the area under its success-vs-step
-curve, so a fast riser beats a late one; ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best RL methods again at their
+of ``--lrs``, seed 0; each method's best rate is the one with the largest held-out success
+averaged over the wall budget (``success_auc``: each evaluation's figure held until the next, the
+last to the budget's end, so a fast riser beats a late one and a run stopped early keeps its last
+figure; ties go to the higher final success).  Phase 2 (seeds): the ``--top`` best RL methods again at their
 best rate for every seed of ``--seeds``; the other methods keep their one seed (the table says
 which).  Continued SFT (``bench/sft_continue.py``) replays the same warm start and goes on with
 its own learning rate, optimizer state and draws: it runs once (seed 0, no rate grid; either would
@@ -15,7 +16,8 @@ counted.  Per method: held-out greedy success vs step and wall (mean and min/max
 wall and step to 50% and 80%, collapse events, trained tokens/s.  A *collapse event* is an
 evaluation that falls 0.3 or more below the run's best success so far, after that best reached
 0.5 (consecutive such evaluations count as one event), or a run that the stall guard or an alarm
-stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps).
+stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps), unless its last
+evaluation was already inside such an event (one collapse, counted once).
 
     python bench/bench_methods.py --quick                         # 2 methods, 1 rate, a few steps
     python bench/bench_methods.py --out runs/methods              # the table (hours on 2 cores)
@@ -185,7 +187,9 @@ def summarize_run(out: Path) -> dict:
         w0 = evals[0][1]
         evals = [(s, w - w0, v) for s, w, v in evals]
     tps = [r["perf/train_tokens_per_s"] for r in recs if r.get("perf/train_tokens_per_s") is not None]
+    meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     res = {"curve": [{"step": s, "wall_s": round(w, 1), "success": v} for s, w, v in evals],
+           "success_auc": success_auc(evals, meta.get("wall_budget_s")),
            "success_start": evals[0][2] if evals else float("nan"),
            "success_end": evals[-1][2] if evals else float("nan"),
            "success_best": max((v for *_, v in evals), default=float("nan")),
@@ -193,16 +197,34 @@ def summarize_run(out: Path) -> dict:
            "train_tokens_per_s": sum(tps) / len(tps) if tps else float("nan"),
            "collapses": collapse_events([v for *_, v in evals])}
     stop = next((r["step"] for r in recs if r.get("stab/stopped")), None)
-    res["stopped_at_step"] = stop  # the stall guard or an alarm ended the run: counted as a collapse
-    res["collapses"] += stop is not None
+    res["stopped_at_step"] = stop  # the stall guard or an alarm ended the run: a collapse, unless the
+    res["collapses"] += stop is not None and not _inside_collapse([v for *_, v in evals])  # evals had it
     for th in THRESHOLDS:
         hit = next(((s, w) for s, w, v in evals if v >= th), None)
         res[f"step_to_{int(th * 100)}"] = hit[0] if hit else None
         res[f"wall_to_{int(th * 100)}"] = round(hit[1], 1) if hit else None
-    meta = out / "run.json"
-    if meta.is_file():
-        res["run"] = json.loads(meta.read_text())
+    if meta:
+        res["run"] = meta
     return res
+
+
+def success_auc(evals: list, budget: Optional[float] = None) -> float:
+    """Held-out success averaged over the wall budget: each evaluation's figure holds until the next,
+    the last one to the budget's end (a run stopped early keeps its last figure, so it cannot rank
+    above one that ran on at the same level); without a budget, to the last evaluation."""
+    if not evals:
+        return float("nan")
+    end = max(float(budget), evals[-1][1]) if budget else evals[-1][1]
+    if end <= 0:
+        return evals[-1][2]
+    area = sum(v * (min(evals[i + 1][1], end) - w) for i, (_, w, v) in enumerate(evals[:-1]))
+    return (area + evals[-1][2] * (end - evals[-1][1])) / end
+
+
+def _inside_collapse(successes: list) -> bool:
+    """The last evaluation is down in a collapse event (``collapse_events``'s rule)."""
+    best = max(successes[:-1], default=0.0)
+    return bool(successes) and best >= COLLAPSE_AFTER and successes[-1] <= best - COLLAPSE_DROP + 1e-9
 
 
 def collapse_events(successes: list) -> int:
@@ -218,7 +240,7 @@ def collapse_events(successes: list) -> int:
 
 # ------------------------------------------------------------------ the table
 def _rank_key(r: dict):
-    mean = r["success_mean"] if math.isfinite(r["success_mean"]) else -1.0
+    mean = r["success_auc"] if math.isfinite(r["success_auc"]) else -1.0
     end = r["success_end"] if math.isfinite(r["success_end"]) else -1.0
     return (mean, end)
 
@@ -234,7 +256,7 @@ def method_row(name: str, lr: float, runs: list) -> dict:
     """Mean and spread over the seeds of one method at its chosen rate; a threshold a seed never
     reached counts as not reached (``reached`` says how many did)."""
     row = {"method": name, "doc": METHODS[name].doc, "lr": lr, "seeds": [r["run"]["seed"] for r in runs if "run" in r]}
-    for k in ("success_start", "success_end", "success_best", "success_mean", "train_tokens_per_s"):
+    for k in ("success_start", "success_end", "success_best", "success_mean", "success_auc", "train_tokens_per_s"):
         row[k] = _spread([r[k] for r in runs])
     for th in THRESHOLDS:
         for unit in ("wall", "step"):
@@ -272,7 +294,7 @@ def print_table(rows: list) -> None:
 def markdown_table(rows: list, grid: dict) -> str:
     """The table as Markdown (for the README): one row per method at its chosen rate, then the
     rate grid (seed 0) that chose it."""
-    out = ["| method | lr | seeds | held-out end | mean over evals | wall to 50% (s) | wall to 80% (s) "
+    out = ["| method | lr | seeds | held-out end | over the budget | wall to 50% (s) | wall to 80% (s) "
            "| step to 80% | collapses | train tok/s |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -280,9 +302,9 @@ def markdown_table(rows: list, grid: dict) -> str:
             return f"{_fmt(r[key], fmt)} ({r[key]['reached']}/{len(r['seeds'])})"
 
         out.append(f"| {r['method']} | {r['lr']:g} | {len(r['seeds'])} | {_fmt(r['success_end'])} "
-                   f"| {_fmt(r['success_mean'])} | {reach('wall_to_50')} | {reach('wall_to_80')} "
+                   f"| {_fmt(r['success_auc'])} | {reach('wall_to_50')} | {reach('wall_to_80')} "
                    f"| {reach('step_to_80')} | {r['collapses']} | {_fmt(r['train_tokens_per_s'], '{:.0f}')} |")
-    out += ["", "| method | " + " | ".join(f"lr {lr:g}: mean, end, wall to 80%" for lr in
+    out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, end, wall to 80%" for lr in
                                             sorted({lr for g in grid.values() for lr in g})) + " |"]
     lrs = sorted({lr for g in grid.values() for lr in g})
     out.append("|---|" + "---|" * len(lrs))
@@ -291,7 +313,7 @@ def markdown_table(rows: list, grid: dict) -> str:
         for lr in lrs:
             r = g.get(lr)
             cells.append("" if r is None else
-                         f"{r['success_mean']:.2f}, {r['success_end']:.2f}, {r['wall_to_80'] if r['wall_to_80'] is not None else '-'}"
+                         f"{r['success_auc']:.2f}, {r['success_end']:.2f}, {r['wall_to_80'] if r['wall_to_80'] is not None else '-'}"
                          + (f", {r['collapses']} collapse" if r["collapses"] else ""))
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

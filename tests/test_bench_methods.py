@@ -3,6 +3,7 @@ figures from its metrics, collapse events, the rows' mean and spread over seeds,
 registry's overrides against the config schema."""
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -45,6 +46,17 @@ def test_summarize_run_thresholds(tmp_path):
     assert r["wall_to_50"] is None and r["step_to_80"] is None
 
 
+def test_success_auc_holds_each_figure_to_the_budget():
+    assert bm.success_auc([(0, 0.0, 0.0), (5, 50.0, 1.0)], 100.0) == pytest.approx(0.5)
+    # stopped early at 0: it keeps its 0, so it ranks below a run that held 1.0 for the same 10 s
+    assert bm.success_auc([(0, 0.0, 0.0), (5, 50.0, 1.0), (10, 60.0, 0.0)], 100.0) == pytest.approx(0.1)
+    assert bm.success_auc([(0, 0.0, 0.2), (5, 50.0, 0.6)]) == pytest.approx(0.2)  # no budget: to the last
+    assert bm.success_auc([(0, 0.0, 0.4)], None) == 0.4 and math.isnan(bm.success_auc([], 100.0))
+    ranked = sorted([{"success_auc": 0.1, "success_end": 0.0}, {"success_auc": 0.5, "success_end": 1.0}],
+                    key=bm._rank_key, reverse=True)
+    assert ranked[0]["success_auc"] == 0.5
+
+
 def test_a_stopped_run_counts_as_a_collapse(tmp_path):
     """The stall guard's stop (``stab/stopped`` in the step's record) is a collapse event."""
     with MetricsLogger(tmp_path, tensorboard=False, progress=False) as lg:
@@ -52,6 +64,11 @@ def test_a_stopped_run_counts_as_a_collapse(tmp_path):
         lg.log(29, {"stab/stopped": 1.0, "stab/no_signal_streak": 20}, wall_s=100.0)
     r = bm.summarize_run(tmp_path)
     assert r["stopped_at_step"] == 29 and r["collapses"] == 1
+    with MetricsLogger(tmp_path / "inside", tensorboard=False, progress=False) as lg:  # seen by the evals
+        for i, v in enumerate([0.1, 0.9, 0.0]):
+            lg.log(5 * i, {"success/heldout": v}, wall_s=10.0 * i)
+        lg.log(29, {"stab/stopped": 1.0}, wall_s=100.0)
+    assert bm.summarize_run(tmp_path / "inside")["collapses"] == 1
 
 
 def test_method_row_spread(tmp_path):
@@ -66,9 +83,9 @@ def test_method_row_spread(tmp_path):
     assert row["wall_to_50"]["reached"] == 3
     bm.print_table([row])  # renders without error
     md = bm.markdown_table([row], {"ipa_turn_credit": {4e-4: runs[0], 8e-4: runs[1]}}).splitlines()
-    assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.48 [0.27-0.63] | 13 [10-20] (3/3) "
+    assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.33 [0.15-0.50] | 13 [10-20] (3/3) "
                      "| 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 1001 [1001-1001] |")
-    assert md[-1] == "| ipa_turn_credit | 0.53, 0.90, 20.0 | 0.27, 0.50, - |"
+    assert md[-1] == "| ipa_turn_credit | 0.35, 0.90, 20.0 | 0.15, 0.50, - |"
     assert json.loads(json.dumps(bm._clean({"a": float("nan"), "b": [float("inf"), 1.0]}))) == {"a": None, "b": [None, 1.0]}
 
 
