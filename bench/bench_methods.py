@@ -198,7 +198,7 @@ def summarize_run(out: Path) -> dict:
            "collapses": collapse_events([v for *_, v in evals])}
     stop = next((r["step"] for r in recs if r.get("stab/stopped")), None)
     res["stopped_at_step"] = stop  # the stall guard or an alarm ended the run: a collapse, unless the
-    res["collapses"] += stop is not None and not _inside_collapse([v for *_, v in evals])  # evals had it
+    res["collapses"] += stop is not None and not _collapse_scan([v for *_, v in evals])[1]  # evals had it
     for th in THRESHOLDS:
         hit = next(((s, w) for s, w, v in evals if v >= th), None)
         res[f"step_to_{int(th * 100)}"] = hit[0] if hit else None
@@ -221,13 +221,8 @@ def success_auc(evals: list, budget: Optional[float] = None) -> float:
     return (area + evals[-1][2] * (end - evals[-1][1])) / end
 
 
-def _inside_collapse(successes: list) -> bool:
-    """The last evaluation is down in a collapse event (``collapse_events``'s rule)."""
-    best = max(successes[:-1], default=0.0)
-    return bool(successes) and best >= COLLAPSE_AFTER and successes[-1] <= best - COLLAPSE_DROP + 1e-9
-
-
-def collapse_events(successes: list) -> int:
+def _collapse_scan(successes: list) -> tuple:
+    """``(collapse events, whether the last evaluation is inside one)``."""
     best, events, inside = 0.0, 0, False
     for v in successes:
         down = best >= COLLAPSE_AFTER and v <= best - COLLAPSE_DROP + 1e-9  # success is k/n: no float miss
@@ -235,7 +230,11 @@ def collapse_events(successes: list) -> int:
             events += 1
         inside = down
         best = max(best, v)
-    return events
+    return events, inside
+
+
+def collapse_events(successes: list) -> int:
+    return _collapse_scan(successes)[0]
 
 
 # ------------------------------------------------------------------ the table
@@ -304,9 +303,8 @@ def markdown_table(rows: list, grid: dict) -> str:
         out.append(f"| {r['method']} | {r['lr']:g} | {len(r['seeds'])} | {_fmt(r['success_end'])} "
                    f"| {_fmt(r['success_auc'])} | {reach('wall_to_50')} | {reach('wall_to_80')} "
                    f"| {reach('step_to_80')} | {r['collapses']} | {_fmt(r['train_tokens_per_s'], '{:.0f}')} |")
-    out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, end, wall to 80%" for lr in
-                                            sorted({lr for g in grid.values() for lr in g})) + " |"]
     lrs = sorted({lr for g in grid.values() for lr in g})
+    out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, end, wall to 80%" for lr in lrs) + " |"]
     out.append("|---|" + "---|" * len(lrs))
     for m, g in grid.items():
         cells = []
