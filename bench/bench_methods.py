@@ -13,7 +13,9 @@ its own learning rate, optimizer state and draws: it runs once (seed 0, no rate 
 change the start), for the start's SFT wall plus the budget.  Every curve's clock starts at the
 evaluation of the start policy (step 0), so engine start-up and the replayed warm start are not
 counted.  Per method: held-out greedy success vs step and wall (mean and min/max over seeds),
-wall and step to 50% and 80%, collapse events, trained tokens/s.  A *collapse event* is an
+success averaged over the first ``--step-horizon`` steps (``success_auc_steps``: the view that does
+not carry the machine's speed, which varied up to 1.7x between runs on the shared 2-core machine),
+wall and step to 50% and 80%, collapse events, steps done, trained and generated tokens/s.  A *collapse event* is an
 evaluation that falls 0.3 or more below the run's best success so far, after that best reached
 0.5 (consecutive such evaluations count as one event), or a run that the stall guard or an alarm
 stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps), unless its last
@@ -55,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_CONFIG = "configs/long_horizon_cpu.yaml"
 COLLAPSE_DROP, COLLAPSE_AFTER = 0.3, 0.5
 THRESHOLDS = (0.5, 0.8)
+STEP_HORIZON = 30  # success_auc_steps: every un-stopped run of the table did more steps than this
 
 
 @dataclass(frozen=True)
@@ -176,8 +179,17 @@ def prune_run(out: Path) -> None:
             shutil.rmtree(out / name)
 
 
-def summarize_run(out: Path) -> dict:
-    """One finished run's figures from its ``metrics.jsonl``."""
+def _median(vals: list) -> float:
+    vals = sorted(vals)
+    if not vals:
+        return float("nan")
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def summarize_run(out: Path, step_horizon: int = STEP_HORIZON) -> dict:
+    """One finished run's figures from its ``metrics.jsonl``.  Generation tokens/s is the median over
+    steps (a collapsed policy's near-empty rollouts give absurd rates that a mean would carry)."""
     from arl.metrics.logger import read_metrics
 
     recs = read_metrics(out / "metrics.jsonl")
@@ -194,7 +206,11 @@ def summarize_run(out: Path) -> dict:
            "success_end": evals[-1][2] if evals else float("nan"),
            "success_best": max((v for *_, v in evals), default=float("nan")),
            "success_mean": sum(v for *_, v in evals) / len(evals) if evals else float("nan"),
+           "success_auc_steps": success_auc_steps(evals, step_horizon) if evals else float("nan"),
+           "steps": max((r["step"] for r in recs), default=0),
            "train_tokens_per_s": sum(tps) / len(tps) if tps else float("nan"),
+           "gen_tokens_per_s": _median([r["rollout/gen_tokens_per_s"] for r in recs
+                                        if r.get("rollout/gen_tokens_per_s") is not None]),
            "collapses": collapse_events([v for *_, v in evals])}
     stop = next((r["step"] for r in recs if r.get("stab/stopped")), None)
     res["stopped_at_step"] = stop  # the stall guard or an alarm ended the run: a collapse, unless the
@@ -208,17 +224,34 @@ def summarize_run(out: Path) -> dict:
     return res
 
 
+def _held_mean(points: list, end: Optional[float]) -> float:
+    """The mean of a step function over ``[x0, end]``: each ``(x, value)`` holds until the next x,
+    the last one to ``end`` (to the last x without one); points past ``end`` do not count."""
+    if not points:
+        return float("nan")
+    x0 = points[0][0]
+    end = points[-1][0] if end is None else end
+    if end <= x0:
+        return points[-1][1] if end >= points[-1][0] else points[0][1]
+    area = sum(v * (max(min(nxt, end), x) - x) for (x, v), (nxt, _) in zip(points, [*points[1:], (end, 0.0)])
+               if x < end)
+    return area / (end - x0)
+
+
 def success_auc(evals: list, budget: Optional[float] = None) -> float:
     """Held-out success averaged over the wall budget: each evaluation's figure holds until the next,
     the last one to the budget's end (a run stopped early keeps its last figure, so it cannot rank
     above one that ran on at the same level); without a budget, to the last evaluation."""
     if not evals:
         return float("nan")
-    end = max(float(budget), evals[-1][1]) if budget else evals[-1][1]
-    if end <= 0:
-        return evals[-1][2]
-    area = sum(v * (min(evals[i + 1][1], end) - w) for i, (_, w, v) in enumerate(evals[:-1]))
-    return (area + evals[-1][2] * (end - evals[-1][1])) / end
+    end = max(float(budget), evals[-1][1]) if budget else None
+    return _held_mean([(w, v) for _, w, v in evals], end)
+
+
+def success_auc_steps(evals: list, horizon: int) -> float:
+    """Held-out success averaged over the first ``horizon`` steps, by the same holding rule: the
+    machine-independent view (wall figures also carry how fast the machine was during the run)."""
+    return _held_mean([(s, v) for s, _, v in evals], float(horizon))
 
 
 def _collapse_scan(successes: list) -> tuple:
@@ -255,7 +288,8 @@ def method_row(name: str, lr: float, runs: list) -> dict:
     """Mean and spread over the seeds of one method at its chosen rate; a threshold a seed never
     reached counts as not reached (``reached`` says how many did)."""
     row = {"method": name, "doc": METHODS[name].doc, "lr": lr, "seeds": [r["run"]["seed"] for r in runs if "run" in r]}
-    for k in ("success_start", "success_end", "success_best", "success_mean", "success_auc", "train_tokens_per_s"):
+    for k in ("success_start", "success_end", "success_best", "success_mean", "success_auc", "success_auc_steps",
+              "steps", "train_tokens_per_s", "gen_tokens_per_s"):
         row[k] = _spread([r[k] for r in runs])
     for th in THRESHOLDS:
         for unit in ("wall", "step"):
@@ -283,35 +317,41 @@ def print_table(rows: list) -> None:
         return f(s, "{:.0f}") + " ({}/{})".format(s["reached"], len(r["seeds"]))
 
     print(f"\n{'method':24} {'lr':>8} {'seeds':>5}  {'start':>5}  {'end (mean [min-max])':>22}  "
-          f"{'wall to 50%':>16}  {'wall to 80%':>16}  collapses")
+          f"{'over steps':>18}  {'wall to 50%':>16}  {'wall to 80%':>16}  collapses")
     for r in rows:
         print(f"{r['method']:24} {r['lr']:8.1e} {len(r['seeds']):>5}  {f(r['success_start']):>5}  "
-              f"{f(r['success_end']):>22}  {reach(r, 'wall_to_50'):>16}  {reach(r, 'wall_to_80'):>16}  "
-              f"{r['collapses']}")
+              f"{f(r['success_end']):>22}  {f(r['success_auc_steps']):>18}  {reach(r, 'wall_to_50'):>16}  "
+              f"{reach(r, 'wall_to_80'):>16}  {r['collapses']}")
 
 
-def markdown_table(rows: list, grid: dict) -> str:
+def markdown_table(rows: list, grid: dict, step_horizon: int = STEP_HORIZON) -> str:
     """The table as Markdown (for the README): one row per method at its chosen rate, then the
-    rate grid (seed 0) that chose it."""
-    out = ["| method | lr | seeds | held-out end | over the budget | wall to 50% (s) | wall to 80% (s) "
-           "| step to 80% | collapses | train tok/s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    rate grid (seed 0) that chose it.  Step figures are "n/a" for continued SFT (its steps are SFT
+    optimizer steps, not RL steps)."""
+    out = [f"| method | lr | seeds | held-out end | over the budget | over {step_horizon} steps | wall to 50% (s) "
+           "| wall to 80% (s) | step to 80% | collapses | steps done | gen tok/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        rl = METHODS[r["method"]].kind == "rl"
+
         def reach(key, fmt="{:.0f}"):
             return f"{_fmt(r[key], fmt)} ({r[key]['reached']}/{len(r['seeds'])})"
 
         out.append(f"| {r['method']} | {r['lr']:g} | {len(r['seeds'])} | {_fmt(r['success_end'])} "
-                   f"| {_fmt(r['success_auc'])} | {reach('wall_to_50')} | {reach('wall_to_80')} "
-                   f"| {reach('step_to_80')} | {r['collapses']} | {_fmt(r['train_tokens_per_s'], '{:.0f}')} |")
+                   f"| {_fmt(r['success_auc'])} | {_fmt(r['success_auc_steps']) if rl else 'n/a'} "
+                   f"| {reach('wall_to_50')} | {reach('wall_to_80')} | {reach('step_to_80') if rl else 'n/a'} "
+                   f"| {r['collapses']} | {_fmt(r['steps'], '{:.0f}')} | {_fmt(r['gen_tokens_per_s'], '{:.0f}')} |")
     lrs = sorted({lr for g in grid.values() for lr in g})
-    out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, end, wall to 80%" for lr in lrs) + " |"]
+    out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, over {step_horizon} steps, end, wall to 80%"
+                                          for lr in lrs) + " |"]
     out.append("|---|" + "---|" * len(lrs))
     for m, g in grid.items():
         cells = []
         for lr in lrs:
             r = g.get(lr)
             cells.append("" if r is None else
-                         f"{r['success_auc']:.2f}, {r['success_end']:.2f}, {r['wall_to_80'] if r['wall_to_80'] is not None else '-'}"
+                         f"{r['success_auc']:.2f}, {r['success_auc_steps']:.2f}, {r['success_end']:.2f}, "
+                         f"{r['wall_to_80'] if r['wall_to_80'] is not None else '-'}"
                          + (f", {r['collapses']} collapse" if r["collapses"] else ""))
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
@@ -328,6 +368,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="run directories and table.json (default: a temp dir)")
     ap.add_argument("--resume", action="store_true", help="read runs already finished in --out")
     ap.add_argument("--quick", action="store_true", help="2 methods, 1 rate, 1 seed, a few steps: the harness")
+    ap.add_argument("--step-horizon", type=int, default=STEP_HORIZON,
+                    help="steps over which success_auc_steps averages (the machine-independent view)")
     ap.add_argument("--light", action="store_true", help="delete each finished run's weights, keep its records")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (the SFT start too)")
@@ -365,7 +407,7 @@ def main() -> None:
             run_method(name, args.config, start, out, lr, seed, args.wall, common, sft_wall, eval_every)
             if args.light:
                 prune_run(out)
-        r = summarize_run(out)
+        r = summarize_run(out, args.step_horizon)
         r["dir"] = str(out)
         print(f"[methods] {name} lr={lr:g} seed={seed}: success {r['success_start']:.3f} -> "
               f"{r['success_end']:.3f} (best {r['success_best']:.3f}), wall to 80% {r['wall_to_80']}", flush=True)
@@ -387,6 +429,7 @@ def main() -> None:
     png = plot_groups(groups, base / "curves.png", key="success/heldout", x="wall")
     png_step = plot_groups(groups, base / "curves_step.png", key="success/heldout", x="step")
     table = {"bench": "methods", "quick": args.quick, "config": args.config, "wall_budget_s": args.wall,
+             "step_horizon": args.step_horizon,
              "lrs": lrs, "sft_lrs": sft_lrs, "seeds": seeds, "top": args.top, "date": time.strftime("%Y-%m-%d"),
              "commit": _git_commit(), "nproc": os.cpu_count(), "png": str(png), "png_step": str(png_step),
              "grid": {m: {f"{lr:g}": {k: v for k, v in g[lr].items() if k != "curve"} for lr in g}
@@ -396,7 +439,7 @@ def main() -> None:
                         for m in order}}
     table = _clean(table)
     (base / "table.json").write_text(json.dumps(table, indent=1))
-    (base / "table.md").write_text(markdown_table(rows, grid))
+    (base / "table.md").write_text(markdown_table(rows, grid, args.step_horizon))
     print(json.dumps(table))
 
 

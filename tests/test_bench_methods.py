@@ -57,6 +57,23 @@ def test_success_auc_holds_each_figure_to_the_budget():
     assert ranked[0]["success_auc"] == 0.5
 
 
+def test_success_auc_over_steps_and_generation_rate(tmp_path):
+    """The step view: held over the first ``horizon`` steps, whatever the machine's speed; evaluations
+    past the horizon do not count.  Generation tokens/s is the median (a collapsed step's near-empty
+    rollout gives an absurd rate)."""
+    ev = [(0, 0.0, 0.0), (5, 99.0, 1.0), (40, 300.0, 0.0)]
+    assert bm.success_auc_steps(ev, 10) == pytest.approx(0.5)
+    assert bm.success_auc_steps(ev, 30) == pytest.approx(25 / 30)  # the 0 at step 40 is past it
+    assert bm.success_auc_steps(ev[:2], 30) == pytest.approx(25 / 30)  # the last figure holds
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False) as lg:
+        for i, rate in enumerate([1000.0, 1200.0, 900.0, 180000.0]):
+            lg.log(i, {"rollout/gen_tokens_per_s": rate, **({"success/heldout": 0.5} if i == 0 else {})},
+                   wall_s=float(i))
+    r = bm.summarize_run(tmp_path, step_horizon=3)
+    assert r["gen_tokens_per_s"] == pytest.approx(1100.0) and r["steps"] == 3
+    assert r["success_auc_steps"] == pytest.approx(0.5)
+
+
 def test_a_stopped_run_counts_as_a_collapse(tmp_path):
     """The stall guard's stop (``stab/stopped`` in the step's record) is a collapse event."""
     with MetricsLogger(tmp_path, tensorboard=False, progress=False) as lg:
@@ -83,9 +100,10 @@ def test_method_row_spread(tmp_path):
     assert row["wall_to_50"]["reached"] == 3
     bm.print_table([row])  # renders without error
     md = bm.markdown_table([row], {"ipa_turn_credit": {4e-4: runs[0], 8e-4: runs[1]}}).splitlines()
-    assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.33 [0.15-0.50] | 13 [10-20] (3/3) "
-                     "| 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 1001 [1001-1001] |")
-    assert md[-1] == "| ipa_turn_credit | 0.35, 0.90, 20.0 | 0.15, 0.50, - |"
+    assert md[0].startswith("| method | lr | seeds | held-out end | over the budget | over 30 steps |")
+    assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.33 [0.15-0.50] | 0.62 [0.38-0.77] "
+                     "| 13 [10-20] (3/3) | 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 10 [10-10] | - |")
+    assert md[-1] == "| ipa_turn_credit | 0.35, 0.72, 0.90, 20.0 | 0.15, 0.38, 0.50, - |"
     assert json.loads(json.dumps(bm._clean({"a": float("nan"), "b": [float("inf"), 1.0]}))) == {"a": None, "b": [None, 1.0]}
 
 
