@@ -152,6 +152,7 @@ def run_method(name: str, config: str, start: Path, out: Path, lr: float, seed: 
 
     m = METHODS[name]
     load = os.getloadavg()[0]
+    commit = _git_commit()  # the code the run imports: HEAD may move while it runs
     t0 = time.time()
     if m.kind == "sft":
         _sft_continue().run(str(ROOT / config), [*common, f"seed={seed}", f"output_dir={out}",
@@ -163,7 +164,7 @@ def run_method(name: str, config: str, start: Path, out: Path, lr: float, seed: 
                                         f"trainer.max_wall_s={wall_s}"]))
     (out / "run.json").write_text(json.dumps({
         "method": name, "lr": lr, "seed": seed, "wall_budget_s": wall_s, "date": time.strftime("%Y-%m-%d %H:%M"),
-        "commit": _git_commit(), "load_before": load, "load_after": os.getloadavg()[0],
+        "commit": commit, "load_before": load, "load_after": os.getloadavg()[0],
         "elapsed_s": time.time() - t0}))
 
 
