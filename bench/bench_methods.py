@@ -140,10 +140,12 @@ def make_start(config: str, out: Path, overrides: list) -> tuple:
 
 
 def _sft_continue():
-    spec = importlib.util.spec_from_file_location("sft_continue", ROOT / "bench" / "sft_continue.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``bench/sft_continue.py`` as an importable module: its evaluation server is started by spawn,
+    which pickles functions by module name, so a module loaded from a file spec would not do."""
+    bench = str(ROOT / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("sft_continue")
 
 
 def run_method(name: str, config: str, start: Path, out: Path, lr: float, seed: int, wall_s: float,

@@ -124,3 +124,13 @@ def test_prune_run_keeps_the_records(tmp_path):
     bm.prune_run(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "run.json"]
     assert bm.summarize_run(tmp_path)["success_end"] == 0.5
+
+
+def test_continued_sft_functions_pickle_for_spawn():
+    """Continued SFT starts its evaluation server and ranks by spawn, which pickles functions by
+    module name: the loader must give the importable module, not a copy from a file spec."""
+    import pickle
+
+    mod = bm._sft_continue()
+    for fn in (mod.eval_server, mod.sft_rank):
+        assert pickle.loads(pickle.dumps(fn)) is fn
