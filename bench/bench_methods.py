@@ -330,10 +330,11 @@ def print_table(rows: list) -> None:
 def markdown_table(rows: list, grid: dict, step_horizon: int = STEP_HORIZON) -> str:
     """The table as Markdown (for the README): one row per method at its chosen rate, then the
     rate grid (seed 0) that chose it.  Step figures are "n/a" for continued SFT (its steps are SFT
-    optimizer steps, not RL steps)."""
+    optimizer steps, not RL steps).  Trained tokens/s is the machine's speed; generated tokens/s
+    counts the trajectories a step kept, so a filter that draws again (dynamic sampling) lowers it."""
     out = [f"| method | lr | seeds | held-out end | over the budget | over {step_horizon} steps | wall to 50% (s) "
-           "| wall to 80% (s) | step to 80% | collapses | steps done | gen tok/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| wall to 80% (s) | step to 80% | collapses | steps done | train tok/s | kept gen tok/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rl = METHODS[r["method"]].kind == "rl"
 
@@ -343,7 +344,8 @@ def markdown_table(rows: list, grid: dict, step_horizon: int = STEP_HORIZON) -> 
         out.append(f"| {r['method']} | {r['lr']:g} | {len(r['seeds'])} | {_fmt(r['success_end'])} "
                    f"| {_fmt(r['success_auc'])} | {_fmt(r['success_auc_steps']) if rl else 'n/a'} "
                    f"| {reach('wall_to_50')} | {reach('wall_to_80')} | {reach('step_to_80') if rl else 'n/a'} "
-                   f"| {r['collapses']} | {_fmt(r['steps'], '{:.0f}')} | {_fmt(r['gen_tokens_per_s'], '{:.0f}')} |")
+                   f"| {r['collapses']} | {_fmt(r['steps'], '{:.0f}')} | {_fmt(r['train_tokens_per_s'], '{:.0f}')} "
+                   f"| {_fmt(r['gen_tokens_per_s'], '{:.0f}')} |")
     lrs = sorted({lr for g in grid.values() for lr in g})
     out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, over {step_horizon} steps, end, wall to 80%"
                                           for lr in lrs) + " |"]

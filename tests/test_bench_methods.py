@@ -102,7 +102,7 @@ def test_method_row_spread(tmp_path):
     md = bm.markdown_table([row], {"ipa_turn_credit": {4e-4: runs[0], 8e-4: runs[1]}}).splitlines()
     assert md[0].startswith("| method | lr | seeds | held-out end | over the budget | over 30 steps |")
     assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.33 [0.15-0.50] | 0.62 [0.38-0.77] "
-                     "| 13 [10-20] (3/3) | 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 10 [10-10] | - |")
+                     "| 13 [10-20] (3/3) | 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 10 [10-10] | 1001 [1001-1001] | - |")
     assert md[-1] == "| ipa_turn_credit | 0.35, 0.72, 0.90, 20.0 | 0.15, 0.38, 0.50, - |"
     assert json.loads(json.dumps(bm._clean({"a": float("nan"), "b": [float("inf"), 1.0]}))) == {"a": None, "b": [None, 1.0]}
 
