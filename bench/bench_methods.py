@@ -24,6 +24,7 @@ evaluation was already inside such an event (one collapse, counted once).
     python bench/bench_methods.py --quick                         # 2 methods, 1 rate, a few steps
     python bench/bench_methods.py --out runs/methods              # the table (hours on 2 cores)
     python bench/bench_methods.py --out runs/methods --resume     # reuse finished runs in --out
+    python bench/bench_methods.py --out runs/methods --table-only # the table so far; starts no run
 
 ``--resume`` reads the runs already finished in ``--out`` (their ``metrics.jsonl`` and the
 ``run.json`` written when the run ended) instead of running them again, so the table can be built
@@ -375,6 +376,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 methods, 1 rate, 1 seed, a few steps: the harness")
     ap.add_argument("--step-horizon", type=int, default=STEP_HORIZON,
                     help="steps over which success_auc_steps averages (the machine-independent view)")
+    ap.add_argument("--table-only", action="store_true",
+                    help="build the table from the runs finished in --out, start none (a table over sessions)")
     ap.add_argument("--light", action="store_true", help="delete each finished run's weights, keep its records")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (the SFT start too)")
@@ -394,16 +397,28 @@ def main() -> None:
         args.wall = min(args.wall, 120.0)
         common += ["trainer.steps=2", "trainer.eval_every=2", "sft.steps=5", "sft.episodes=32",
                    "env.eval_tasks=8", "rollout.tasks_per_step=4"]
+    if args.table_only and not args.out:
+        ap.error("--table-only: give --out, the folder whose finished runs make the table")
+    args.resume = args.resume or args.table_only
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="arl-bench-methods-"))
     base.mkdir(parents=True, exist_ok=True)
 
     start_cfg = run_config(args.config, base / "sft_start", common)
-    start, sft_wall = make_start(args.config, base / "sft_start", common)
+    if args.table_only:
+        start, sft_wall = base / "sft_start" / "hf", 0.0  # no run starts: the start is not needed
+    else:
+        start, sft_wall = make_start(args.config, base / "sft_start", common)
     sft_lrs = [start_cfg.sft.lr]
     eval_every = start_cfg.trainer.eval_every
 
-    def run(name: str, lr: float, seed: int) -> dict:
+    missing = []
+
+    def run(name: str, lr: float, seed: int) -> Optional[dict]:
         out = base / name / f"lr{lr:g}" / f"seed{seed}"
+        if args.table_only and not (out / "run.json").is_file():
+            missing.append(f"{name}/lr{lr:g}/seed{seed}")
+            print(f"[methods] {name} lr={lr:g} seed={seed}: not run yet", flush=True)
+            return None
         if not (args.resume and (out / "run.json").is_file()):
             if out.exists():
                 import shutil
@@ -420,11 +435,14 @@ def main() -> None:
 
     grid = {m: {lr: run(m, lr, seeds[0]) for lr in (sft_lrs if METHODS[m].kind == "sft" else lrs)}
             for m in methods}
+    grid = {m: {lr: r for lr, r in g.items() if r is not None} for m, g in grid.items()}
+    methods = [m for m in methods if grid[m]]
+    grid = {m: grid[m] for m in methods}
     best_lr = {m: max(g, key=lambda lr: _rank_key(g[lr])) for m, g in grid.items()}
     order = sorted(methods, key=lambda m: _rank_key(grid[m][best_lr[m]]), reverse=True)
     runs = {m: [grid[m][best_lr[m]]] for m in methods}
     for m in [m for m in order if METHODS[m].kind == "rl"][:args.top]:
-        runs[m] += [run(m, best_lr[m], s) for s in seeds[1:]]
+        runs[m] += [r for r in (run(m, best_lr[m], s) for s in seeds[1:]) if r is not None]
     rows = [method_row(m, best_lr[m], runs[m]) for m in order]
     print_table(rows)
 
@@ -439,7 +457,7 @@ def main() -> None:
              "commit": _git_commit(), "nproc": os.cpu_count(), "png": str(png), "png_step": str(png_step),
              "grid": {m: {f"{lr:g}": {k: v for k, v in g[lr].items() if k != "curve"} for lr in g}
                       for m, g in grid.items()},
-             "rows": rows,
+             "rows": rows, "missing": missing,
              "curves": {m: [{"seed": r.get("run", {}).get("seed"), "curve": r["curve"]} for r in runs[m]]
                         for m in order}}
     table = _clean(table)

@@ -134,3 +134,26 @@ def test_continued_sft_functions_pickle_for_spawn():
     mod = bm._sft_continue()
     for fn in (mod.eval_server, mod.sft_rank):
         assert pickle.loads(pickle.dumps(fn)) is fn
+
+
+def test_table_only_builds_from_finished_runs(tmp_path, monkeypatch, capsys):
+    """``--table-only`` starts no run: the table comes from the finished runs in ``--out``, and the
+    ones not run yet are listed as missing, not silently dropped."""
+    for name, lr, seed, curve in (("grpo_token", "0.0002", 0, [0.0, 0.5, 0.9]),
+                                  ("grpo_token", "0.0004", 0, [0.0, 0.1, 0.0]),
+                                  ("ipa_chunk", "0.0002", 0, [0.0, 0.2, 0.6]),
+                                  ("grpo_token", "0.0002", 1, [0.0, 0.8, 1.0])):
+        d = tmp_path / name / f"lr{lr}" / f"seed{seed}"
+        d.mkdir(parents=True)
+        _run(d, curve, seed=seed)
+    (tmp_path / "ipa_chunk" / "lr0.0004" / "seed0").mkdir(parents=True)  # unfinished: no run.json
+    monkeypatch.setattr(bm, "run_method", lambda *a, **k: pytest.fail("--table-only started a run"))
+    monkeypatch.setattr(sys, "argv", ["bench_methods.py", "--out", str(tmp_path), "--table-only",
+                                      "--methods", "grpo_token,ipa_chunk", "--lrs", "2e-4,4e-4",
+                                      "--seeds", "0,1,2", "--top", "1"])
+    bm.main()
+    table = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["method"] for r in table["rows"]] == ["grpo_token", "ipa_chunk"]
+    assert table["rows"][0]["seeds"] == [0, 1] and table["rows"][0]["lr"] == 2e-4
+    assert table["missing"] == ["ipa_chunk/lr0.0004/seed0", "grpo_token/lr0.0002/seed2"]
+    assert (tmp_path / "table.md").is_file() and (tmp_path / "curves.png").is_file()
