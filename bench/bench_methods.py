@@ -347,6 +347,7 @@ def markdown_table(rows: list, grid: dict, step_horizon: int = STEP_HORIZON) -> 
                    f"| {reach('wall_to_50')} | {reach('wall_to_80')} | {reach('step_to_80') if rl else 'n/a'} "
                    f"| {r['collapses']} | {_fmt(r['steps'], '{:.0f}')} | {_fmt(r['train_tokens_per_s'], '{:.0f}')} "
                    f"| {_fmt(r['gen_tokens_per_s'], '{:.0f}')} |")
+    grid = {m: g for m, g in grid.items() if METHODS[m].kind == "rl"}  # continued SFT has no rate grid
     lrs = sorted({lr for g in grid.values() for lr in g})
     out += ["", "| method | " + " | ".join(f"lr {lr:g}: over the budget, over {step_horizon} steps, end, wall to 80%"
                                           for lr in lrs) + " |"]

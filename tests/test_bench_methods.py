@@ -99,7 +99,9 @@ def test_method_row_spread(tmp_path):
     assert row["wall_to_80"]["reached"] == 2 and row["wall_to_80"]["mean"] == pytest.approx(15.0)
     assert row["wall_to_50"]["reached"] == 3
     bm.print_table([row])  # renders without error
-    md = bm.markdown_table([row], {"ipa_turn_credit": {4e-4: runs[0], 8e-4: runs[1]}}).splitlines()
+    md = bm.markdown_table([row], {"ipa_turn_credit": {4e-4: runs[0], 8e-4: runs[1]},
+                                   "sft_continue": {1e-3: runs[2]}}).splitlines()  # no rate grid: left out
+    assert "lr 0.001" not in md[-3] and not md[-1].startswith("| sft_continue")
     assert md[0].startswith("| method | lr | seeds | held-out end | over the budget | over 30 steps |")
     assert md[2] == ("| ipa_turn_credit | 0.0004 | 3 | 0.77 [0.50-0.90] | 0.33 [0.15-0.50] | 0.62 [0.38-0.77] "
                      "| 13 [10-20] (3/3) | 15 [10-20] (2/3) | 8 [5-10] (2/3) | 0 | 10 [10-10] | 1001 [1001-1001] | - |")
