@@ -113,15 +113,15 @@ def plot_runs(run_dirs: Sequence, out: Optional[str] = None, x: str = "step", nc
     return path
 
 
-def _group_curve(run_dirs: Sequence, key: str, xkey: str):
+def _group_curve(run_dirs: Sequence, key: str, xkey: str, zero: bool = False):
     """Mean, min and max of ``key`` over runs, on the union of their x values: each run holds its
     last value until its next record (a step function: what the run had reached by then); a run
-    counts only from its first record on."""
+    counts only from its first record on.  ``zero``: each run's x counts from its first record."""
     series = []
     for d in run_dirs:
-        pts = [(r[xkey], r[key]) for r in load_run(d) if r.get(key) is not None and r.get(xkey) is not None]
+        pts = sorted((r[xkey], r[key]) for r in load_run(d) if r.get(key) is not None and r.get(xkey) is not None)
         if pts:
-            series.append(sorted(pts))
+            series.append([(px - pts[0][0], v) for px, v in pts] if zero else pts)
     xs = sorted({x for s in series for x, _ in s})
     mean, lo, hi = [], [], []
     for x in xs:
@@ -132,9 +132,11 @@ def _group_curve(run_dirs: Sequence, key: str, xkey: str):
     return xs, mean, lo, hi, len(series)
 
 
-def plot_groups(groups: dict, out, key: str = "success/heldout", x: str = "wall") -> Path:
+def plot_groups(groups: dict, out, key: str = "success/heldout", x: str = "wall", zero: bool = False) -> Path:
     """One panel of ``key`` vs ``x``: per group (a name and its runs, e.g. one method's seeds) the
-    mean over its runs and the min-max band; returns the PNG's path."""
+    mean over its runs and the min-max band; returns the PNG's path.  ``zero``: every run's x starts
+    at its first record of ``key`` (e.g. the clock from the start policy's evaluation, whatever ran
+    before it)."""
     if x not in X_AXES:
         raise ValueError(f"x: {x!r} not in {sorted(X_AXES)}")
     import matplotlib
@@ -146,7 +148,7 @@ def plot_groups(groups: dict, out, key: str = "success/heldout", x: str = "wall"
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = 0
     for i, (name, dirs) in enumerate(groups.items()):
-        xs, mean, lo, hi, n = _group_curve(dirs, key, X_AXES[x])
+        xs, mean, lo, hi, n = _group_curve(dirs, key, X_AXES[x], zero)
         if not xs:
             continue
         c = colors[i % len(colors)]
@@ -156,7 +158,7 @@ def plot_groups(groups: dict, out, key: str = "success/heldout", x: str = "wall"
         drawn += 1
     if not drawn:
         raise ValueError(f"no run of {sorted(groups)} has {key!r}")
-    ax.set_xlabel("wall time (s)" if x == "wall" else "step")
+    ax.set_xlabel(("wall time (s)" if x == "wall" else "step") + (f" from the first {key}" if zero else ""))
     ax.set_ylabel(key)
     if key.startswith("success"):
         ax.set_ylim(-0.02, 1.02)
@@ -185,12 +187,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--key", default="success/heldout", help="the metric of --group plots")
     ap.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png of the first run)")
     ap.add_argument("--x", default="step", choices=sorted(X_AXES), help="x axis: step or wall time")
+    ap.add_argument("--zero", action="store_true",
+                    help="--group: every run's x starts at its first --key record (e.g. after a warm start)")
     args = ap.parse_args(argv)
     try:
         if args.group:
             if args.run_dirs:
                 raise ValueError("give RUN_DIRs or --group, not both")
-            path = plot_groups(dict(_parse_group(g) for g in args.group), args.out or "curves.png", args.key, args.x)
+            path = plot_groups(dict(_parse_group(g) for g in args.group), args.out or "curves.png", args.key, args.x,
+                               args.zero)
         else:
             path = plot_runs(args.run_dirs, args.out, args.x)
     except (ValueError, OSError) as e:

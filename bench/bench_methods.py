@@ -450,8 +450,9 @@ def main() -> None:
     from arl.plot import plot_groups
 
     groups = {m: [r["dir"] for r in runs[m]] for m in order}
-    png = plot_groups(groups, base / "curves.png", key="success/heldout", x="wall")
-    png_step = plot_groups(groups, base / "curves_step.png", key="success/heldout", x="step")
+    png = plot_groups(groups, base / "curves.png", key="success/heldout", x="wall", zero=True)
+    png_step = plot_groups({m: g for m, g in groups.items() if METHODS[m].kind == "rl"},  # SFT steps differ
+                           base / "curves_step.png", key="success/heldout", x="step", zero=True)
     table = {"bench": "methods", "quick": args.quick, "config": args.config, "wall_budget_s": args.wall,
              "step_horizon": args.step_horizon,
              "lrs": lrs, "sft_lrs": sft_lrs, "seeds": seeds, "top": args.top, "date": time.strftime("%Y-%m-%d"),

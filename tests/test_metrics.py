@@ -377,3 +377,19 @@ def test_plot_groups_mean_and_band(tmp_path, capsys):
     assert "NAME=DIR" in capsys.readouterr().err
     assert plot_main([str(tmp_path / "ipa0"), "--group", f"x={tmp_path / 'ipa0'}"]) == 2
     assert plot_main(["--group", f"x={tmp_path / 'ipa0'}", "--key", "nope/none", "--out", str(out)]) == 2
+
+
+def test_plot_groups_zero_aligns_each_run_at_its_first_record(tmp_path):
+    """``--zero``: a run whose first evaluation came after a warm start (continued SFT's clock
+    starts at the replayed SFT) is drawn from x = 0, like the runs that evaluated at once."""
+    from arl.plot import _group_curve
+
+    with MetricsLogger(tmp_path / "late", tensorboard=False, progress=False) as lg:
+        for s, (w, v) in enumerate([(1000.0, 0.0), (1010.0, 0.5), (1030.0, 1.0)]):
+            lg.log(800 + 5 * s, {"success/heldout": v, "train/loss": 1.0}, wall_s=w)
+    xs, mean, *_ = _group_curve([tmp_path / "late"], "success/heldout", "wall_s", zero=True)
+    assert xs == [0.0, 10.0, 30.0] and mean == [0.0, 0.5, 1.0]
+    assert _group_curve([tmp_path / "late"], "success/heldout", "step", zero=True)[0] == [0, 5, 10]
+    assert _group_curve([tmp_path / "late"], "success/heldout", "wall_s")[0] == [1000.0, 1010.0, 1030.0]
+    out = tmp_path / "z.png"
+    assert plot_main(["--group", f"late={tmp_path / 'late'}", "--x", "wall", "--zero", "--out", str(out)]) == 0
