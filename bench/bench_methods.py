@@ -15,10 +15,10 @@ evaluation of the start policy (step 0), so engine start-up and the replayed war
 counted.  Per method: held-out greedy success vs step and wall (mean and min/max over seeds),
 success averaged over the first ``--step-horizon`` steps (``success_auc_steps``: the view that does
 not carry the machine's speed, which varied up to 1.7x between runs on the shared 2-core machine),
-wall and step to 50% and 80%, collapse events, steps done, trained and generated tokens/s.  A *collapse event* is an
-evaluation that falls 0.3 or more below the run's best success so far, after that best reached
-0.5 (consecutive such evaluations count as one event), or a run that the stall guard or an alarm
-stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps), unless its last
+wall and step to 50% and 80%, collapse events, steps done, trained and generated tokens/s.
+A *collapse event* is an evaluation that falls 0.3 or more below the run's best success so far,
+after that best reached 0.5 (consecutive such evaluations count as one event), or a run that the
+stall guard or an alarm stopped (``stab/stopped`` in its metrics: e.g. no learning signal for 20 steps), unless its last
 evaluation was already inside such an event (one collapse, counted once).
 
     python bench/bench_methods.py --quick                         # 2 methods, 1 rate, a few steps
@@ -235,10 +235,9 @@ def _held_mean(points: list, end: Optional[float]) -> float:
         return float("nan")
     x0 = points[0][0]
     end = points[-1][0] if end is None else end
-    if end <= x0:
-        return points[-1][1] if end >= points[-1][0] else points[0][1]
-    area = sum(v * (max(min(nxt, end), x) - x) for (x, v), (nxt, _) in zip(points, [*points[1:], (end, 0.0)])
-               if x < end)
+    if end <= x0:  # no width: the value held at x0
+        return [v for x, v in points if x <= x0][-1]
+    area = sum(v * (min(nxt, end) - x) for (x, v), (nxt, _) in zip(points, [*points[1:], (end, 0.0)]) if x < end)
     return area / (end - x0)
 
 
