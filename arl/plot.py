@@ -196,6 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError("give RUN_DIRs or --group, not both")
             path = plot_groups(dict(_parse_group(g) for g in args.group), args.out or "curves.png", args.key, args.x,
                                args.zero)
+        elif args.zero:
+            raise ValueError("--zero: only with --group")
         else:
             path = plot_runs(args.run_dirs, args.out, args.x)
     except (ValueError, OSError) as e:

@@ -44,6 +44,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,14 +184,6 @@ def prune_run(out: Path) -> None:
             shutil.rmtree(out / name)
 
 
-def _median(vals: list) -> float:
-    vals = sorted(vals)
-    if not vals:
-        return float("nan")
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-
-
 def summarize_run(out: Path, step_horizon: int = STEP_HORIZON) -> dict:
     """One finished run's figures from its ``metrics.jsonl``.  Generation tokens/s is the median over
     steps (a collapsed policy's near-empty rollouts give absurd rates that a mean would carry)."""
@@ -203,6 +196,7 @@ def summarize_run(out: Path, step_horizon: int = STEP_HORIZON) -> dict:
         w0 = evals[0][1]
         evals = [(s, w - w0, v) for s, w, v in evals]
     tps = [r["perf/train_tokens_per_s"] for r in recs if r.get("perf/train_tokens_per_s") is not None]
+    gen = [r["rollout/gen_tokens_per_s"] for r in recs if r.get("rollout/gen_tokens_per_s") is not None]
     meta = json.loads((out / "run.json").read_text()) if (out / "run.json").is_file() else {}
     res = {"curve": [{"step": s, "wall_s": round(w, 1), "success": v} for s, w, v in evals],
            "success_auc": success_auc(evals, meta.get("wall_budget_s")),
@@ -213,8 +207,7 @@ def summarize_run(out: Path, step_horizon: int = STEP_HORIZON) -> dict:
            "success_auc_steps": success_auc_steps(evals, step_horizon) if evals else float("nan"),
            "steps": max((r["step"] for r in recs), default=0),
            "train_tokens_per_s": sum(tps) / len(tps) if tps else float("nan"),
-           "gen_tokens_per_s": _median([r["rollout/gen_tokens_per_s"] for r in recs
-                                        if r.get("rollout/gen_tokens_per_s") is not None]),
+           "gen_tokens_per_s": statistics.median(gen) if gen else float("nan"),
            "collapses": collapse_events([v for *_, v in evals])}
     stop = next((r["step"] for r in recs if r.get("stab/stopped")), None)
     res["stopped_at_step"] = stop  # the stall guard or an alarm ended the run: a collapse, unless the
@@ -397,6 +390,8 @@ def main() -> None:
         args.wall = min(args.wall, 120.0)
         common += ["trainer.steps=2", "trainer.eval_every=2", "sft.steps=5", "sft.episodes=32",
                    "env.eval_tasks=8", "rollout.tasks_per_step=4"]
+    if args.step_horizon < 1:
+        ap.error(f"--step-horizon: must be >= 1, got {args.step_horizon}")
     if args.table_only and not args.out:
         ap.error("--table-only: give --out, the folder whose finished runs make the table")
     args.resume = args.resume or args.table_only

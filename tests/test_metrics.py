@@ -393,3 +393,4 @@ def test_plot_groups_zero_aligns_each_run_at_its_first_record(tmp_path):
     assert _group_curve([tmp_path / "late"], "success/heldout", "wall_s")[0] == [1000.0, 1010.0, 1030.0]
     out = tmp_path / "z.png"
     assert plot_main(["--group", f"late={tmp_path / 'late'}", "--x", "wall", "--zero", "--out", str(out)]) == 0
+    assert plot_main([str(tmp_path / "late"), "--zero", "--out", str(out)]) == 2  # not silently ignored
