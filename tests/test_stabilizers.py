@@ -406,16 +406,65 @@ def test_stall_warn_and_rollback_actions():
     assert st.after_step(1, no_signal(x=1.0)).action == "rollback" and st.alarm.rollbacks == 1  # one spent, not two
 
 
+def test_stall_collapse_after_success_despite_a_trickle_of_signal():
+    """Success 0 for ``patience`` steps once the run reached ``after_success`` is a collapse, even when
+    some steps keep an advantage (turn credit's anchors) and so reset the no-signal streak."""
+    trickle = {"train/skipped_no_signal": 0.0, "success/train": 0.0, "tools/valid_rate": 0.93}
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=3)))
+    for s, v in enumerate([0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0]):  # below 0.5: zeros are no collapse yet
+        assert st.after_step(s, {**trickle, "success/train": v}).ok
+    assert st.stab_metrics()["stab/zero_success_streak"] == 0
+    assert st.after_step(7, {**trickle, "success/train": 0.9}).ok
+    assert st.after_step(8, trickle).ok and st.after_step(9, {**trickle, "success/train": 0.05}).ok  # reset
+    assert st.after_step(10, trickle).ok and st.after_step(11, trickle).ok
+    assert st.stab_metrics()["stab/zero_success_streak"] == 2
+    d = st.after_step(12, trickle)
+    assert d.action == "stop" and d.reason == ("success/train 0 for 3 steps after the run reached 0.90 "
+                                               "(tools/valid_rate 0.93 on the last): the policy collapsed")
+    assert st.after_step(13, {"train/skipped_no_signal": 0.0}).ok  # no success figure: the streak holds
+    assert st.stab_metrics()["stab/zero_success_streak"] == 3
+    # from the loop's argument; warn; off with after_success null or patience 0
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=1, action="warn")))
+    st.after_step(0, {}, success_rate=0.6)
+    d = st.after_step(1, {}, success_rate=0.0)
+    assert d.ok and d.notes == ["success/train 0 for 1 steps after the run reached 0.60: the policy collapsed "
+                                "(stabilizers.stall.action=warn: going on)"]
+    for stall in (dict(patience=1, after_success=None), dict(patience=0)):
+        st = Stabilizers(StabilizerConfig(stall=stall))
+        assert all(st.after_step(s, {**trickle, "success/train": v}).ok for s, v in enumerate([1.0] + [0.0] * 30))
+    with pytest.raises(ValueError, match="stall.after_success"):
+        StabilizerConfig(stall=dict(after_success=0))
+
+
+def test_stall_both_rules_fire_at_once():
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=2)))
+    st.after_step(0, {**SIGNAL, "success/train": 1.0})
+    st.after_step(1, no_signal())
+    d = st.after_step(2, no_signal())
+    assert d.action == "stop" and len(d.reasons) == 2 and "no learning signal" in d.reasons[0]
+
+
 def test_stall_state_dict_roundtrip_and_old_checkpoints():
     st = Stabilizers(StabilizerConfig(stall=dict(patience=4)))
     for s in range(3):
         st.after_step(s, no_signal(valid=0.5))
     saved = st.state_dict()
-    assert saved["stall"]["streak"] == 3
+    assert saved["stall"]["streak"] == 3 and saved["stall"]["lost"] == 0
     back = Stabilizers(StabilizerConfig(stall=dict(patience=4)))
     back.load_state_dict(saved)
     d = back.after_step(3, no_signal(valid=0.25))
     assert d.action == "stop" and "tools/valid_rate 0.44" in d.reason  # (3 * 0.5 + 0.25) / 4
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=3)))
+    st.after_step(0, {"success/train": 0.8})
+    st.after_step(1, {"success/train": 0.0})
+    back = Stabilizers(StabilizerConfig(stall=dict(patience=3)))
+    back.load_state_dict(st.state_dict())
+    assert (back.stall.best, back.stall.lost) == (0.8, 1)
+    back.after_step(2, {"success/train": 0.0})
+    assert back.after_step(3, {"success/train": 0.0}).action == "stop"
+    older = {**saved, "stall": {k: v for k, v in saved["stall"].items() if k not in ("best", "lost")}}
+    back.load_state_dict(older)  # a checkpoint from before the second rule
+    assert (back.stall.best, back.stall.lost) == (0.0, 0)
     old = {k: v for k, v in saved.items() if k != "stall"}  # a checkpoint from before the guard
     fresh = Stabilizers()
     fresh.load_state_dict(old)

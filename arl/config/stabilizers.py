@@ -156,10 +156,13 @@ class MonitorConfig(_Section):
 class StallConfig(_Section):
     """Stall guard: ``patience`` consecutive steps without learning signal (``train/skipped_no_signal``)
     with success/train below 0.5 is a collapse, and ``action`` is taken; with it at or above 0.5
-    the tasks are solved: one note, and the run goes on.  On by default; ``patience`` null or 0: off."""
+    the tasks are solved: one note, and the run goes on.  So is ``patience`` consecutive steps at
+    success/train 0 once the run had reached ``after_success`` (a collapse that a trickle of signal,
+    e.g. turn credit's, hides from the first rule).  On by default; ``patience`` null or 0: off."""
 
     patience: Optional[int] = Field(20, ge=0)
     action: Literal["stop", "rollback", "warn"] = "stop"  # rollback: as an alarm's, within monitors.max_rollbacks
+    after_success: Optional[float] = Field(0.5, gt=0, le=1)  # null: the second rule off
 
 
 class StabilizerConfig(OneLineErrors, _Section):

@@ -33,7 +33,8 @@ behaviour monitors     after the step       monitor/tool_freq/<tool>, tool_calls
  and alarm             (decision: continue  tool_error_rate, repeat_call_frac, looping_frac,
  (monitors.py)         / rollback / stop)   destructive_calls, destructive_traj_frac; stab/rollbacks
 stall guard (on;       after the step       stab/no_signal_streak (steps in a row with
- stall.py)             (same decisions)     train/skipped_no_signal)
+ stall.py)             (same decisions)     train/skipped_no_signal), stab/zero_success_streak
+                                            (steps in a row at success 0 after success)
 =====================  ===================  =====================================================
 
 Weights reach the loss only through per-trajectory advantages (``policy_loss(...,

@@ -6,6 +6,11 @@ arl/trainer/policy.py).  Every ``patience`` consecutive such steps the guard jud
 its mean ``success/train``: below ``SOLVED`` every group fails alike, the policy collapsed or is
 stuck, and ``action`` is taken (stop, rollback, or warn: a printed line); at or above it the groups
 are solved, which is no fault: one note (once per process), and the run goes on.
+
+A collapse can also keep a trickle of signal: turn credit's anchors or a lone lucky group give a
+step an advantage now and then, resetting the streak above, while every episode fails.  So the
+guard also counts steps in a row at success/train 0 once the run's best success/train reached
+``after_success``; every ``patience`` of them is a collapse too (same action).
 """
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ class StallGuard:
     def __init__(self, cfg: Optional[StallConfig] = None):
         cfg = cfg if cfg is not None else StallConfig()
         self.patience, self.action = int(cfg.patience or 0), cfg.action
+        self.after_success = cfg.after_success
         self.noted = False  # the "solved" note was printed
+        self.best = 0.0  # the run's best success/train
+        self.lost = 0  # steps in a row at success/train 0 since the best reached after_success
         self._reset()
 
     def _reset(self) -> None:
@@ -33,6 +41,28 @@ class StallGuard:
 
     def observe(self, metrics: dict, success_rate: Optional[float] = None) -> Decision:
         """Count this step's record; at every ``patience``-th step of a streak, the verdict."""
+        return self._no_signal(metrics, success_rate).merge(self._lost(metrics, success_rate))
+
+    def _lost(self, metrics: dict, success_rate: Optional[float]) -> Decision:
+        v = metrics.get("success/train", success_rate)
+        if self.after_success is None or v is None or not math.isfinite(float(v)):
+            return Decision()  # no evidence either way: the streak holds
+        v = float(v)
+        if self.best < self.after_success or v > 0:
+            self.best, self.lost = max(self.best, v), 0
+            return Decision()
+        self.lost += 1
+        if not self.patience or self.lost % self.patience:
+            return Decision()
+        valid = metrics.get("tools/valid_rate")
+        why = (f"success/train 0 for {self.lost} steps after the run reached {self.best:.2f}"
+               + (f" (tools/valid_rate {float(valid):.2f} on the last)" if valid is not None else "")
+               + ": the policy collapsed")
+        if self.action == "warn":
+            return Decision(notes=[f"{why} (stabilizers.stall.action=warn: going on)"])
+        return Decision(self.action, [why])
+
+    def _no_signal(self, metrics: dict, success_rate: Optional[float]) -> Decision:
         x = metrics.get("train/skipped_no_signal")
         if x is None or not float(x) >= 0.5:  # a record without it (or NaN) is no evidence of a stall
             self._reset()
@@ -72,13 +102,14 @@ class StallGuard:
         return Decision(self.action, [why])
 
     def metrics(self) -> dict:
-        return {"stab/no_signal_streak": self.streak}
+        return {"stab/no_signal_streak": self.streak, "stab/zero_success_streak": self.lost}
 
     def state_dict(self) -> dict:
         return {"streak": self.streak, "sums": {k: list(v) for k, v in self.sums.items()},
-                "all_equal": self.all_equal}
+                "all_equal": self.all_equal, "best": self.best, "lost": self.lost}
 
     def load_state_dict(self, s: dict) -> None:
         self.streak = int(s["streak"])
         self.sums = {k: [float(a), int(n)] for k, (a, n) in s["sums"].items()}
         self.all_equal = bool(s["all_equal"])
+        self.best, self.lost = float(s.get("best", 0.0)), int(s.get("lost", 0))  # older checkpoints: none
