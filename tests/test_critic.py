@@ -298,3 +298,6 @@ def test_dry_run_plan_shows_the_critic_memory():
     text = on.render()
     assert "critic head+grads+optim" in text and f"{H + 1} parameters" in text
     assert "critic" not in off.render()
+    assert "old pass" not in text
+    white = plan(load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "critic.whiten=true"])).render()
+    assert "critic.whiten: the no-grad old pass runs every step" in white
