@@ -164,6 +164,8 @@ def plan(cfg: TrainConfig) -> Plan:
         pl.notes.append(f"critic: a value head on the policy's trunk, {H + 1} parameters (no second model): "
                         f"{head / 1024:.1f} KiB with gradients and optimizer state, <= {vals / 1024:.1f} KiB of "
                         "values per micro-batch")
+        if cfg.critic.whiten:
+            pl.notes.append("critic.whiten: the no-grad old pass runs every step (one more forward per micro-batch)")
     pl.trainer_bytes["total (fused)"] = sum(v for k, v in pl.trainer_bytes.items() if "naive" not in k)
     if lay.device == "cuda":
         w = 2 * P / cfg.rollout.tensor_parallel

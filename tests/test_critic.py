@@ -166,6 +166,39 @@ def test_value_loss_and_metrics_by_hand():
     assert m["value/explained_var"] == pytest.approx(1 - res.var() / ret.var())
 
 
+def test_whitened_advantages_by_hand():
+    """``whiten``: the step's GAE advantages (all its micro-batches) to mean 0, variance 1, from the old
+    values, added to the segments' own advantages; the value loss keeps the raw returns."""
+    cfg = CriticConfig(enabled=True, gamma=1.0, lam=1.0, clip=None, whiten=True)
+    mbs = [_MB([0, 1], [0, 1], [0, 0], [0.0, 1.0], normalizer=3.0), _MB([0], [0], [0], [0.0], normalizer=3.0),
+           None]
+    olds = [torch.tensor([0.0, 0.5], dtype=torch.float64), torch.tensor([0.25], dtype=torch.float64), None]
+    cr = Critic(cfg)
+    m = cr.begin_step([mb if mb is not None else type("E", (), {"critic": None})() for mb in mbs], olds,
+                      torch.device("cpu"))
+    raw = np.array([1.0, 0.5, -0.25])  # lambda = gamma = 1: return - V_old
+    assert m["value/adv_raw_mean"] == pytest.approx(raw.mean()) and m["value/adv_raw_std"] == pytest.approx(raw.std())
+    white = (raw - raw.mean()) / np.sqrt(raw.var() + 1e-8)
+    seg, loss = cr.micro_batch(olds[0].clone().requires_grad_(), olds[0], mbs[0], torch.tensor([0.25, 0.0], dtype=torch.float64))
+    assert seg.tolist() == pytest.approx([0.25 + white[0], white[1]])
+    assert float(loss.detach()) == pytest.approx(0.5 * (1.0 + 0.25) / 3.0)  # targets G = [1, 1]: raw returns
+    seg, _ = cr.micro_batch(olds[1].clone(), olds[1], mbs[1], torch.zeros(1, dtype=torch.float64))
+    assert seg.tolist() == pytest.approx([white[2]])
+    # one chunk in the step (no spread): its advantage is centred to 0, not divided by 0
+    one = Critic(cfg)
+    one.begin_step(mbs[1:2], olds[1:2], torch.device("cpu"))
+    assert one.micro_batch(olds[1], olds[1], mbs[1], torch.zeros(1, dtype=torch.float64))[0].tolist() == [0.0]
+    # whitening without the step's old values, or before begin_step: one line each
+    with pytest.raises(ValueError, match="critic.whiten: needs the step's old values"):
+        Critic(cfg).begin_step(mbs[:1], None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="critic.whiten: micro_batch before begin_step"):
+        Critic(cfg).micro_batch(olds[0], olds[0], mbs[0], torch.zeros(2, dtype=torch.float64))
+    # off: begin_step is a no-op and the advantages are the raw ones
+    plain = Critic(CriticConfig(enabled=True, gamma=1.0, lam=1.0, clip=None))
+    assert plain.begin_step(mbs[:1], None, torch.device("cpu")) == {}
+    assert plain.micro_batch(olds[0], olds[0], mbs[0], torch.zeros(2, dtype=torch.float64))[0].tolist() == [1.0, 0.5]
+
+
 def test_value_head_gradients_autograd_check():
     """d(value loss)/d(head weight, bias, hidden) against finite differences (float64), clipped and not."""
     torch.manual_seed(0)
@@ -265,3 +298,6 @@ def test_dry_run_plan_shows_the_critic_memory():
     text = on.render()
     assert "critic head+grads+optim" in text and f"{H + 1} parameters" in text
     assert "critic" not in off.render()
+    assert "old pass" not in text
+    white = plan(load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "critic.whiten=true"])).render()
+    assert "critic.whiten: the no-grad old pass runs every step" in white

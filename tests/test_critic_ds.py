@@ -9,6 +9,7 @@ holds no value point), ZeRO 0, 1, 2 and 3 in one pair of processes:
   next step equals the uninterrupted one's);
 * weight sync / export never see the head: ``full_state_dict`` has the plain model's keys and the HF
   export loads as a plain model;
+* whitened advantages (``critic.whiten``) run the old pass and agree between ZeRO 0 and 3;
 * with the critic off, the trainer is the one it was (same keys, same weights after a step as a
   trainer built without the argument)."""
 import os
@@ -137,6 +138,12 @@ def _checks(rank, world, port, result_dir):
                 r["mismatch_refused"] = ""
             except ValueError as e:
                 r["mismatch_refused"] = str(e)
+        if stage in (0, 3):  # whitened advantages: the old pass runs; ZeRO 3 as ZeRO 0
+            wt = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10,
+                               critic=CRITIC.model_copy(update={"whiten": True}))
+            r["white_old_pass"] = wt.old_pass_needed(1)
+            r["white_m"] = update_on_batch(wt, steps[0], LOSS, updates=1)
+            r["white_w"] = _weights(wt)
         if stage == 3:  # two updates per batch: the old pass gives the values, the clip can bite
             two = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, critic=CRITIC)
             r["m_two"] = update_on_batch(two, steps[0], LOSS, updates=2)
@@ -220,6 +227,19 @@ def check(tmp_path):
     for k in ("value/loss", "value/mean", "value/explained_var", "loss"):
         assert s2["m1_old_pass"][k] == pytest.approx(s2["m1"][k], rel=1e-5, abs=1e-7), k
     assert "old_values come with old_logps" in s2["mismatch_refused"]
+    w0_white, w3_white = res["stages"][0]["white_w"], res["stages"][3]["white_w"]
+    differs = 0
+    for n, w in w0_white.items():
+        big = (w - w0[n]).abs() > 0.99 * OPTIM.lr
+        torch.testing.assert_close(w3_white[n][big], w[big], rtol=1e-4, atol=1e-5, msg=f"whitened ZeRO-3 {n}")
+        differs += int(((w - ref["w1"][n]).abs() > 1e-3 * OPTIM.lr).sum())
+    assert differs > 0  # whitening changed the update
+    for stage in (0, 3):
+        r = res["stages"][stage]
+        assert r["white_old_pass"], stage
+        m = r["white_m"]
+        assert np.isfinite(m["value/adv_raw_mean"]) and m["value/adv_raw_std"] > 0, m
+        assert m["value/adv_raw_mean"] != 0.0  # V = 0 at the start: the raw advantages are the returns
     two = res["stages"][3]["m_two"]
     assert np.isfinite(two["value/loss"]) and two["value/mean"] != 0.0  # the second update saw the moved head
     s0 = res["stages"][0]

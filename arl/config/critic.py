@@ -17,6 +17,10 @@ class CriticConfig(BaseModel):
     lr_mult: float = Field(1.0, gt=0)  # the value head's lr = trainer.optim.lr * lr_mult (its own param group)
     value_coef: float = Field(0.5, ge=0)  # weight of the value loss beside the policy loss (one backward)
     clip: Optional[float] = Field(0.2, gt=0)  # PPO value clip: |V - V_old| <= clip inside the loss; None: unclipped
+    # GAE advantages shifted and scaled to mean 0, variance 1 over the step's chunks (all ranks), as
+    # PPO trainers do; costs the no-grad old pass (the step's values before its first loss). Value
+    # targets stay the raw returns.
+    whiten: bool = False
 
 
 def check_critic(critic: CriticConfig, stab, loss) -> None:

@@ -23,6 +23,13 @@ Value loss (PPO's clipped form), per chunk with GAE target G = A + V_old:
 summed over the step's chunks and divided by their number (all ranks, ``critic_points``'
 normalizer).  With one update per batch V_old is the gradient pass's own value, detached (as the old
 logprobs are), so the clip cannot bite on that update; with more updates the old pass gives V_old.
+
+``whiten``: the chunks' GAE advantages are shifted and scaled to mean 0 and variance 1 over the whole
+step (every rank's chunks, each chunk once), A' = (A - mean) / sqrt(var + 1e-8), before the loss
+takes them; the value target stays G = A + V_old.  The step's mean and variance need every chunk's
+old value before the first micro-batch's loss, so whitening always runs the old pass.  Why: with
+raw advantages a head that lags the returns makes nearly every chunk's advantage positive, and one
+that overshoots makes nearly every one negative; whitened, the step always pushes both ways.
 """
 from __future__ import annotations
 
@@ -65,6 +72,7 @@ def param_groups(model: torch.nn.Module, lr: float, lr_mult: float) -> list:
 
 # the per-step sums behind the value metrics, in this order (all-reduced once per step)
 _SUMS = ("n", "v", "ret", "ret2", "res", "res2", "loss", "clipped")
+WHITEN_EPS = 1e-8
 
 
 class Critic:
@@ -73,6 +81,31 @@ class Critic:
     def __init__(self, cfg):
         self.cfg = cfg
         self.sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        self.white = None  # (mean, 1/std) of the step's raw GAE advantages, when whitening
+
+    def begin_step(self, mbs, old_values, device) -> dict:
+        """Before a step's first loss: with ``whiten``, the mean and variance of the step's raw GAE
+        advantages from the old pass's values (every rank; a collective, so every rank calls it).
+        Returns the raw advantages' ``value/adv_raw_mean`` and ``value/adv_raw_std``."""
+        self.white = None
+        if not self.cfg.whiten:
+            return {}
+        if old_values is None:
+            raise ValueError("critic.whiten: needs the step's old values before its first loss "
+                             "(old_logprobs(mbs, values=[]) and rl_step(..., old_values=...))")
+        s = torch.zeros(3, dtype=torch.float64)
+        for mb, ov in zip(mbs, old_values):
+            if ov is None or mb.critic is None or ov.numel() == 0:
+                continue
+            a, _ = gae(ov, mb.critic["rewards"], mb.critic["seq"], self.cfg.gamma, self.cfg.lam)
+            s += torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64), a.sum(), (a * a).sum()])
+        n, tot, sq = all_sum(s, device).tolist()
+        if n == 0:
+            return {}
+        mean = tot / n
+        var = max(sq / n - mean * mean, 0.0)
+        self.white = (mean, (var + WHITEN_EPS) ** -0.5)
+        return {"value/adv_raw_mean": mean, "value/adv_raw_std": var ** 0.5}
 
     def values(self, model, hidden: torch.Tensor, mb) -> torch.Tensor:
         """[P] values (float32, float64 for a float64 model) at the micro-batch's value points, with
@@ -106,6 +139,10 @@ class Critic:
         if v.numel() == 0:
             return seg_adv, v.sum()  # an exact 0 that still reaches the head in backward
         adv, ret = gae(old_v, c["rewards"], c["seq"], self.cfg.gamma, self.cfg.lam)
+        if self.cfg.whiten:
+            if self.white is None:
+                raise ValueError("critic.whiten: micro_batch before begin_step (the step's advantage statistics)")
+            adv = (adv - self.white[0]) * self.white[1]
         seg_adv = seg_adv.to(torch.float64).clone()
         seg_adv.index_add_(0, c["seg"], adv)
         ret = ret.to(v.device, v.dtype)

@@ -195,8 +195,10 @@ class PolicyTrainer:
         the weights do not change between that pass and the gradient pass (gradients accumulate over
         the micro-batches of one optimizer step), so the old logprobs are the gradient pass's logp,
         detached -- ``rl_step(mbs, None, ...)`` takes them from there.  That holds only when the
-        train-mode forward is the eval-mode one (no dropout); otherwise the pass is kept."""
-        return updates_per_batch > 1 or bool(self.train_randomness)
+        train-mode forward is the eval-mode one (no dropout); otherwise the pass is kept.  The critic's
+        ``whiten`` keeps it too: the step's advantage statistics need every old value first."""
+        whiten = self.critic is not None and self.critic.cfg.whiten
+        return updates_per_batch > 1 or bool(self.train_randomness) or whiten
 
     @torch.no_grad()
     def old_logprobs(self, mbs: Sequence[MicroBatch], model=None, values: Optional[list] = None) -> list:
@@ -291,6 +293,7 @@ class PolicyTrainer:
             raise ValueError(f"rl_step: old_logps=None needs a deterministic train-mode forward; the model has "
                              f"{', '.join(self.train_randomness[:3])} (run old_logprobs first)")
         self.last_old_logps = used_old = []
+        white = self.critic.begin_step(mbs, old_values, self.device) if self.critic is not None else {}
         for i, mb in enumerate(mbs):
             if mb.is_empty:
                 self._dummy_backward()
@@ -359,6 +362,7 @@ class PolicyTrainer:
         signal = any_rank(signal or bool(value), self.device)  # value metrics: the value loss has points to fit
         out = self._finish_step(metrics, apply_update=signal)
         out.update(value)
+        out.update(white)
         out["skipped_no_signal"] = float(not signal)
         out.update(turn)
         return out
