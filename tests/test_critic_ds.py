@@ -143,6 +143,11 @@ def _checks(rank, world, port, result_dir):
                                critic=CRITIC.model_copy(update={"whiten": True}))
             r["white_old_pass"] = wt.old_pass_needed(1)
             r["white_m"] = update_on_batch(wt, steps[0], LOSS, updates=1)
+            import torch.distributed as dist
+
+            each = [None] * world  # every rank's own figures: the statistics must be the step's, not the rank's
+            dist.all_gather_object(each, {k: v for k, v in r["white_m"].items() if k.startswith("value/adv_raw")})
+            r["white_each"] = each
             r["white_w"] = _weights(wt)
         if stage == 3:  # two updates per batch: the old pass gives the values, the clip can bite
             two = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, critic=CRITIC)
@@ -239,7 +244,16 @@ def check(tmp_path):
         assert r["white_old_pass"], stage
         m = r["white_m"]
         assert np.isfinite(m["value/adv_raw_mean"]) and m["value/adv_raw_std"] > 0, m
-        assert m["value/adv_raw_mean"] != 0.0  # V = 0 at the start: the raw advantages are the returns
+        # V = 0 before the first update: the raw advantages are GAE over zero values, i.e. the
+        # lambda-returns of the chunk rewards, of every chunk of both ranks
+        from arl.stabilizers.gae import gae
+
+        raw = torch.cat([gae(torch.zeros(mb.critic["pos"].numel(), dtype=torch.float64), mb.critic["rewards"],
+                             mb.critic["seq"], CRITIC.gamma, CRITIC.lam)[0]
+                         for ranks in batches(2)[0] for mb in ranks if mb.critic is not None])
+        assert m["value/adv_raw_mean"] == pytest.approx(float(raw.mean()), rel=1e-9) != 0.0
+        assert m["value/adv_raw_std"] == pytest.approx(float(raw.std(unbiased=False)), rel=1e-9)
+        assert r["white_each"][0] == r["white_each"][1], r["white_each"]
     two = res["stages"][3]["m_two"]
     assert np.isfinite(two["value/loss"]) and two["value/mean"] != 0.0  # the second update saw the moved head
     s0 = res["stages"][0]

@@ -436,6 +436,27 @@ def test_stall_collapse_after_success_despite_a_trickle_of_signal():
         StabilizerConfig(stall=dict(after_success=0))
 
 
+def test_stall_zero_success_without_ok_episodes_is_no_evidence():
+    """A step where no episode finished OK (environment faults, all masked) reports success/train 0;
+    it neither counts toward the collapse streak nor resets it."""
+    st = Stabilizers(StabilizerConfig(stall=dict(patience=2)))
+    lost = {"train/skipped_no_signal": 0.0, "success/train": 0.0, "status/ok": 12.0}
+    outage = {"train/skipped_no_signal": 0.0, "success/train": 0.0, "status/ok": 0.0}
+    assert st.after_step(0, {**lost, "success/train": 0.9}).ok
+    assert all(st.after_step(s, outage).ok for s in range(1, 30))
+    assert st.stab_metrics()["stab/zero_success_streak"] == 0
+    assert st.after_step(30, lost).ok and st.after_step(31, outage).ok
+    assert st.after_step(32, lost).action == "stop"
+
+
+def test_checkpoint_due_skips_a_rolled_back_step():
+    from arl.trainer.rank import checkpoint_due
+
+    assert [v for v in range(1, 11) if checkpoint_due(v, 4, 10, False, "continue")] == [4, 8, 10]
+    assert checkpoint_due(3, 4, 10, True, "continue") and checkpoint_due(3, 4, 10, True, "stop")
+    assert not any(checkpoint_due(v, 4, 10, oot, "rollback") for v in (4, 8, 10) for oot in (False, True))
+
+
 def test_stall_both_rules_fire_at_once():
     st = Stabilizers(StabilizerConfig(stall=dict(patience=2)))
     st.after_step(0, {**SIGNAL, "success/train": 1.0})

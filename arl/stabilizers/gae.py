@@ -17,9 +17,8 @@ positions and rewards (``critic_points``).  The values themselves come from the 
 runs per micro-batch; a trajectory is never split over micro-batches (the packer keeps it whole or
 truncates it; a chunk cut off by truncation adds its reward to the last chunk that was packed).
 
-Advantages are not normalized over the step: they are in reward units, centred by the critic.  A
-step-wide mean/std would need every value of the step before the first micro-batch's loss, i.e. the
-extra no-grad pass that one update per batch avoids.
+Advantages are in reward units, centred by the critic; ``critic.whiten`` normalizes them over the
+step in the trainer (arl/trainer/critic.py), from the no-grad old pass's values.
 """
 from __future__ import annotations
 

@@ -47,6 +47,8 @@ class StallGuard:
         v = metrics.get("success/train", success_rate)
         if self.after_success is None or v is None or not math.isfinite(float(v)):
             return Decision()  # no evidence either way: the streak holds
+        if metrics.get("status/ok") == 0:
+            return Decision()  # no episode finished OK (environment faults, all masked): no evidence either
         v = float(v)
         if self.best < self.after_success or v > 0:
             self.best, self.lost = max(self.best, v), 0

@@ -95,6 +95,15 @@ def engine_mismatch(mbs, old) -> dict:
     return {"logp_abs_diff_vs_rollout": num / den} if den > 0 else {}
 
 
+def checkpoint_due(version: int, every: int, steps: int, out_of_time: bool, action: str) -> bool:
+    """Whether step ``version`` is checkpointed: every ``every`` steps, the last step, and the step the
+    wall budget ran out; never a step the stabilizers roll back, whose state is the fault's (saved, it
+    would be the very checkpoint the rollback restores)."""
+    if action == "rollback":
+        return False
+    return version % every == 0 or version == steps or out_of_time
+
+
 def update_on_batch(tr: PolicyTrainer, mbs, loss_cfg, updates: int) -> dict:
     """The ``updates`` optimizer steps on one batch, and this rank's metrics.  The old logprobs come
     from a no-grad pass over the batch only when they can differ from the first gradient pass's
@@ -230,7 +239,7 @@ class TrainerRank:
             if decision.action == "stop":  # the alarm's or the stall guard's reason, one line
                 print(f"arl.train: stopped at step {version}: {decision.reason}", flush=True)
         action = broadcast_from_rank0(decision.action if decision is not None else "continue", self.rank)
-        if version % self.cfg.trainer.checkpoint_every == 0 or version == self.steps or out_of_time:
+        if checkpoint_due(version, self.cfg.trainer.checkpoint_every, self.steps, out_of_time, action):
             self.checkpoint(version)
         return action, out_of_time
 
