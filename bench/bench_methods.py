@@ -40,7 +40,7 @@ per method) are written into ``--out``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
