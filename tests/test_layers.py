@@ -9,7 +9,7 @@ ARL = Path(__file__).resolve().parents[1] / "arl"
 # bottom to top; a module may import its own package and anything in a lower layer
 LAYERS = [
     ("errors", "procs"),
-    ("ops",),
+    ("ops", "algo"),
     ("config",),
     ("env", "data"),
     ("model", "metrics"),
