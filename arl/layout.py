@@ -9,7 +9,7 @@ of T tokens: ~34·T·H bytes per layer without checkpointing (flash/varlen atten
 grad-in-forward head (``trainer.head_grad_in_forward``) holds one [rows, V] block of about T/8
 rows (at least 32M elements on CPU; on a GPU at most 24M, but never under 64 rows, so more above
 V ~ 393k) and a quarter of it as scratch.  The
-critic (``critic.enabled``) is a value head on the trunk: (H + 1) parameters at the same per-parameter
+critic (``algo.advantage: gae``) is a value head on the trunk: (H + 1) parameters at the same per-parameter
 cost, and three floats per chunk start of a micro-batch (values, returns, advantages).
 
 Colocated (``layout.colocate``) every GPU holds a trainer rank and the engine's share: vLLM's
@@ -157,7 +157,7 @@ def plan(cfg: TrainConfig) -> Plan:
             if cfg.trainer.head_grad_in_forward else 0),
         "logits if naive (not used)": 8 * T * a.vocab_size,
     }
-    if cfg.critic.enabled:  # a linear head on the trunk (arl/trainer/critic.py): H + 1 parameters, no second model
+    if cfg.algo.uses_critic():  # a linear head on the trunk (arl/trainer/critic.py): H + 1 parameters, no second model
         head, vals = per_param * (H + 1), 3 * 4 * T  # values, returns, advantages: at most one per token
         pl.trainer_bytes["critic head+grads+optim"] = head
         pl.trainer_bytes["critic values (micro-batch)"] = vals

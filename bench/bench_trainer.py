@@ -145,7 +145,7 @@ def main_shape(quick: bool, seed: int = 0) -> Shape:
         raise RuntimeError(f"main shape: the expert solved {len(demos)} of {G * tasks} tasks")
     rng = np.random.default_rng(seed)
     trajs = [dataclasses.replace(t, group_id=i // G, reward=float(rng.random() < 0.5)) for i, t in enumerate(demos)]
-    stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tok.decode)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tok.decode, algo=cfg.algo)
     mbs, loss_cfg = _prepared(trajs, stab, cfg.trainer.micro_batch_tokens, cfg.trainer.world_size, cfg.seed)
     make = lambda: load_policy(cfg, model_dir)  # noqa: E731
     params, arch = _engine_logprobs(make(), mbs)
@@ -190,7 +190,7 @@ def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, zero_s
         return Qwen2ForCausalLM(Qwen2Config(**arch)).float()
 
     trajs = _synthetic(seqs, lens[0], lens[1], arch["vocab_size"], cfg.rollout.group_size, seed)
-    stab = Stabilizers(cfg.stabilizers, cfg.loss)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, algo=cfg.algo)
     mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
     params, conf = _engine_logprobs(make(), mbs)
     _release()

@@ -177,7 +177,8 @@ def make_trainer(cfg, model, args, dtype):
 
     return PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=args.zero_stage, total_steps=cfg.trainer.steps,
                          dtype=dtype, loss_backend=args.loss_backend, temperature=cfg.rollout.temperature,
-                         ref_model=None, attn=args.attn)
+                         ref_model=None, attn=args.attn, objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled),
+                         critic=cfg.critic)
 
 
 def run_steps(args) -> dict:
@@ -198,7 +199,7 @@ def run_steps(args) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     tr = make_trainer(cfg, model, args, dtype)
-    stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tok.decode)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=tok.decode, algo=cfg.algo)
     w0 = master_weights(tr)
     steps, first = [], None
     for step in range(args.steps):
@@ -373,7 +374,7 @@ def cmd_perf(args) -> int:
     with torch.device(args.device):  # random weights made where they are trained (a 0.5B init on CPU is slow)
         model = Qwen2ForCausalLM(mcfg).to(dtype)
     tr = make_trainer(cfg, model, args, dtype)
-    stab = Stabilizers(cfg.stabilizers, cfg.loss)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, algo=cfg.algo)
     trajs = tiled([t for b in batches for t in b], args.tokens)
     mbs, loss_cfg = step_batch(cfg, stab, trajs, 0, micro_batch_tokens=args.micro_batch_tokens)
     # the recorded engine logprobs are another model's: this model's own stand in (on-policy, as in

@@ -115,7 +115,7 @@ def test_method_overrides_are_valid_config(name):
     m = bm.METHODS[name]
     cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), [*m.overrides, "sft.enabled=false"])
     assert cfg.stabilizers.turn_credit.enabled == ("turn_credit" in name)
-    assert cfg.critic.enabled == ("critic" in name)
+    assert cfg.algo.uses_critic() == ("critic" in name)
 
 
 def test_prune_run_keeps_the_records(tmp_path):

@@ -6,17 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from arl.config import ConfigError, CriticConfig, StabilizerConfig, load_config
+from arl.config import AlgoConfig, ConfigError, CriticConfig, StabilizerConfig, load_config
 from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.ops.policy_loss import LossConfig
 from arl.stabilizers import Stabilizers
-from arl.stabilizers.gae import gae
+from arl.algo.advantages import gae
 from arl.trainer.critic import VALUE_HEAD, Critic, attach_value_head, param_groups, without_value_head
 
 from two_rank import random_chunk_ids, tiny_qwen
 
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, loss_agg="token-mean")
+GAE = AlgoConfig(advantage="gae")
 
 # three trajectories: values V_k and rewards r_k per chunk (laid out one after the other)
 V = [0.5, 0.2, 0.8, 0.3, 0.1, 0.4]
@@ -70,8 +71,8 @@ def trajectories(n=12, group=4, seed=0, masked=()):
     return out
 
 
-def prepared(trajs, critic=CriticConfig(enabled=True), stab=StabilizerConfig(), budget=80, world=2):
-    s = Stabilizers(stab, LOSS, critic=critic)
+def prepared(trajs, algo=GAE, stab=StabilizerConfig(), budget=80, world=2):
+    s = Stabilizers(stab, LOSS, algo=algo)
     prep = s.prepare(trajs, LOSS)
     packed = pack_step(prep.trajectories, PackerConfig(token_budget=budget, num_ranks=world), LOSS,
                        advantages=prep.advantages)
@@ -142,7 +143,7 @@ def _head_model(H=6, dtype=torch.float64):
 
 
 def test_value_loss_and_metrics_by_hand():
-    cfg = CriticConfig(enabled=True, gamma=1.0, lam=1.0, clip=0.1)
+    cfg = CriticConfig(gamma=1.0, lam=1.0, clip=0.1)
     cr = Critic(cfg)
     mb = _MB([0, 1], [0, 1], [0, 0], [0.0, 1.0], normalizer=4.0)
     old_v = torch.tensor([0.0, 0.5], dtype=torch.float64)
@@ -169,7 +170,7 @@ def test_value_loss_and_metrics_by_hand():
 def test_whitened_advantages_by_hand():
     """``whiten``: the step's GAE advantages (all its micro-batches) to mean 0, variance 1, from the old
     values, added to the segments' own advantages; the value loss keeps the raw returns."""
-    cfg = CriticConfig(enabled=True, gamma=1.0, lam=1.0, clip=None, whiten=True)
+    cfg = CriticConfig(gamma=1.0, lam=1.0, clip=None, whiten=True)
     mbs = [_MB([0, 1], [0, 1], [0, 0], [0.0, 1.0], normalizer=3.0), _MB([0], [0], [0], [0.0], normalizer=3.0),
            None]
     olds = [torch.tensor([0.0, 0.5], dtype=torch.float64), torch.tensor([0.25], dtype=torch.float64), None]
@@ -194,7 +195,7 @@ def test_whitened_advantages_by_hand():
     with pytest.raises(ValueError, match="critic.whiten: micro_batch before begin_step"):
         Critic(cfg).micro_batch(olds[0], olds[0], mbs[0], torch.zeros(2, dtype=torch.float64))
     # off: begin_step is a no-op and the advantages are the raw ones
-    plain = Critic(CriticConfig(enabled=True, gamma=1.0, lam=1.0, clip=None))
+    plain = Critic(CriticConfig(gamma=1.0, lam=1.0, clip=None))
     assert plain.begin_step(mbs[:1], None, torch.device("cpu")) == {}
     assert plain.micro_batch(olds[0], olds[0], mbs[0], torch.zeros(2, dtype=torch.float64))[0].tolist() == [1.0, 0.5]
 
@@ -204,7 +205,7 @@ def test_value_head_gradients_autograd_check():
     torch.manual_seed(0)
     H = 6
     for clip in (None, 0.05):
-        cr = Critic(CriticConfig(enabled=True, gamma=0.9, lam=0.8, clip=clip))
+        cr = Critic(CriticConfig(gamma=0.9, lam=0.8, clip=clip))
         model = _head_model(H)
         head = getattr(model, VALUE_HEAD)
         del head.weight, head.bias  # plain tensors from here: gradcheck's inputs
@@ -228,9 +229,9 @@ def test_nan_values_fail_loudly():
     h = torch.zeros(3, 4, dtype=torch.float64)
     h[1, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="value head output nan at value point 0"):
-        Critic(CriticConfig(enabled=True)).values(model, h, mb)
+        Critic(CriticConfig()).values(model, h, mb)
     with pytest.raises(ValueError, match="no value points"):
-        Critic(CriticConfig(enabled=True)).values(model, h, type("M", (), {"critic": None})())
+        Critic(CriticConfig()).values(model, h, type("M", (), {"critic": None})())
 
 
 def test_head_is_zero_in_its_own_param_group_and_kept_out_of_the_policy_state():
@@ -248,8 +249,8 @@ def test_head_is_zero_in_its_own_param_group_and_kept_out_of_the_policy_state():
 
 
 def test_config_checks():
-    ok = load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "critic.lam=0.9"])
-    assert ok.critic.enabled and ok.critic.lam == 0.9
+    ok = load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae", "critic.lam=0.9"])
+    assert ok.algo.uses_critic() and ok.critic.lam == 0.9 and ok.algo.objective_name(False) == "critic"
     bad = {
         "critic.lam=1.5": "critic.lam",
         "critic.gamma=0": "critic.gamma",
@@ -259,22 +260,29 @@ def test_config_checks():
     }
     for ov, msg in bad.items():
         with pytest.raises(ConfigError, match=msg) as e:
-            load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", ov])
+            load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae", ov])
         assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="critic.enabled: needs loss.ratio_level token or chunk"):
-        load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "stabilizers.turn_credit.enabled=false",
+    with pytest.raises(ConfigError, match="algo.advantage: gae needs loss.ratio_level token or chunk"):
+        load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae", "stabilizers.turn_credit.enabled=false",
                                               "loss.ratio_level=sequence"])
-    with pytest.raises(ConfigError, match="critic.enabled: cannot be combined with stabilizers.ipa.enabled"):
-        load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "stabilizers.turn_credit.enabled=false",
+    with pytest.raises(ConfigError, match="algo.advantage: gae cannot be combined with stabilizers.ipa.enabled"):
+        load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae", "stabilizers.turn_credit.enabled=false",
                                               "stabilizers.ipa.enabled=true"])
-    assert not load_config("configs/tiny_cpu.yaml").critic.enabled  # off by default
+    assert not load_config("configs/tiny_cpu.yaml").algo.uses_critic()  # off by default
+    # a critic setting without the critic is no silent no-op; the old switch names its replacement
+    with pytest.raises(ConfigError, match="critic.whiten: set, but the critic is off"):
+        load_config("configs/tiny_cpu.yaml", ["critic.whiten=true"])
+    with pytest.raises(ConfigError, match="critic.enabled: moved to algo.advantage: gae"):
+        load_config("configs/tiny_cpu.yaml", ["critic.enabled=true"])
+    with pytest.raises(ConfigError, match="algo.objective: 'critic' does not go with algo.advantage 'grpo'"):
+        load_config("configs/tiny_cpu.yaml", ["algo.objective=critic"])
 
 
 def test_critic_off_prepares_exactly_what_it_did():
     trajs = trajectories(seed=3)
     for stab in (StabilizerConfig(), StabilizerConfig(turn_credit=dict(enabled=True))):
-        a = prepared(trajs, critic=None, stab=stab)
-        b = prepared(trajs, critic=CriticConfig(enabled=False), stab=stab)
+        a = prepared(trajs, algo=None, stab=stab)
+        b = prepared(trajs, algo=AlgoConfig(advantage="grpo"), stab=stab)
         assert b[0].chunk_rewards is None
         np.testing.assert_array_equal(a[0].advantages, b[0].advantages)
         for x, y in zip(a[1].all_micro_batches(), b[1].all_micro_batches()):
@@ -288,7 +296,7 @@ def test_critic_off_prepares_exactly_what_it_did():
 def test_dry_run_plan_shows_the_critic_memory():
     from arl.layout import plan
 
-    on = plan(load_config("configs/tiny_cpu.yaml", ["critic.enabled=true"]))
+    on = plan(load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae"]))
     off = plan(load_config("configs/tiny_cpu.yaml"))
     H, T = 128, 4096
     assert on.trainer_bytes["critic head+grads+optim"] == pytest.approx((4 + 12 / 2) * (H + 1))  # fp32, ZeRO-2, dp 2
@@ -299,5 +307,5 @@ def test_dry_run_plan_shows_the_critic_memory():
     assert "critic head+grads+optim" in text and f"{H + 1} parameters" in text
     assert "critic" not in off.render()
     assert "old pass" not in text
-    white = plan(load_config("configs/tiny_cpu.yaml", ["critic.enabled=true", "critic.whiten=true"])).render()
+    white = plan(load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae", "critic.whiten=true"])).render()
     assert "critic.whiten: the no-grad old pass runs every step" in white

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from arl.config import CriticConfig, OptimConfig, StabilizerConfig
+from arl.config import AlgoConfig, CriticConfig, OptimConfig, StabilizerConfig
 from arl.data import Trajectory, TrajectoryStatus
 from arl.data.packer import PackerConfig, pack_step
 from arl.ops.policy_loss import LossConfig
@@ -28,8 +28,15 @@ from two_rank import random_chunk_ids, tiny_qwen
 
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28, loss_agg="token-mean")
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
-CRITIC = CriticConfig(enabled=True, gamma=0.97, lam=0.9, lr_mult=3.0, value_coef=0.5, clip=0.2)
+GAE = AlgoConfig(advantage="gae")
+CRITIC = CriticConfig(gamma=0.97, lam=0.9, lr_mult=3.0, value_coef=0.5, clip=0.2)
 STAGES = (0, 1, 2, 3)
+
+
+def critic_trainer(stage, critic=CRITIC):
+    from arl.trainer import PolicyTrainer
+
+    return PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, objective="critic", critic=critic)
 
 
 def trajectories(seed, n=16, group=4):
@@ -48,12 +55,12 @@ def trajectories(seed, n=16, group=4):
     return out
 
 
-def batches(world, critic=CRITIC):
+def batches(world, algo=GAE):
     from arl.stabilizers import Stabilizers
 
     out = []
     for seed in (0, 1):
-        stab = Stabilizers(StabilizerConfig(turn_credit=dict(enabled=True)), LOSS, critic=critic)
+        stab = Stabilizers(StabilizerConfig(turn_credit=dict(enabled=True)), LOSS, algo=algo)
         prep = stab.prepare(trajectories(seed), LOSS)
         packed = pack_step(prep.trajectories, PackerConfig(token_budget=96, num_ranks=world), LOSS,
                            advantages=prep.advantages)
@@ -110,7 +117,7 @@ def _checks(rank, world, port, result_dir):
     plain_keys = set(tiny_qwen().state_dict())
     for stage in STAGES:
         r = res["stages"][stage] = {}
-        tr = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, critic=CRITIC)
+        tr = critic_trainer(stage)
         r["head_lr"] = [g["lr"] for g in tr._torch_opt.param_groups]
         r["m1"] = update_on_batch(tr, steps[0], LOSS, updates=1)
         r["w1"] = _weights(tr)
@@ -122,13 +129,13 @@ def _checks(rank, world, port, result_dir):
         hf = os.path.join(result_dir, f"hf{stage}")
         tr.export_hf(hf)
         # resume: a fresh trainer (head attached anew, at 0) restores step 1 and takes step 2 again
-        back = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, critic=CRITIC)
+        back = critic_trainer(stage)
         back.load_checkpoint(os.path.join(result_dir, f"ck{stage}"), "step1")
         r["w1_restored"] = _weights(back)
         r["m2_restored"] = update_on_batch(back, steps[1], LOSS, updates=1)
         r["w2_restored"] = _weights(back)
         if stage == 2:  # an explicit old pass with values gives the same update as the skipped one
-            keep = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, critic=CRITIC)
+            keep = critic_trainer(stage)
             old_v = []
             old = keep.old_logprobs(steps[0], values=old_v)
             r["m1_old_pass"] = keep.rl_step(steps[0], old, LOSS, old_values=old_v)
@@ -140,7 +147,7 @@ def _checks(rank, world, port, result_dir):
                 r["mismatch_refused"] = str(e)
         if stage in (0, 3):  # whitened advantages: the old pass runs; ZeRO 3 as ZeRO 0
             wt = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10,
-                               critic=CRITIC.model_copy(update={"whiten": True}))
+                               objective="critic", critic=CRITIC.model_copy(update={"whiten": True}))
             r["white_old_pass"] = wt.old_pass_needed(1)
             r["white_m"] = update_on_batch(wt, steps[0], LOSS, updates=1)
             import torch.distributed as dist
@@ -150,18 +157,18 @@ def _checks(rank, world, port, result_dir):
             r["white_each"] = each
             r["white_w"] = _weights(wt)
         if stage == 3:  # two updates per batch: the old pass gives the values, the clip can bite
-            two = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, critic=CRITIC)
+            two = critic_trainer(stage)
             r["m_two"] = update_on_batch(two, steps[0], LOSS, updates=2)
         if stage == 0:  # critic off: the trainer without the argument, step for step
-            for name, kw in (("none", {}), ("off", {"critic": CriticConfig(enabled=False)})):
+            for name, kw in (("none", {}), ("off", {"objective": "policy_gradient", "critic": CRITIC})):
                 t = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, **kw)
-                plain = [r_[rank] for r_ in batches(world, critic=None)]
+                plain = [r_[rank] for r_ in batches(world, algo=None)]
                 r[f"off_{name}_m"] = update_on_batch(t, plain[0], LOSS, updates=1)
                 r[f"off_{name}_w"] = _weights(t)
             r["off_head"] = hasattr(t.module, VALUE_HEAD)
             # a checkpoint resumed with the other critic setting: one line of ours, both ways
             t.save_checkpoint(os.path.join(result_dir, "ck_off"), "step1", {"step": 1})
-            for ck, kw in (("ck0", {}), ("ck_off", {"critic": CRITIC})):
+            for ck, kw in (("ck0", {}), ("ck_off", {"objective": "critic", "critic": CRITIC})):
                 other = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=stage, total_steps=10, **kw)
                 try:
                     other.load_checkpoint(os.path.join(result_dir, ck), "step1")
@@ -246,7 +253,7 @@ def check(tmp_path):
         assert np.isfinite(m["value/adv_raw_mean"]) and m["value/adv_raw_std"] > 0, m
         # V = 0 before the first update: the raw advantages are GAE over zero values, i.e. the
         # lambda-returns of the chunk rewards, of every chunk of both ranks
-        from arl.stabilizers.gae import gae
+        from arl.algo.advantages import gae
 
         raw = torch.cat([gae(torch.zeros(mb.critic["pos"].numel(), dtype=torch.float64), mb.critic["rewards"],
                              mb.critic["seq"], CRITIC.gamma, CRITIC.lam)[0]
@@ -262,6 +269,6 @@ def check(tmp_path):
     for n, w in s0["off_none_w"].items():
         assert torch.equal(s0["off_off_w"][n], w), n
     assert set(s0["off_none_w"]) == set(s0["w1"]) - set(head)
-    assert "saved with critic.enabled on, this run has it off" in s0["switch_ck0"], s0["switch_ck0"]
-    assert "saved with critic.enabled off, this run has it on" in s0["switch_ck_off"], s0["switch_ck_off"]
+    assert "saved with the critic on (algo.advantage gae), this run has it off" in s0["switch_ck0"], s0["switch_ck0"]
+    assert "saved with the critic off (algo.advantage gae), this run has it on" in s0["switch_ck_off"], s0["switch_ck_off"]
     assert "\n" not in s0["switch_ck0"] + s0["switch_ck_off"]

@@ -106,3 +106,69 @@ def test_the_checker_sees_a_violation():
                    "arl.rollout.manager:2 (rollout) imports arl.trainer.rank (trainer)"]
     local = list(_imports_of("def f():\n    from ..data import batch\n", "arl.rollout.manager", False))
     assert local == [("arl.data", 2, False)]
+
+
+MAX_FILE_LINES = 450  # a file a newcomer reads in one sitting
+MAX_FUNCTION_LINES = 60  # in the trainer (objectives included): a step reads top to bottom
+
+
+def test_files_stay_small():
+    big = [f"{p.relative_to(ARL.parent)}: {n} lines" for p in sorted(ARL.rglob("*.py"))
+           if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not big, f"files over {MAX_FILE_LINES} lines:\n" + "\n".join(big)
+
+
+def _long_functions(src: str, limit: int) -> list:
+    return [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(src))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_trainer_functions_stay_short():
+    long = [f"{p.relative_to(ARL.parent)}: {f}" for p in sorted((ARL / "trainer").rglob("*.py"))
+            for f in _long_functions(p.read_text(), MAX_FUNCTION_LINES)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+    assert _long_functions("def f():\n" + "    x = 1\n" * 3, 3) == ["f (4 lines)"]  # the counter counts
+
+
+def _module_graph() -> dict:
+    """arl module -> the arl modules it imports at module level (a package's own ``__init__`` included)."""
+    names = {_module_name(p) for p in ARL.rglob("*.py")}
+
+    def resolve(mod: str) -> str:
+        while mod not in names and "." in mod:  # ``from .x import Name`` names a symbol, not a module
+            mod = mod.rpartition(".")[0]
+        return mod
+
+    graph = {}
+    for p in ARL.rglob("*.py"):
+        me = _module_name(p)
+        graph[me] = {resolve(m) for m, _, top in _imports(p) if top and m not in ON_DEMAND} - {me}
+    return graph
+
+
+def _cycle(graph: dict):
+    """One import cycle as a list of modules, or None (depth-first search with colours)."""
+    colour, stack = {}, []
+
+    def visit(n):
+        colour[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if colour.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in colour and (found := visit(m)):
+                return found
+        colour[n] = 2
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in colour and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    # a package's __init__ re-exporting its modules is not a cycle unless a module imports the package back
+    assert _cycle(_module_graph()) is None, " -> ".join(_cycle(_module_graph()))
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the search finds one

@@ -15,13 +15,14 @@ import torch
 from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus
 from arl.ops.policy_loss.config import LossConfig
-from arl.ops.policy_loss.spec import group_advantages
+from arl.algo.advantages import group_advantages
+from arl.config import AlgoConfig
 from arl.metrics import per_turn_mean, per_turn_sums, success_logprob_mean, success_rate, trajectory_metrics, turn_means
 from arl.config import WANDB_PIN, WandbConfig
 from arl.metrics.logger import MetricsLogger, read_metrics
 from arl.plot import main as plot_main
 from arl.stabilizers.advantages import group_step_advantages, step_advantages
-from scalar_loss import scalar_group_advantages
+from estimator_ref import ref as ref_group_advantages
 
 OK, MASKED, FILTERED = TrajectoryStatus.OK, TrajectoryStatus.MASKED, TrajectoryStatus.FILTERED
 
@@ -92,9 +93,8 @@ def test_step_advantage_figures_exact(batch):
         assert adv.metrics[k] == pytest.approx(v, abs=1e-12), k
     # the loss's own group_advantages over the same population
     kept = [t for t in batch if t.status is not FILTERED]
-    ref, nz, G = group_advantages(torch.tensor([t.reward for t in kept], dtype=torch.float64),
-                                  torch.tensor([t.group_id for t in kept]), LossConfig())
-    assert adv.advantages[0] == pytest.approx(ref[0].item(), abs=0) and (nz, G) == (2, 3)
+    ref, nz, G = group_advantages([t.reward for t in kept], [t.group_id for t in kept], "grpo", 1e-6)
+    assert adv.advantages[0] == pytest.approx(ref[0], abs=0) and (nz, G) == (2, 3)
 
 
 def test_metrics_optional_keys_and_empty_sets():
@@ -122,23 +122,22 @@ def test_metrics_bad_input():
     with pytest.raises(ValueError, match="rollout_s"):
         trajectory_metrics([t], rollout_s=0.0)
     with pytest.raises(ValueError, match="rewards: shape"):
-        group_step_advantages([t], [1.0, 0.0], LossConfig())
+        group_step_advantages([t], [1.0, 0.0], AlgoConfig())
     with pytest.raises(ValueError, match="non-finite"):
-        group_step_advantages([t], [float("nan")], LossConfig())
+        group_step_advantages([t], [float("nan")], AlgoConfig())
 
 
-@pytest.mark.parametrize("adv_norm", ["group_std", "group_mean", "none"])
-def test_step_advantages_match_loss(adv_norm):
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "none"])
+def test_step_advantages_match_the_estimator(estimator):
     rng = np.random.default_rng(0)
     rewards, groups = rng.integers(0, 3, 24).astype(float) - 1, np.repeat(np.arange(6), 4)
-    cfg = LossConfig(adv_norm=adv_norm)
-    # an independent computation (plain floats, one group at a time), not the loss's own helper
-    adv, by_group = scalar_group_advantages(rewards.tolist(), groups.tolist(), cfg)
-    adv = np.array(adv)
-    nz, G = sum(1 for v in by_group.values() if max(v) == min(v)), len(by_group)
+    # an independent computation (plain floats, one group at a time), not the registry's own code
+    adv = np.array(ref_group_advantages(estimator, rewards.tolist(), groups.tolist(), 1e-6))
+    by_group = [rewards[groups == g] for g in range(6)]
+    nz, G = sum(1 for v in by_group if v.max() == v.min()), len(by_group)
     assert 0 < (adv != 0).sum() < adv.size and 0 < nz < G  # the draw exercises every branch
     trajs = [traj(4, [(1, 4)], float(r), int(g)) for r, g in zip(rewards, groups)]
-    s = step_advantages(trajs, cfg)
+    s = step_advantages(trajs, LossConfig(), algo=AlgoConfig(advantage=estimator))
     np.testing.assert_allclose(s.advantages, adv, rtol=1e-12, atol=1e-15)
     assert s.metrics["adv/nonzero_frac"] == pytest.approx(float((adv != 0).mean()))
     assert s.metrics["adv/negative_frac"] == pytest.approx(float((adv < 0).mean()))

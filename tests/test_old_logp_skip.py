@@ -107,9 +107,11 @@ def _worker(rank, world, port, stage, result_dir):
     set_rank_env(rank, world, port)
     init_distributed("cpu")
     # the same arithmetic as keep's head (bitwise-comparable updates); gif: the grad-in-forward head
-    skip = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10, head_grad_in_forward=False)
-    keep = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10)
-    gif = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=stage, total_steps=10, head_grad_in_forward=True)
+    # the ipa objective: IPA micro-batches (step 2) get the mixed loss, the others the policy loss
+    kw = dict(optim=OPTIM, zero_stage=stage, total_steps=10, objective="ipa")
+    skip = PolicyTrainer(tiny_model(), head_grad_in_forward=False, **kw)
+    keep = PolicyTrainer(tiny_model(), **kw)
+    gif = PolicyTrainer(tiny_model(), head_grad_in_forward=True, **kw)
     spy = Spy(skip)
     grads = {"skip": GradLog(skip), "gif": GradLog(gif)}
 
@@ -141,7 +143,7 @@ def _worker(rank, world, port, stage, result_dir):
     update_on_batch(skip, ranks[rank], loss_cfg, updates=2)
     res["two_updates_pass_calls"] = spy.calls - res["skip_pass_calls"]
     # dropout: the train-mode forward is random, the pass stays; rl_step refuses to take old from it
-    drop = PolicyTrainer(tiny_model(dropout=0.1), optim=OPTIM, zero_stage=stage, total_steps=10)
+    drop = PolicyTrainer(tiny_model(dropout=0.1), **kw)
     dspy = Spy(drop)
     res["dropout_randomness"] = drop.train_randomness
     res["dropout_needed"] = drop.old_pass_needed(1)

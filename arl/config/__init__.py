@@ -1,5 +1,6 @@
 """The one config schema (``TrainConfig`` and its sections) and its loader."""
-from .critic import CriticConfig, check_critic
+from .algo import AlgoConfig, check_algo
+from .critic import CriticConfig
 from .load import BUILTIN_DEFAULT, ConfigError, dump_config, load_config
 from .schema import (WANDB_PIN, ArchConfig, DatasetConfig, EnvConfig, LayoutConfig, LoggingConfig, ModelConfig,
                      OptimConfig, RolloutConfig, SFTConfig, TinyModelConfig, TrainConfig, TrainerConfig, WandbConfig)
@@ -8,10 +9,10 @@ from .stabilizers import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, Dynamic
                           StallConfig, TurnCreditConfig, check_turn_credit_loss)
 
 __all__ = [
-    "WANDB_PIN", "AdaptiveKLConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError", "CriticConfig", "CurriculumConfig",
+    "WANDB_PIN", "AdaptiveKLConfig", "AlgoConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError", "CriticConfig", "CurriculumConfig",
     "DatasetConfig", "DynamicSamplingConfig", "EntropyScheduleConfig", "EnvConfig", "ExtremeTrajectoryConfig",
     "IPAResampleConfig",
     "LayoutConfig", "LoggingConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
     "ShapingConfig", "StabilizerConfig", "StallConfig", "TinyModelConfig", "TrainConfig", "TrainerConfig", "TurnCreditConfig",
-    "WandbConfig", "check_critic", "check_turn_credit_loss", "dump_config", "load_config",
+    "WandbConfig", "check_algo", "check_turn_credit_loss", "dump_config", "load_config",
 ]

@@ -1,5 +1,6 @@
 """The ``critic`` section: a turn-level value head on the policy and GAE over chunks
-(arl/trainer/critic.py, arl/stabilizers/gae.py).  Off by default."""
+(arl/trainer/critic.py, arl/stabilizers/gae.py).  On when ``algo.advantage: gae``; setting any key
+here without it is an error (arl/config/algo.py ``check_algo``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 class CriticConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = False
     # discount per chunk in GAE (the loss's own gamma does not act on a one-chunk segment)
     gamma: float = Field(1.0, gt=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)  # GAE lambda: 0 = one-step TD advantages, 1 = Monte-Carlo return - V
@@ -22,16 +22,3 @@ class CriticConfig(BaseModel):
     # targets stay the raw returns.
     whiten: bool = False
 
-
-def check_critic(critic: CriticConfig, stab, loss) -> None:
-    """The critic's advantages reach the loss as turn credit's do, one segment per chunk: the same loss
-    levels are required, and IPA (which splits chunks its own way) is excluded."""
-    if not critic.enabled:
-        return
-    if stab.ipa.enabled:
-        raise ValueError("critic.enabled: cannot be combined with stabilizers.ipa.enabled (the IPA loss splits "
-                         "chunks its own way)")
-    if loss.ratio_level == "sequence" or loss.mismatch_level == "sequence" or loss.loss_agg != "token-mean":
-        raise ValueError(
-            "critic.enabled: needs loss.ratio_level token or chunk, loss.mismatch_level none, token or chunk and "
-            f"loss.loss_agg token-mean (got {loss.ratio_level}, {loss.mismatch_level}, {loss.loss_agg})")

@@ -9,7 +9,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..ops.policy_loss.config import LossConfig
-from .critic import CriticConfig, check_critic
+from .algo import AlgoConfig, check_algo, check_moved
+from .critic import CriticConfig
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
 
@@ -239,12 +240,20 @@ class TrainConfig(Section):
     env: EnvConfig = EnvConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    algo: AlgoConfig = AlgoConfig()
     loss: LossConfig = LossConfig()
     sft: SFTConfig = SFTConfig()
     layout: LayoutConfig = LayoutConfig()
     logging: LoggingConfig = LoggingConfig()
     stabilizers: StabilizerConfig = StabilizerConfig()
     critic: CriticConfig = CriticConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_moved(data, {"loss": LossConfig, "critic": CriticConfig})
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainConfig":
@@ -253,7 +262,7 @@ class TrainConfig(Section):
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         check_turn_credit_loss(self.stabilizers, self.loss)
-        check_critic(self.critic, self.stabilizers, self.loss)
+        check_algo(self.algo, self.critic, self.stabilizers, self.loss)
         lay = self.layout
         if lay.device == "cuda" and lay.colocate:
             if not lay.rollout_gpus == lay.trainer_gpus == lay.gpus_per_node:

@@ -51,7 +51,7 @@ from ..config import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamp
 from .curriculum import PositiveOnlyCurriculum
 from .dynamic_sampling import DynamicSampler, filter_zero_variance_groups
 from .extreme import control_extremes, length_metrics, reweight_negatives
-from .gae import critic_chunk_inputs, critic_points, gae
+from .gae import critic_chunk_inputs, critic_points
 from .ipa import IPAResampler, ipa_mixed_loss, ipa_normalizers, split_chunk_roles
 from .monitors import Alarm, Decision, behaviour_metrics
 from .pipeline import PreparedBatch, Stabilizers
@@ -68,5 +68,5 @@ __all__ = [
     "StepAdvantages", "advantage_metrics", "group_step_advantages", "step_advantages", "behaviour_metrics", "control_extremes", "entropy_coef",
     "filter_zero_variance_groups", "ipa_mixed_loss", "ipa_normalizers", "length_metrics",
     "reweight_negatives", "shape_rewards", "split_chunk_roles",
-    "TurnCreditConfig", "chunk_segments", "turn_advantages", "critic_chunk_inputs", "critic_points", "gae",
+    "TurnCreditConfig", "chunk_segments", "turn_advantages", "critic_chunk_inputs", "critic_points",
 ]

@@ -2,11 +2,11 @@
 
     rewards   = outcome + capped process rewards                 (shaping.py; outcome when off)
     batch     = long failures masked or down-weighted            (extreme.py; unchanged when off)
-    A_i       = group normalization of the rewards over the whole step (the loss spec's
-                ``group_advantages``; FILTERED trajectories are left out and get 0)
+    A_i       = the ``algo.advantage`` estimator over the whole step's groups (arl/algo/advantages.py;
+                FILTERED trajectories are left out and get 0)
     A_i      *= negative reweighting and extreme weights         (extreme.py; when on)
     A_{i,k}   = gamma^(K-1-k) A_i + w * step advantage of chunk k (turn_credit.py; when on)
-    critic:     A_i is not used; the chunk rewards r_{i,k} and the base A_{i,k} = w * step
+    gae:        A_i is not used; the chunk rewards r_{i,k} and the base A_{i,k} = w * step
                 advantage (0 without turn credit) go to the trainer, which adds GAE (gae.py)
 
 The packer carries ``A_i`` into every micro-batch (``pack_step(..., advantages=)``), the trainer passes
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
+from ..algo.advantages import get_estimator, group_advantages
+from ..config.algo import AlgoConfig
 from ..config.stabilizers import StabilizerConfig
 from ..errors import finite_vector
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
-from ..ops.policy_loss.spec import group_advantages
 from .gae import critic_chunk_inputs
 from .extreme import control_extremes, reweight_negatives
 from .shaping import shape_rewards
@@ -43,18 +43,23 @@ class StepAdvantages:
     chunk_rewards: Optional[list] = None  # critic: [K_i] float64 r_{i,k} per trajectory (GAE's rewards)
 
 
-def group_step_advantages(trajs: Sequence[Trajectory], rewards, loss_cfg: LossConfig):
-    """``(A [N] float64, zero-variance groups, groups)``: group-normalized advantages over the whole
-    step (``loss_cfg.adv_norm`` / ``adv_eps``) in the loss spec's arithmetic.  FILTERED trajectories
-    are not packed: they get 0 and take no part in any group."""
+def group_estimator(algo: AlgoConfig) -> str:
+    """The group estimator a step's trajectories (and turn credit's anchors) use: ``algo.advantage``, or
+    grpo under a critic estimator (whose per-trajectory figures are metrics only)."""
+    return algo.advantage if get_estimator(algo.advantage).kind == "group" else "grpo"
+
+
+def group_step_advantages(trajs: Sequence[Trajectory], rewards, algo: AlgoConfig):
+    """``(A [N] float64, zero-variance groups, groups)``: the estimator's advantages over the whole
+    step.  FILTERED trajectories are not packed: they get 0 and take no part in any group."""
     rewards = finite_vector("rewards", rewards, len(trajs))
     keep = np.array([t.status is not TrajectoryStatus.FILTERED for t in trajs], dtype=bool)
     adv = np.zeros(len(trajs), dtype=np.float64)
     if not keep.any():
         return adv, 0, 0
-    gids = torch.tensor([int(t.group_id) for t, k in zip(trajs, keep) if k], dtype=torch.int64)
-    a, n_zero, n_groups = group_advantages(torch.from_numpy(rewards[keep]), gids, loss_cfg)
-    adv[keep] = a.numpy()
+    gids = np.array([int(t.group_id) for t, k in zip(trajs, keep) if k], dtype=np.int64)
+    a, n_zero, n_groups = group_advantages(rewards[keep], gids, group_estimator(algo), algo.adv_eps)
+    adv[keep] = a
     return adv, int(n_zero), int(n_groups)
 
 
@@ -72,23 +77,26 @@ def advantage_metrics(trajs: Sequence[Trajectory], adv: np.ndarray, zero_var_gro
 
 
 def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
-                    cfg: Optional[StabilizerConfig] = None, critic=None) -> StepAdvantages:
-    """The step's advantages (see the module doc) with their metrics.  ``critic``: the critic section
-    (``CriticConfig``); when enabled the per-chunk inputs of GAE replace turn credit's advantages."""
+                    cfg: Optional[StabilizerConfig] = None, algo: Optional[AlgoConfig] = None) -> StepAdvantages:
+    """The step's advantages (see the module doc) with their metrics.  Under a critic estimator
+    (``algo.advantage: gae``) the per-chunk inputs of GAE replace turn credit's advantages."""
     cfg = cfg if cfg is not None else StabilizerConfig()
+    algo = algo if algo is not None else AlgoConfig()
     rewards, metrics = shape_rewards(trajs, cfg.shaping)
     out, weights, m = control_extremes(trajs, cfg.extreme)
     metrics.update(m)
-    adv, n_zero, n_groups = group_step_advantages(out, rewards, loss_cfg)
+    adv, n_zero, n_groups = group_step_advantages(out, rewards, algo)
     if cfg.extreme.enabled:
         adv = reweight_negatives(adv, cfg.extreme.negative_weight) * weights
     metrics.update(advantage_metrics(out, adv, n_zero, n_groups))
     per_chunk = chunk_rew = None
-    if critic is not None and critic.enabled:
-        per_chunk, chunk_rew, m = critic_chunk_inputs(out, rewards, loss_cfg, cfg.turn_credit)
+    est, eps = group_estimator(algo), algo.adv_eps
+    if algo.uses_critic():
+        per_chunk, chunk_rew, m = critic_chunk_inputs(out, rewards, loss_cfg, cfg.turn_credit, est, eps)
         metrics.update(m)
     elif cfg.turn_credit.enabled:
         tc = cfg.turn_credit
-        per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward)
+        per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward,
+                                       estimator=est, eps=eps)
         metrics.update(m)
     return StepAdvantages(out, rewards, adv, metrics, per_chunk, chunk_rew)

@@ -27,31 +27,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..algo.advantages import gae  # noqa: F401  GAE itself is the registry's ``gae`` estimator
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
 from .turn_credit import chunk_process_rewards, chunk_starts, packed_chunks, turn_advantages
-
-
-def gae(values: torch.Tensor, rewards: torch.Tensor, seq: torch.Tensor, gamma: float, lam: float):
-    """``(advantages, returns)`` [P] float64 (CPU) of P chunks laid out sequence after sequence, each
-    sequence's chunks in order: ``values`` [P] V_k, ``rewards`` [P] r_k, ``seq`` [P] which sequence each
-    chunk belongs to (equal ids contiguous).  The last chunk of each sequence bootstraps from 0."""
-    v = values.detach().to("cpu", torch.float64).tolist()
-    r = rewards.to("cpu", torch.float64).tolist()
-    s = seq.tolist()
-    P = len(v)
-    if not (len(r) == len(s) == P):
-        raise ValueError(f"gae: values ({P}), rewards ({len(r)}) and seq ({len(s)}) must have one entry per chunk")
-    adv = [0.0] * P
-    acc = nxt = 0.0
-    for p in range(P - 1, -1, -1):
-        if p == P - 1 or s[p + 1] != s[p]:
-            acc = nxt = 0.0  # the sequence's last chunk: the episode ends after it
-        delta = r[p] + gamma * nxt - v[p]
-        acc = delta + gamma * lam * acc
-        adv[p], nxt = acc, v[p]
-    a = torch.tensor(adv, dtype=torch.float64)
-    return a, a + torch.tensor(v, dtype=torch.float64)
 
 
 def chunk_rewards(t: Trajectory, K: int, reward: float, process_reward: float) -> np.ndarray:
@@ -63,7 +42,8 @@ def chunk_rewards(t: Trajectory, K: int, reward: float, process_reward: float) -
     return r
 
 
-def critic_chunk_inputs(trajs: Sequence[Trajectory], rewards: np.ndarray, loss_cfg: LossConfig, turn_credit):
+def critic_chunk_inputs(trajs: Sequence[Trajectory], rewards: np.ndarray, loss_cfg: LossConfig, turn_credit,
+                        estimator: str = "grpo", eps: float = 1e-6):
     """``(base_chunk_adv, chunk_rewards, metrics)`` per trajectory ([K_i] float64 each; empty for those
     that train nothing).  ``turn_credit``: its config section; when on, its process reward enters the
     chunk rewards and its anchor step advantages (without the trajectory part) are the base."""
@@ -72,7 +52,7 @@ def critic_chunk_inputs(trajs: Sequence[Trajectory], rewards: np.ndarray, loss_c
     base, metrics = ([np.zeros(0, dtype=np.float64) for _ in trajs], {})
     if on:
         base, metrics = turn_advantages(trajs, np.zeros(len(trajs)), loss_cfg, weight=turn_credit.weight,
-                                        process_reward=proc)
+                                        process_reward=proc, estimator=estimator, eps=eps)
     out = []
     for i, t in enumerate(trajs):
         K = chunk_starts(t).size if t.status is TrajectoryStatus.OK else 0

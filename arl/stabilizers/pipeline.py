@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from ..config.algo import AlgoConfig
 from ..config.stabilizers import StabilizerConfig, check_turn_credit_loss
 from ..data.trajectory import Trajectory
 from ..ops.policy_loss.config import LossConfig
@@ -36,9 +37,9 @@ class Stabilizers:
     """
 
     def __init__(self, cfg: Optional[StabilizerConfig] = None, loss_cfg: Optional[LossConfig] = None,
-                 decode: Optional[Callable] = None, critic=None):
+                 decode: Optional[Callable] = None, algo: Optional[AlgoConfig] = None):
         self.cfg = cfg if cfg is not None else StabilizerConfig()
-        self.critic = critic  # CriticConfig or None: GAE's per-chunk inputs instead of turn credit's advantages
+        self.algo = algo if algo is not None else AlgoConfig()  # the estimator; gae: GAE's per-chunk inputs
         self.loss_cfg = loss_cfg if loss_cfg is not None else LossConfig()
         self.decode = decode  # tokenizer decode, for monitors when trajectories carry no turn texts
         self.curriculum = PositiveOnlyCurriculum(self.cfg.curriculum)
@@ -57,7 +58,7 @@ class Stabilizers:
                 raise ValueError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
         loss_cfg = loss_cfg if loss_cfg is not None else self.loss_cfg
         metrics = length_metrics(trajs, self.cfg.extreme)  # early-warning signals, always on
-        adv = step_advantages(trajs, loss_cfg, self.cfg, self.critic)
+        adv = step_advantages(trajs, loss_cfg, self.cfg, self.algo)
         adv.metrics = {**metrics, **adv.metrics}
         if self.cfg.monitors.enabled:
             adv.metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))

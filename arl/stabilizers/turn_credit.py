@@ -6,7 +6,7 @@ keys right and the fourth wrong pushes all four down.  Here each chunk also gets
   r_{i,k}  = process_reward * [turn k reached a new state] (+ the outcome reward R_i on the last chunk)
   G_{i,k}  = r_{i,k} + gamma * G_{i,k+1}                       (the chunk's discounted return)
   anchor   = (group, every token before chunk k)               (the exact context the policy acted in)
-  A^S_{i,k} = normalize(G_{i,k} over the chunks sharing its anchor)   (group_std / group_mean as adv_norm;
+  A^S_{i,k} = estimator(G_{i,k} over the chunks sharing its anchor)  (algo.advantage's group estimator;
              0 for an anchor seen once or whose returns all agree)
   A_{i,k}  = gamma^(K_i-1-k) * A_i + weight * A^S_{i,k}        (A_i: the step's per-trajectory advantage)
 
@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..algo.advantages import group_advantages
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
 
@@ -60,19 +61,21 @@ def chunk_process_rewards(t: Trajectory, K: int, process_reward: float) -> np.nd
     return r
 
 
-def _normalize(x: np.ndarray, adv_norm: str, eps: float) -> np.ndarray:
-    if x.size < 2 or float(x.max() - x.min()) == 0.0:
-        return np.zeros_like(x)  # a lone anchor or agreeing returns: no comparison, no signal
-    d = x - x.mean()
-    if adv_norm == "group_std":
-        return d / (x.std(ddof=1) + eps)
-    if adv_norm == "group_mean":
-        return d
-    return np.zeros_like(x)  # adv_norm none: step advantages need a baseline, there is none
+def _anchor_advantages(anchors: dict, returns: dict, estimator: str, eps: float) -> list:
+    """Each anchor group's chunk returns through the group estimator, in ``anchors``' order."""
+    members = list(anchors.values())
+    if not members:
+        return []
+    g = np.concatenate([np.array([returns[i][k] for i, k in m], dtype=np.float64) for m in members])
+    gid = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    a, _, _ = group_advantages(g, gid, estimator, eps)
+    if estimator == "none":
+        a = np.zeros_like(a)  # step advantages need a baseline; there is none
+    return np.split(a, np.cumsum([len(m) for m in members])[:-1])
 
 
 def turn_advantages(trajs: Sequence[Trajectory], traj_adv: np.ndarray, loss_cfg: LossConfig, *,
-                    weight: float, process_reward: float):
+                    weight: float, process_reward: float, estimator: str = "grpo", eps: float = 1e-6):
     """``(chunk_adv, metrics)``: ``chunk_adv[i]`` is the [K_i] float64 advantage of trajectory i's chunks
     (empty for MASKED / FILTERED ones, which train nothing)."""
     traj_adv = np.asarray(traj_adv, dtype=np.float64)
@@ -104,9 +107,7 @@ def turn_advantages(trajs: Sequence[Trajectory], traj_adv: np.ndarray, loss_cfg:
                 anchors[(int(t.group_id), t.tokens[: starts[k]].tobytes())].append((i, k))
         chunk_adv[i] = traj_adv[i] * gamma ** np.arange(K - 1, -1, -1, dtype=np.float64)
     sizes, nonzero = [], 0
-    for members in anchors.values():
-        g = np.array([returns[i][k] for i, k in members])
-        a = _normalize(g, loss_cfg.adv_norm, float(loss_cfg.adv_eps))
+    for members, a in zip(anchors.values(), _anchor_advantages(anchors, returns, estimator, eps)):
         sizes.append(len(members))
         nonzero += int((a != 0).sum())
         for (i, k), v in zip(members, a):

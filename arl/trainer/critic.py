@@ -1,5 +1,6 @@
 """The turn-level critic: a linear value head on the policy's final hidden state, trained with the
-policy in the same backward (GAE over chunks: arl/stabilizers/gae.py).
+policy in the same backward (the ``critic`` objective, arl/trainer/objectives.py; GAE over chunks:
+arl/algo/advantages.py, its inputs arl/stabilizers/gae.py).
 
 Why a head on the shared trunk and not a separate critic model: the values are read from the hidden
 states the policy's forward computes anyway, so the critic costs one [H] -> 1 projection per chunk
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..stabilizers.gae import gae
+from ..algo.advantages import gae
 from .dist import all_sum
 
 VALUE_HEAD = "arl_value_head"  # the head's submodule name on the policy (and its state-dict prefix)
@@ -111,7 +112,7 @@ class Critic:
         """[P] values (float32, float64 for a float64 model) at the micro-batch's value points, with
         the graph; NaN/inf raise."""
         if mb.critic is None:
-            raise ValueError("critic: the micro-batch has no value points (Stabilizers(critic=...).apply sets them)")
+            raise ValueError("critic: the micro-batch has no value points (Stabilizers.apply under algo.advantage: gae sets them)")
         pos = mb.critic["pos"].to(hidden.device)
         P = pos.numel()
         # the head runs once per micro-batch on every rank, also without a value point (then on one

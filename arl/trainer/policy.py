@@ -18,15 +18,14 @@ from transformers.utils import logging as hf_logging
 
 from ..config import CriticConfig, OptimConfig
 from ..data.packer import MicroBatch
-from ..ops.policy_loss import LossConfig, policy_loss
-from ..ops.policy_loss.local_grad import local_logp_grad
+from ..ops.policy_loss import LossConfig
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
-from ..stabilizers.ipa import ipa_mixed_loss
 from . import faults
-from .critic import VALUE_HEAD, Critic, attach_value_head, param_groups, without_value_head
+from .critic import VALUE_HEAD, without_value_head
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
+from .objectives import Forward, LossOut, make_objective
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -84,7 +83,7 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
-                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto",
+                 ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", objective: str = "policy_gradient",
                  critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True):
         import deepspeed
 
@@ -101,13 +100,10 @@ class PolicyTrainer:
         self.head_grad_in_forward = head_grad_in_forward
         self.zero3 = zero_stage == 3
         self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
-        # the critic (arl/trainer/critic.py): a value head on this model, in its own param group
-        self.critic = Critic(critic) if critic is not None and critic.enabled else None
-        if self.critic is not None:
-            attach_value_head(model)
-            params = param_groups(model, optim.lr, critic.lr_mult)
-        else:
-            params = [p for p in model.parameters() if p.requires_grad]
+        # what a micro-batch's forward becomes before backward (arl/trainer/objectives.py); it may add
+        # heads to the model (the critic's value head, in its own param group)
+        self.objective = make_objective(objective, loss_backend, critic)
+        params = self.objective.prepare_model(model, optim.lr)
         opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
         self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
@@ -172,40 +168,22 @@ class PolicyTrainer:
                                temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
                                return_hidden=return_hidden, head_grad=head_grad)
 
-    def _loss_kwargs(self, mb: MicroBatch) -> tuple:
-        """(advantages, policy_loss keyword arguments) of a non-IPA micro-batch, on the device."""
-        adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
-        kw = mb.loss_kwargs()
-        if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
-            kw.update(mb.segments)
-            adv = kw.pop("advantages").to(self.device, torch.float32)
-        return adv, {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-
-    def _head_grad(self, mb: MicroBatch, loss_cfg: LossConfig, ref) -> Optional[object]:
-        """The loss's d loss / d logp plan for the head (old = this pass's logp, detached), or None:
-        switched off, or IPA's mixed loss (no plan for it)."""
-        if not self.head_grad_in_forward or mb.ipa is not None:
-            return None
-        adv, kw = self._loss_kwargs(mb)
-        return local_logp_grad(config=loss_cfg, ref_logp=ref, with_entropy=True, advantages=adv,
-                               scale=float(self.world), **kw)
-
     def old_pass_needed(self, updates_per_batch: int) -> bool:
         """Whether ``old_logprobs`` must run before the updates of a batch.  With one update per batch
         the weights do not change between that pass and the gradient pass (gradients accumulate over
         the micro-batches of one optimizer step), so the old logprobs are the gradient pass's logp,
         detached -- ``rl_step(mbs, None, ...)`` takes them from there.  That holds only when the
-        train-mode forward is the eval-mode one (no dropout); otherwise the pass is kept.  The critic's
-        ``whiten`` keeps it too: the step's advantage statistics need every old value first."""
-        whiten = self.critic is not None and self.critic.cfg.whiten
-        return updates_per_batch > 1 or bool(self.train_randomness) or whiten
+        train-mode forward is the eval-mode one (no dropout); otherwise the pass is kept.  An objective
+        may keep it too (the critic's ``whiten``: the step's statistics need every old value first)."""
+        return updates_per_batch > 1 or bool(self.train_randomness) or self.objective.needs_old_pass
 
     @torch.no_grad()
     def old_logprobs(self, mbs: Sequence[MicroBatch], model=None, values: Optional[list] = None) -> list:
         """Logprobs of the current weights (the PPO 'old' policy), or of ``model`` (reference).  With
-        the critic on and ``values`` a list, the same pass appends each micro-batch's old values."""
+        ``values`` a list, the same pass appends each micro-batch's old values (the objective's extras:
+        the critic's values; None for objectives without them)."""
         m = model if model is not None else self.engine.module
-        with_values = values is not None and self.critic is not None and m is self.engine.module
+        with_values = values is not None and self.objective.needs_hidden and m is self.engine.module
         was = m.training
         m.eval()
         out = []
@@ -214,22 +192,18 @@ class PolicyTrainer:
                 if self.zero3:
                     self._dummy_forward(m)  # ZeRO-3 gathers parameters in forward: every rank joins
                     if with_values:
-                        self.critic.touch(m, torch.zeros(1, self.critic_width, device=self.device, dtype=self.dtype))
+                        self.objective.zero_touch(m, self.device, self.dtype)
                 out.append(None)
                 if with_values:
                     values.append(None)
             elif with_values:
                 logp, _, hidden = self.logprobs(mb, model=m, return_hidden=True)
                 out.append(logp.float())
-                values.append(self.critic.values(m, hidden, mb).detach())
+                values.append(self.objective.old_values(m, hidden, mb))
             else:
                 out.append(self.logprobs(mb, model=m)[0].float())
         m.train(was)
         return out
-
-    @property
-    def critic_width(self) -> int:
-        return int(self.engine.module.config.hidden_size)
 
     def _dummy_forward(self, model):
         self._begin_forward(model)
@@ -242,9 +216,9 @@ class PolicyTrainer:
         # collectives (ZeRO reduces in backward hooks); its loss is exactly 0
         lp = self._dummy_forward(self.engine.module)
         loss = lp.sum() * 0.0
-        if self.critic is not None:  # the value head's parameters join the same collectives
-            h = torch.zeros(1, self.critic_width, device=self.device, dtype=self.dtype)
-            loss = loss + self.critic.touch(self.engine.module, h)
+        extra = self.objective.zero_touch(self.engine.module, self.device, self.dtype)
+        if extra is not None:  # the objective's own parameters (value head) join the same collectives
+            loss = loss + extra
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def _finish_step(self, metrics: dict, apply_update: bool = True) -> dict:
@@ -269,103 +243,63 @@ class PolicyTrainer:
                 loss_cfg: LossConfig,
                 ref_logps: Optional[Sequence[Optional[torch.Tensor]]] = None, success_threshold: float = 1.0,
                 old_values: Optional[Sequence[Optional[torch.Tensor]]] = None) -> dict:
-        """One optimizer step of the policy loss over this rank's micro-batches.  ``old_logps``: the
-        'old' policy's logprobs per micro-batch, or None when the weights being updated ARE the old
-        policy (one update per batch, no dropout: ``old_pass_needed``): then each micro-batch's
-        gradient-pass logp, detached, is its old logprob (ratio exactly 1, as in value it is).
-        ``last_old_logps`` holds what was used, for metrics against the rollout.  Besides the loss
-        metrics: ``entropy/turn_k`` (mean entropy of the k-th model turn's tokens) and
-        ``logp/success_mean`` (mean logprob of successful trajectories' trained tokens, reward >=
-        ``success_threshold``), both over every rank; a collective, so every rank calls it.
-
-        With the critic on, each micro-batch's forward also gives the values at its chunk starts:
-        GAE over them (``old_values``, the old pass's, or this pass's own, detached, exactly when
-        ``old_logps`` is None) gives the chunks' advantages before the loss, and the clipped value
-        loss joins the policy loss in the one backward (``value/*`` metrics; ``loss`` stays the
-        policy loss)."""
+        """One optimizer step of the objective over this rank's micro-batches: forward ->
+        ``objective.loss`` -> backward each, then one ``engine.step()``.  ``old_logps``: the 'old'
+        policy's logprobs per micro-batch, or None when the weights being updated ARE the old policy
+        (``old_pass_needed`` false): then each gradient pass's logp, detached, is its old logprob.
+        ``old_values``: the old pass's extras (critic values), with ``old_logps`` or not at all.
+        ``last_old_logps`` holds the old logprobs used.  Besides the loss metrics: ``entropy/turn_k``
+        and ``logp/success_mean`` (reward >= ``success_threshold``) over every rank; a collective."""
         self.engine.train()
-        if self.critic is not None and (old_values is None) != (old_logps is None):
-            raise ValueError("rl_step: with the critic, old_values come with old_logps (both from old_logprobs(mbs, "
-                             "values=[])) or neither (both from the gradient pass)")
-        metrics = defaultdict(list)
-        parts = defaultdict(list)  # per micro-batch: entropy, logp, chunk_ids, cu_seqlens, success
         if old_logps is None and self.train_randomness:
             raise ValueError(f"rl_step: old_logps=None needs a deterministic train-mode forward; the model has "
                              f"{', '.join(self.train_randomness[:3])} (run old_logprobs first)")
-        self.last_old_logps = used_old = []
-        white = self.critic.begin_step(mbs, old_values, self.device) if self.critic is not None else {}
+        self.objective.check_old(old_logps, old_values)
+        metrics, parts = defaultdict(list), defaultdict(list)
+        self.last_old_logps = []
+        begin = self.objective.begin_step(mbs, old_values, self.device)
         for i, mb in enumerate(mbs):
             if mb.is_empty:
                 self._dummy_backward()
-                used_old.append(None)
+                self.last_old_logps.append(None)
                 continue
-            ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
-            # the grad-in-forward head needs the loss's advantages before the forward; the critic's come
-            # out of this forward's values, so with the critic the head takes the ordinary path
-            plan = self._head_grad(mb, loss_cfg, ref) if old_logps is None and self.critic is None else None
-            if self.critic is not None:
-                logp, ent, hidden = self.logprobs(mb, with_entropy=True, return_hidden=True)
-                val = self.critic.values(self.engine.module, hidden, mb)
-                old_val = val.detach() if old_values is None else old_values[i].to(self.device)
-            else:
-                logp, ent = self.logprobs(mb, with_entropy=True, head_grad=plan)
-            metrics["head_grad_in_forward"].append(float(plan is not None and plan.applied))
-            old = logp.detach() if old_logps is None else old_logps[i]
-            used_old.append(old)
-            # the step's advantages (arl/stabilizers/advantages.py) when the packer was given them:
-            # exact for split groups, and how shaping / reweighting / masking reach the loss; None:
-            # the loss normalizes the micro-batch's rewards itself
-            adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
-            if mb.ipa is not None:  # IPA resampling: imitation on the expert prefix + RL on the resampled chunks
-                if self.critic is not None:
-                    raise ValueError("rl_step: the critic cannot train IPA micro-batches (critic.enabled excludes "
-                                     "stabilizers.ipa.enabled)")
-                r = mb.ipa
-                loss, lm = ipa_mixed_loss(
-                    logp, old.to(self.device), mb=mb, il_mask=r["il_mask"], rl_chunk_ids=r["rl_chunk_ids"],
-                    loss_cfg=loss_cfg, il_normalizer=r["il_normalizer"], rl_normalizer=r["rl_normalizer"],
-                    lambda_il=r["lambda_il"], lambda_rl=r["lambda_rl"], advantages=adv, entropy=ent, ref_logp=ref,
-                    backend=self.loss_backend)
-            else:
-                if self.critic is not None:  # each chunk a segment; its advantage + GAE over this pass's values
-                    if mb.segments is None:
-                        raise ValueError("rl_step: the critic needs per-chunk loss segments "
-                                         "(Stabilizers(critic=...).apply)")
-                    kw = {**mb.loss_kwargs(), **mb.segments}
-                    adv, vloss = self.critic.micro_batch(val, old_val, mb, kw.pop("advantages"))
-                    adv = adv.to(self.device, torch.float32)
-                    kw = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-                else:
-                    adv, kw = self._loss_kwargs(mb)
-                out = policy_loss(logp, old.to(self.device), config=loss_cfg, entropy=ent, ref_logp=ref,
-                                  advantages=adv, backend=self.loss_backend, **kw)
-                loss, lm = out.loss, out.metrics
-            total = loss
-            if self.critic is not None:
-                total = loss + self.critic.cfg.value_coef * vloss
-            self.engine.backward(total * self.world, scale_wrt_gas=False)
+            fwd, applied = self._forward(mb, i, old_logps, ref_logps, old_values, loss_cfg)
+            out = self.objective.loss(mb, fwd, loss_cfg, self.device)
+            self.engine.backward(out.total * self.world, scale_wrt_gas=False)
             faults.reached("backward")  # test-only kill point (arl/trainer/faults.py)
-            # the step's loss is the sum of every micro-batch's over every rank: averaged over this
-            # rank's micro-batches here and over the ranks when logged, hence the two factors
-            metrics["loss"].append(float(loss.detach()) * len(mbs) * self.world)
-            for k, v in lm.items():
-                metrics[k].append(float(v))
-            if ent is not None:
-                for k, v in (("ent", ent), ("logp", logp), ("cid", mb.chunk_ids), ("cu", mb.cu_seqlens),
-                             ("ok", mb.rewards >= success_threshold)):
-                    parts[k].append(v.detach())
+            metrics["head_grad_in_forward"].append(float(applied))
+            self._record(metrics, parts, mb, fwd, out, len(mbs), success_threshold)
         turn = self._turn_metrics(parts)
-        # no advantage on any rank and no KL / entropy term: nothing to learn from this batch
-        signal = (any(v > 0 for v in metrics.get("adv_nonzero_frac", ())) or any(v > 0 for v in metrics.get("ipa/il_tokens", ()))
-                  or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
-        value = self.critic.step_metrics(self.device) if self.critic is not None else {}
-        signal = any_rank(signal or bool(value), self.device)  # value metrics: the value loss has points to fit
+        end = self.objective.end_step(self.device)  # a collective (the critic's value metrics)
+        signal = any_rank(self.objective.has_signal(metrics, loss_cfg) or bool(end), self.device)
         out = self._finish_step(metrics, apply_update=signal)
-        out.update(value)
-        out.update(white)
-        out["skipped_no_signal"] = float(not signal)
-        out.update(turn)
+        out.update({**end, **begin, "skipped_no_signal": float(not signal), **turn})
         return out
+
+    def _forward(self, mb: MicroBatch, i: int, old_logps, ref_logps, old_values, loss_cfg) -> tuple:
+        """``(Forward, whether the head's gradient was produced in forward)`` of micro-batch ``i``."""
+        ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
+        plan = None
+        if old_logps is None and self.head_grad_in_forward:  # the loss's gradient is local to each token
+            plan = self.objective.head_grad(mb, loss_cfg, ref, float(self.world), self.device)
+        logp, ent, *hidden = self.logprobs(mb, with_entropy=True, return_hidden=self.objective.needs_hidden,
+                                           head_grad=plan)
+        old = logp.detach() if old_logps is None else old_logps[i]
+        self.last_old_logps.append(old)
+        old_v = old_values[i] if old_values is not None else None
+        fwd = Forward(logp, ent, old.to(self.device), ref, hidden[0] if hidden else None, old_v)
+        return fwd, plan is not None and plan.applied
+
+    def _record(self, metrics, parts, mb: MicroBatch, fwd: Forward, out: LossOut, n_mbs: int, threshold) -> None:
+        # the step's loss is the sum of every micro-batch's over every rank: averaged over this rank's
+        # micro-batches here and over the ranks when logged, hence the two factors
+        metrics["loss"].append(float(out.loss.detach()) * n_mbs * self.world)
+        for k, v in out.metrics.items():
+            metrics[k].append(float(v))
+        if fwd.entropy is not None:
+            for k, v in (("ent", fwd.entropy), ("logp", fwd.logp), ("cid", mb.chunk_ids), ("cu", mb.cu_seqlens),
+                         ("ok", mb.rewards >= threshold)):
+                parts[k].append(v.detach())
 
     def _turn_metrics(self, parts: dict) -> dict:
         """Per-turn entropy and the successful trajectories' mean logprob over all ranks: sums and
@@ -412,10 +346,10 @@ class PolicyTrainer:
         except RuntimeError as e:  # DeepSpeed's strict load: a value head on one side only
             if VALUE_HEAD not in str(e):
                 raise
-            now = "on" if self.critic is not None else "off"
-            then = "off" if self.critic is not None else "on"
-            raise ValueError(f"--resume: the checkpoint in {directory} was saved with critic.enabled {then}, this run "
-                             f"has it {now}: resume with the setting it was saved with") from None
+            on = self.objective.needs_hidden
+            raise ValueError(f"--resume: the checkpoint in {directory} was saved with the critic {'off' if on else 'on'}"
+                             f" (algo.advantage gae), this run has it {'on' if on else 'off'}: resume with the setting "
+                             "it was saved with") from None
         if path is None:
             raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
         return client_state or {}

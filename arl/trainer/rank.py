@@ -112,7 +112,7 @@ def update_on_batch(tr: PolicyTrainer, mbs, loss_cfg, updates: int) -> dict:
     same rule: from that pass when it runs, else from each gradient pass."""
     old = old_v = None
     if tr.old_pass_needed(updates):
-        old_v = [] if tr.critic is not None else None
+        old_v = [] if tr.objective.needs_hidden else None
         old = tr.old_logprobs(mbs, values=old_v)
     ref = tr.ref_logprobs(mbs) if loss_cfg.kl_beta > 0 else None
     m = {}
@@ -163,9 +163,10 @@ class TrainerRank:
         self.tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage,
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
                                 temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
-                                critic=cfg.critic, head_grad_in_forward=cfg.trainer.head_grad_in_forward)
+                                objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled), critic=cfg.critic,
+                                head_grad_in_forward=cfg.trainer.head_grad_in_forward)
         if rank == 0:
-            self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, critic=cfg.critic)
+            self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, algo=cfg.algo)
         if resume_step is not None:
             self._restore(resume_step, restore_clock=True)
             if rank == 0:  # the rollouts that were in flight come first; the engines start after them

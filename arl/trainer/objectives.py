@@ -1,0 +1,215 @@
+"""Trainer objectives: what one micro-batch's forward is turned into before ``backward``.
+
+The trainer step (``PolicyTrainer.rl_step``) is forward -> ``objective.loss(mb, fwd, loss_cfg)`` ->
+backward for every objective; the objective is chosen once per run (``algo.objective``, resolved by
+``AlgoConfig.objective_name``):
+
+* ``policy_gradient``: the clipped / TOPR policy loss (``arl.ops.policy_loss``) over the step's
+  advantages (turn credit: one loss segment per chunk).
+* ``ipa``: IPA resampling's imitation NLL on the expert prefix + the chunk-level RL loss on the
+  resampled chunks (arl/stabilizers/ipa.py).
+* ``critic``: a value head on the trunk (arl/trainer/critic.py); GAE over this forward's (or the old
+  pass's) values gives each chunk's advantage, and the value loss joins the policy loss.
+
+A new objective is a subclass and a ``@register_objective("name")`` line; the trainer step does not
+change.  Hooks an objective may override: ``prepare_model`` (before DeepSpeed wraps the model: extra
+heads, param groups), ``head_grad`` (the logprob head's gradient plan, or None), ``begin_step`` /
+``end_step`` (step-wide statistics, collectives), ``old_values`` (the no-grad pass's extras) and
+``zero_touch`` (an exact 0 through extra parameters for an empty micro-batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..ops.policy_loss import LossConfig, policy_loss
+from ..ops.policy_loss.local_grad import local_logp_grad
+from ..stabilizers.ipa import ipa_mixed_loss
+from .critic import Critic, attach_value_head, param_groups
+
+
+@dataclass
+class Forward:
+    """One micro-batch's gradient-pass outputs, on the trainer's device."""
+
+    logp: torch.Tensor  # [T] logprobs, with the graph
+    entropy: Optional[torch.Tensor]  # [T] token entropy, with the graph
+    old: torch.Tensor  # [T] the 'old' policy's logprobs (this pass's, detached, when no old pass ran)
+    ref: Optional[torch.Tensor]  # [T] the reference policy's logprobs (KL), or None
+    hidden: Optional[torch.Tensor] = None  # [T, H] final hidden states, when the objective asks for them
+    old_values: Optional[torch.Tensor] = None  # the old pass's extras (critic: values), or None
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor  # the policy loss: what ``metrics['loss']`` reports
+    total: torch.Tensor  # what goes into backward (the policy loss plus any auxiliary term)
+    metrics: dict
+
+
+def pg_inputs(mb, device) -> tuple:
+    """``(advantages, policy_loss keyword arguments)`` of a micro-batch, on ``device``: the packed
+    per-trajectory advantages, or turn credit's per-chunk segments when the micro-batch has them."""
+    adv = mb.advantages
+    kw = mb.loss_kwargs()
+    if mb.segments is not None:
+        kw.update(mb.segments)
+        adv = kw.pop("advantages")
+    adv = adv.to(device, torch.float32) if adv is not None else None
+    return adv, {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+OBJECTIVES: dict = {}
+
+
+def register_objective(name: str):
+    def deco(cls):
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is already registered")
+        cls.name = name
+        OBJECTIVES[name] = cls
+        return cls
+
+    return deco
+
+
+def make_objective(name: str, backend: str, critic=None) -> "Objective":
+    if name not in OBJECTIVES:
+        raise ValueError(f"algo.objective: unknown objective {name!r} (registered: {', '.join(sorted(OBJECTIVES))})")
+    return OBJECTIVES[name](backend, critic)
+
+
+@register_objective("policy_gradient")
+class Objective:
+    """The policy loss over the step's advantages; the base every objective extends."""
+
+    needs_hidden = False  # the forward also returns final hidden states
+    needs_old_pass = False  # the no-grad old pass must run before every step
+
+    def __init__(self, backend: str, critic=None):
+        self.backend = backend
+
+    def prepare_model(self, model: torch.nn.Module, lr: float) -> list:
+        """The optimizer's parameters (or param groups) of ``model``, before DeepSpeed wraps it."""
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def head_grad(self, mb, loss_cfg: LossConfig, ref, scale: float, device):
+        """The logprob head's d loss / d logp plan (old = this pass's logp, detached), or None.  The
+        plan is the policy loss's own gradient: a subclass with another ``loss`` gets None (the
+        ordinary backward) unless it overrides this too."""
+        if type(self).loss is not Objective.loss:
+            return None
+        adv, kw = pg_inputs(mb, device)
+        return local_logp_grad(config=loss_cfg, ref_logp=ref, with_entropy=True, advantages=adv, scale=scale, **kw)
+
+    def check_old(self, old_logps, old_values) -> None:
+        if old_values is not None:
+            raise ValueError(f"rl_step: old_values given, but the {self.name!r} objective has no old values")
+
+    def begin_step(self, mbs, old_values, device) -> dict:
+        return {}
+
+    def loss(self, mb, fwd: Forward, loss_cfg: LossConfig, device) -> LossOut:
+        if mb.ipa is not None:
+            raise ValueError(f"micro-batch {mb.index}: carries IPA roles but the objective is {self.name!r} "
+                             "(algo.objective: ipa goes with stabilizers.ipa.enabled)")
+        adv, kw = pg_inputs(mb, device)
+        out = policy_loss(fwd.logp, fwd.old, config=loss_cfg, entropy=fwd.entropy, ref_logp=fwd.ref,
+                          advantages=adv, backend=self.backend, **kw)
+        return LossOut(out.loss, out.loss, out.metrics)
+
+    def old_values(self, model, hidden, mb):
+        return None
+
+    def zero_touch(self, model, device, dtype):
+        return None
+
+    def end_step(self, device) -> dict:
+        return {}
+
+    @staticmethod
+    def has_signal(metrics: dict, loss_cfg: LossConfig) -> bool:
+        """Whether this rank's step has anything to learn: an advantage, imitated tokens, or a KL /
+        entropy term (the trainer takes the any over ranks)."""
+        return (any(v > 0 for v in metrics.get("adv_nonzero_frac", ()))
+                or any(v > 0 for v in metrics.get("ipa/il_tokens", ()))
+                or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
+
+
+@register_objective("ipa")
+class IPAObjective(Objective):
+    """IPA resampling: imitation on the expert prefix + chunk-level RL on the resampled chunks.  A
+    micro-batch without IPA roles (none while stabilizers.ipa is on) takes the plain policy loss."""
+
+    def head_grad(self, mb, loss_cfg, ref, scale, device):
+        if mb.ipa is None:  # the plain policy loss: its plan
+            return Objective.head_grad(Objective(self.backend), mb, loss_cfg, ref, scale, device)
+        return None  # no local-gradient plan for the mixed loss
+
+    def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
+        r = mb.ipa
+        if r is None:
+            return super().loss(mb, fwd, loss_cfg, device)
+        adv = mb.advantages.to(device, torch.float32) if mb.advantages is not None else None
+        loss, metrics = ipa_mixed_loss(
+            fwd.logp, fwd.old, mb=mb, il_mask=r["il_mask"], rl_chunk_ids=r["rl_chunk_ids"], loss_cfg=loss_cfg,
+            il_normalizer=r["il_normalizer"], rl_normalizer=r["rl_normalizer"], lambda_il=r["lambda_il"],
+            lambda_rl=r["lambda_rl"], advantages=adv, entropy=fwd.entropy, ref_logp=fwd.ref, backend=self.backend)
+        return LossOut(loss, loss, metrics)
+
+
+@register_objective("critic")
+class CriticObjective(Objective):
+    """Policy loss with GAE advantages from a value head on the trunk, plus the clipped value loss."""
+
+    needs_hidden = True
+
+    def __init__(self, backend: str, critic=None):
+        super().__init__(backend)
+        if critic is None:
+            raise ValueError("algo.objective: critic needs the critic section (CriticConfig)")
+        self.critic = Critic(critic)
+        self.model = None
+        # whitening needs every chunk's old value before the step's first loss
+        self.needs_old_pass = bool(critic.whiten)
+
+    def prepare_model(self, model, lr):
+        attach_value_head(model)
+        self.model = model
+        return param_groups(model, lr, self.critic.cfg.lr_mult)
+
+    def head_grad(self, mb, loss_cfg, ref, scale, device):
+        return None  # the advantages come out of this forward's values
+
+    def check_old(self, old_logps, old_values) -> None:
+        if (old_values is None) != (old_logps is None):
+            raise ValueError("rl_step: with the critic, old_values come with old_logps (both from old_logprobs(mbs, "
+                             "values=[])) or neither (both from the gradient pass)")
+
+    def begin_step(self, mbs, old_values, device) -> dict:
+        return self.critic.begin_step(mbs, old_values, device)
+
+    def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
+        if mb.segments is None:
+            raise ValueError("critic: the micro-batch has no per-chunk loss segments (Stabilizers.apply under "
+                             "algo.advantage: gae sets them)")
+        v = self.critic.values(self.model, fwd.hidden, mb)
+        old_v = v.detach() if fwd.old_values is None else fwd.old_values.to(device)
+        kw = {**mb.loss_kwargs(), **mb.segments}
+        adv, vloss = self.critic.micro_batch(v, old_v, mb, kw.pop("advantages"))
+        kw = {k: (t.to(device) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
+        out = policy_loss(fwd.logp, fwd.old, config=loss_cfg, entropy=fwd.entropy, ref_logp=fwd.ref,
+                          advantages=adv.to(device, torch.float32), backend=self.backend, **kw)
+        return LossOut(out.loss, out.loss + self.critic.cfg.value_coef * vloss, out.metrics)
+
+    def old_values(self, model, hidden, mb):
+        return self.critic.values(model, hidden, mb).detach()
+
+    def zero_touch(self, model, device, dtype):
+        h = torch.zeros(1, int(model.config.hidden_size), device=device, dtype=dtype)
+        return self.critic.touch(model, h)
+
+    def end_step(self, device) -> dict:
+        return self.critic.step_metrics(device)  # non-empty: the value loss had points to fit (a signal)
