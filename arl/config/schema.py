@@ -59,10 +59,10 @@ class ModelConfig(Section):
     tiny: TinyModelConfig = Field(
         TinyModelConfig(), description="Dimensions of the locally built tiny Qwen2 model (name_or_path: tiny).")
     arch: Optional[ArchConfig] = Field(
-        None, description="Dimensions of a model not on this machine, so --dry-run can plan it; null: read from "
-        "the model.")
+        None, description="Dimensions of a model not on this machine, so --dry-run can plan it; null: --dry-run "
+        "needs the model here.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Dtype of the trainer's weights and compute; bfloat16 on GPUs, float32 on CPU.")
+        "float32", description="Dtype of the model in the trainer and the engine; bfloat16 on GPUs, float32 on CPU.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward (one layer's at a time): less memory, more compute.")
     attn_implementation: Literal["auto", "flash_attention_2", "varlen_sdpa", "hf_sdpa_packed"] = Field(
