@@ -149,8 +149,13 @@ How a config is made (`arl/config/load.py`):
 """
 
 
+def _cell(s: str) -> str:
+    """Table cell text: a pipe escaped (also inside a code span, as GFM tables want)."""
+    return s.replace("|", "\\|")
+
+
 def _md(s: str) -> str:
-    return s.replace("|", "\\|").replace("<", "&lt;").replace("*", "\\*")
+    return _cell(s).replace("<", "&lt;").replace("*", "\\*")
 
 
 def markdown() -> str:
@@ -164,7 +169,7 @@ def markdown() -> str:
     for title, text, group in groups:
         out += [f"## {title}", ""] + ([_md(text), ""] if text else [])
         out += ["| key | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{k.name}` | {_md(k.type)} | `{k.default.replace('|', chr(92) + '|')}` | {_md(k.description)} |" for k in group]
+        out += [f"| `{k.name}` | {_md(k.type)} | `{_cell(k.default)}` | {_md(k.description)} |" for k in group]
         out.append("")
     return "\n".join(out)
 

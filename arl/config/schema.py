@@ -94,7 +94,8 @@ class EnvConfig(Section):
         "\"pkg.module:Class\".")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments of the environment's constructor.")
     pool_size: int = Field(
-        16, ge=1, description="Concurrent environment instances per rollout process (episodes and tool calls in flight).")
+        16, ge=1, description="Concurrent environment instances per rollout process (episodes and tool calls in "
+        "flight).")
     max_turns: int = Field(
         8, ge=1, description="The one turn limit: the episode ends past it; environments that take max_turns get it.")
     reward_fn: Optional[str] = Field(
@@ -122,18 +123,19 @@ class RolloutConfig(Section):
         16, ge=1, description="Tasks (groups) per RL step; a multiple of the number of engines.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of training rollouts; 1: off.")
-    max_turn_tokens: int = Field(64, ge=1, description="Most tokens the model generates in one turn.")
+    max_turn_tokens: int = Field(64, ge=1, description="Token limit of one model turn (generated tokens).")
     max_total_tokens: int = Field(
-        1024, ge=16, description="Most tokens of a whole episode (prompt, turns, observations); at most "
+        1024, ge=16, description="Token limit of a whole episode (prompt, turns, observations); at most "
         "trainer.micro_batch_tokens.")
     staleness: int = Field(
-        1, ge=0, description="Most policy versions between generation and training; 0: fully on-policy, > 0 lets "
-        "rollout and training overlap.")
+        1, ge=0, description="Largest number of policy versions between generation and training; 0: fully "
+        "on-policy, > 0 lets rollout and training overlap.")
     filter_cap: float = Field(
-        0.5, ge=0, le=1, description="Most fraction of a batch that recoverable faults may filter out per step.")
+        0.5, ge=0, le=1, description="Largest fraction of a batch that recoverable faults may filter out per step.")
     over_cap: Literal["keep", "mask"] = Field(
         "keep", description="Faulted trajectories past filter_cap: keep trains them with reward 0, mask drops them.")
-    retries: int = Field(1, ge=0, description="Re-runs of an episode after a recoverable fault (tool timeout, reward error).")
+    retries: int = Field(
+        1, ge=0, description="Re-runs of an episode after a recoverable fault (tool timeout, reward error).")
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1, description="vLLM's share of each rollout GPU's memory (of the shared GPU when colocated).")
     tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size; divides layout.rollout_gpus.")
@@ -158,13 +160,15 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
     schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning rate after warm-up: constant, or linear/cosine decay to 0 after trainer.steps optimizer steps.")
+        "constant", description="Learning rate after warm-up: constant, or linear/cosine decay to 0 after "
+        "trainer.steps optimizer steps.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip (global L2 norm); also used by SFT.")
 
 
 class TrainerConfig(Section):
     world_size: int = Field(
-        2, ge=1, description="Trainer ranks (data parallel); on GPU layouts layout.trainer_gpus x layout.nodes.")
+        2, ge=1, description="Trainer ranks (data parallel); on GPU layouts it must equal layout.trainer_gpus x "
+        "layout.nodes.")
     zero_stage: Literal[0, 1, 2, 3] = Field(
         2, description="DeepSpeed ZeRO stage; raise it when --dry-run says a rank's memory does not fit.")
     micro_batch_tokens: int = Field(
@@ -283,14 +287,16 @@ class TrainConfig(Section):
         "runs/default", description="Directory of the run's metrics, checkpoints and final HF export (hf/).")
     model: ModelConfig = Field(ModelConfig(), description="The policy model: which one, its dtype and attention.")
     env: EnvConfig = Field(EnvConfig(), description="The environment, its tasks and reward, and evaluation.")
-    rollout: RolloutConfig = Field(RolloutConfig(), description="Generation: vLLM engines, sampling, batch shape, faults.")
+    rollout: RolloutConfig = Field(
+        RolloutConfig(), description="Generation: vLLM engines, sampling, batch shape, faults.")
     trainer: TrainerConfig = Field(
         TrainerConfig(), description="The DeepSpeed trainer ranks: steps, batches, optimizer, checkpoints.")
     loss: LossConfig = Field(LossConfig(), description="The policy loss (arl.policy_loss): ratio, clip, mismatch, "
                              "aggregation, KL and entropy.")
     sft: SFTConfig = Field(SFTConfig(), description="The SFT warm start on demonstrations before RL.")
     layout: LayoutConfig = Field(LayoutConfig(), description="Where the processes run: CPU, or GPUs per node.")
-    logging: LoggingConfig = Field(LoggingConfig(), description="Metrics outputs: JSONL, TensorBoard, progress bar, W&B.")
+    logging: LoggingConfig = Field(
+        LoggingConfig(), description="Metrics outputs: JSONL, TensorBoard, progress bar, W&B.")
     stabilizers: StabilizerConfig = Field(
         StabilizerConfig(), description="Stabilizers, each off by default but the stall guard.")
     critic: CriticConfig = Field(

@@ -169,7 +169,8 @@ class AlarmRule(_Section):
     min_history: int = Field(5, ge=2, description="Values seen before the jump rule may fire.")
     direction: Literal["up", "down", "both"] = Field("up", description="Which jumps fire: up, down or both.")
     above: Optional[float] = Field(
-        None, description="Also fire when the value exceeds this absolute bound (e.g. destructive calls > 0); null: off.")
+        None, description="Also fire when the value exceeds this absolute bound (e.g. destructive calls > 0); null: "
+        "off.")
     action: Literal["stop", "rollback"] = Field(
         "rollback", description="stop ends the run; rollback restores the last checkpoint (within "
         "monitors.max_rollbacks).")
