@@ -1,6 +1,7 @@
 """The config reference (arl/config/reference.py): every key described, docs/config.md current, and
 ``python -m arl.train --help-config``."""
 import pytest
+from pydantic import BaseModel, Field
 
 from arl.config.reference import DOC, keys, markdown, select, sections, table
 from arl.train import main
@@ -34,6 +35,17 @@ def test_nested_sections_are_listed_with_dotted_names():
         assert key in names
     assert len(names) == len(set(names))
     assert sections()[:2] == ["seed", "output_dir"] and "critic" in sections()
+
+
+def test_a_new_section_is_walked_by_itself():
+    class Algo(BaseModel):
+        advantage: str = Field("grpo", description="Advantage estimator.")
+
+    class Top(BaseModel):
+        algo: Algo = Field(Algo(), description="The algorithm.")
+
+    assert [k.name for k in keys(Top)] == ["algo", "algo.advantage"]
+    assert keys(Top)[1].description == "Advantage estimator."
 
 
 def test_types_and_defaults():
