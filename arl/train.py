@@ -7,7 +7,8 @@ process layout, the device assignment and a memory estimate without starting any
 process.  A model this machine does not have fails the dry run, unless the config gives
 ``model.arch``: that is how a big run is planned on a machine without its weights, so the dry run
 then only warns (the run itself still fails at once).  ``--print-config`` prints the resolved
-config (every key, defaults included) as YAML.
+config (every key, defaults included) as YAML; ``--help-config [SECTION|SECTION.key]`` prints the
+config reference (keys, types, defaults, descriptions; docs/config.md).
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
 process takes its role in the config's layout (``arl.launch``); started plainly, the launcher
@@ -21,6 +22,7 @@ import os
 import sys
 
 from .config import ConfigError, dump_config, load_config
+from .config.reference import select, table
 from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 from .model.resolve import arch_mismatches, resolve_model
@@ -32,6 +34,9 @@ def parse_args(argv=None):
     ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run, equal to configs/tiny_cpu.yaml)")
     ap.add_argument("--dry-run", action="store_true", help="validate, print layout + memory estimate, exit")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config (all keys) as YAML, exit")
+    ap.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION|SECTION.key",
+                    help="print the config reference (keys, types, defaults, descriptions) of every section, one "
+                         "section or one key, exit")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     # the deepspeed launcher passes --local_rank (LOCAL_RANK is read from the environment)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -60,6 +65,13 @@ def _check_model(cfg) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.help_config is not None:
+        try:
+            print(table(select(args.help_config)))
+        except ValueError as e:
+            print(f"arl.train: --help-config: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
         layout = plan(cfg)
