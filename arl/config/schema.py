@@ -4,7 +4,7 @@ between sections (in ``TrainConfig``, nowhere else).  Components take their sect
 from __future__ import annotations
 
 from importlib.util import find_spec
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -53,6 +53,19 @@ class ArchConfig(Section):
     tie_word_embeddings: bool = Field(False, description="The planned model's lm_head shares the input embedding.")
 
 
+class LoRAConfig(Section):
+    """LoRA adapters on the policy (arl/model/lora.py): only the adapters train; the reference for KL is
+    the model with its adapters disabled; the engine and the export get merged weights."""
+
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input; > 0 makes the train-mode "
+                           "forward random, so the old-logprob pass runs every step.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Linear layers that get adapters: all-linear (every one but lm_head), or names / "
+        "glob patterns (q_proj, v_proj, model.layers.*.mlp.*).")
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(
         "tiny", description="tiny builds model.tiny locally; else a local HF model directory or a hub id already in "
@@ -69,6 +82,8 @@ class ModelConfig(Section):
     attn_implementation: Literal["auto", "flash_attention_2", "varlen_sdpa", "hf_sdpa_packed"] = Field(
         "auto", description="Trainer's packed attention: auto = flash-attn varlen on GPU when installed, else arl's "
         "per-sequence SDPA (varlen_sdpa); hf_sdpa_packed = transformers' block mask.")
+    lora: Optional[LoRAConfig] = Field(
+        None, description="LoRA adapters instead of full fine-tuning (null: full fine-tuning).")
 
 
 class DatasetConfig(Section):

@@ -20,6 +20,7 @@ from ..config import CriticConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
+from ..model.lora import hf_model, is_lora, merged_state_dict
 from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
 from . import faults
@@ -129,10 +130,14 @@ class PolicyTrainer:
         return engine.module.eval()
 
     def ref_logprobs(self, mbs: Sequence[MicroBatch]) -> list:
-        """Logprobs of the frozen reference policy (for the KL term); a collective under ZeRO-3."""
-        if self.ref_model is None:
+        """Logprobs of the frozen reference policy (for the KL term): the reference model, or under LoRA
+        without one the policy with its adapters disabled; a collective under ZeRO-3."""
+        if self.ref_model is not None:
+            return self.old_logprobs(mbs, model=self.ref_model)
+        if not is_lora(self.engine.module):
             raise ValueError("ref_logprobs: the trainer has no reference model (trainer.reference_model: true)")
-        return self.old_logprobs(mbs, model=self.ref_model)
+        with self.engine.module.disable_adapter():  # LoRA: the base without adapters is the reference
+            return self.old_logprobs(mbs)
 
     def _record_grad_norm_on_clip(self) -> None:
         """Without ZeRO, DeepSpeed clips fp32 gradients but drops the norm; keep it for metrics."""
@@ -164,7 +169,7 @@ class PolicyTrainer:
                  head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
-        return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
+        return packed_logprobs(hf_model(model), mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
                                temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
                                return_hidden=return_hidden, head_grad=head_grad)
 
@@ -209,7 +214,7 @@ class PolicyTrainer:
         self._begin_forward(model)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
-        return packed_logprobs(model, ids, cu, temperature=self.temperature, attn=self.attn)[0]
+        return packed_logprobs(hf_model(model), ids, cu, temperature=self.temperature, attn=self.attn)[0]
 
     def _dummy_backward(self) -> None:
         # an empty micro-batch still runs forward/backward so every rank joins the same gradient
@@ -370,7 +375,8 @@ class PolicyTrainer:
             if not keep:
                 return None
             # the policy only: the critic's value head (arl/trainer/critic.py) is neither synced nor exported
-            state = without_value_head(module.state_dict())
+            # under LoRA: the merged weights, under the base model's names (arl/model/lora.py)
+            state = without_value_head(merged_state_dict(module) if is_lora(module) else module.state_dict())
             if to_cpu or self.zero3:  # gathered ZeRO-3 tensors are released when the context exits
                 return {k: v.detach().to("cpu" if to_cpu else v.device, copy=True).contiguous()
                         for k, v in state.items()}
@@ -388,12 +394,23 @@ class PolicyTrainer:
             bar = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()
             try:
-                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+                hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
             finally:
                 if bar:
                     hf_logging.enable_progress_bar()
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
+        if is_lora(self.engine.module):  # and the adapter alone (peft's format), beside the merged model
+            self._export_adapter(os.path.join(directory, "adapter"))
+
+    def _export_adapter(self, directory: str) -> None:
+        import deepspeed
+
+        module = self.engine.module
+        params = [p for n, p in module.named_parameters() if ".lora_" in n]
+        with (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else _null()):
+            if rank() == 0:
+                module.save_pretrained(directory, safe_serialization=True)
 
 
 class _null:
