@@ -208,7 +208,7 @@ def plan(cfg: TrainConfig) -> Plan:
         pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
         total = pl.trainer_bytes["total (fused)"]
         if lay.colocate:
-            peak = _colocated(pl, cfg, budget, w, stage)
+            peak = _colocated(pl, cfg, budget, w, sum(state.values()) + pl.trainer_bytes["reference model"])
             if peak > lay.gpu_memory_gib * GiB:
                 raise ValueError(
                     f"layout.colocate: estimated peak {peak / GiB:.1f} GiB per GPU (trainer + vLLM's "
@@ -244,10 +244,10 @@ SCHEDULE_LINES = {
 }
 
 
-def _colocated(pl: Plan, cfg: TrainConfig, budget: float, w: float, stage: int) -> float:
-    """Fill ``pl.colocated_bytes``; returns the peak per GPU."""
+def _colocated(pl: Plan, cfg: TrainConfig, budget: float, w: float, resident: float) -> float:
+    """Fill ``pl.colocated_bytes``; returns the peak per GPU.  ``resident``: what the trainer keeps
+    on the GPU between steps (weights, gradients, optimizer state, reference)."""
     t = pl.trainer_bytes
-    resident = t[f"weights+grads+optim (ZeRO-{stage})"] + t["reference model"]
     whole = t["total (fused)"]
     if schedule_name(cfg) == "alternate":
         peak = max(resident + budget, whole)
