@@ -171,6 +171,13 @@ def plan(cfg: TrainConfig) -> Plan:
     T, H, L = cfg.trainer.micro_batch_tokens, a.hidden, a.layers
     act = (2 * T * H * L + 34 * T * H) if cfg.model.gradient_checkpointing else 34 * T * H * L
     lora = cfg.model.lora
+    off = cfg.trainer.offload
+    opt_share = (12 if wbytes == 2 else 8) / (dp if stage else 1)  # fp32 master (bf16 runs), Adam m and v
+    host = {}
+    if off.optimizer == "cpu":  # ZeRO-Offload: the optimizer's partition lives and steps in host memory
+        per_param -= opt_share
+    if off.params == "cpu":  # ZeRO-3: the weights' partition waits in host memory between uses
+        per_param -= wbytes / dp
     if lora is not None:  # frozen base weights; gradients and Adam state for the adapters only
         target_modules(lora, decoder_linear_names(a))  # a pattern that matches nothing: one line, now
         Pa = lora_param_count(a, lora)
@@ -180,6 +187,14 @@ def plan(cfg: TrainConfig) -> Plan:
                         "the KL reference is the model with its adapters off (no second copy)")
     else:
         state = {f"weights+grads+optim (ZeRO-{stage})": per_param * P}
+    n = Pa if lora is not None else P
+    if off.optimizer == "cpu":
+        host["optimizer state (offloaded)"] = opt_share * n
+    if off.params == "cpu":
+        host["weights (offloaded)"] = wbytes * n / dp
+    if host:
+        pl.notes.append("host memory per trainer rank (trainer.offload): " + ", ".join(
+            f"{k} {v / GiB:.2f} GiB" for k, v in host.items()))
     pl.trainer_bytes = {
         **state,
         "reference model": ((wbytes * P / (dp if stage == 3 else 1)) if cfg.trainer.reference_model and lora is None
@@ -229,6 +244,9 @@ def _remedies(cfg: TrainConfig) -> str:
     out = []
     if cfg.model.lora is None:
         out.append("set model.lora")
+    if cfg.trainer.offload.optimizer == "none":
+        out.append("set trainer.offload.optimizer: cpu" + (" (with trainer.zero_stage >= 1)"
+                                                            if cfg.trainer.zero_stage == 0 else ""))
     if cfg.trainer.world_size > 1 and cfg.trainer.zero_stage < 3:
         out.append("raise trainer.zero_stage")
     if not cfg.model.gradient_checkpointing:

@@ -70,7 +70,7 @@ def test_merged_weights_equal_peft_merge():
     assert hf_model(base) is base
 
 
-def _micro_batches():
+def _micro_batches(world=1, rank=0):
     from arl.config import StabilizerConfig
     from arl.data import Trajectory
     from arl.data.packer import PackerConfig, pack_step
@@ -86,9 +86,10 @@ def _micro_batches():
     loss = LossConfig(ratio_level="chunk", kl_beta=0.1)
     stab = Stabilizers(StabilizerConfig(), loss)
     prep = stab.prepare(trajs, loss)
-    packed = pack_step(prep.trajectories, PackerConfig(token_budget=96, num_ranks=1), loss, advantages=prep.advantages)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=96, num_ranks=world), loss,
+                       advantages=prep.advantages)
     stab.apply(packed, prep, loss)
-    return packed.ranks[0], loss
+    return packed.ranks[rank], loss
 
 
 def _worker(rank, world, port, result_dir):

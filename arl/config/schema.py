@@ -181,6 +181,16 @@ class OptimConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip (global L2 norm); also used by SFT.")
 
 
+class OffloadConfig(Section):
+    """DeepSpeed ZeRO-Offload of the trainer's state to host memory (arl/trainer/policy.py)."""
+
+    optimizer: Literal["none", "cpu"] = Field(
+        "none", description="cpu: Adam's state and step run in host memory (ZeRO stage >= 1; on GPU DeepSpeed's "
+        "CPU Adam op, JIT-built with ninja on first use).")
+    params: Literal["none", "cpu"] = Field(
+        "none", description="cpu: the parameters wait in host memory between uses (ZeRO stage 3 only).")
+
+
 class TrainerConfig(Section):
     world_size: int = Field(
         2, ge=1, description="Trainer ranks (data parallel); on GPU layouts it must equal layout.trainer_gpus x "
@@ -193,6 +203,8 @@ class TrainerConfig(Section):
     updates_per_batch: int = Field(
         1, ge=1, description="Optimizer steps per rollout batch; > 1 adds a no-grad old-logprob pass per step.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and learning-rate schedule of the RL steps.")
+    offload: OffloadConfig = Field(OffloadConfig(), description="ZeRO-Offload of optimizer state / parameters to host "
+                                   "memory.")
     reference_model: bool = Field(
         False, description="Keep a frozen copy of the starting policy for KL; needed by loss.kl_beta > 0 and "
         "stabilizers.kl.")
@@ -328,6 +340,12 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainConfig":
+        off, stage = self.trainer.offload, self.trainer.zero_stage
+        if off.optimizer == "cpu" and stage == 0:
+            raise ValueError("trainer.offload.optimizer: cpu needs trainer.zero_stage >= 1 (DeepSpeed offloads the "
+                             "optimizer's partition)")
+        if off.params == "cpu" and stage != 3:
+            raise ValueError(f"trainer.offload.params: cpu needs trainer.zero_stage 3 (got {stage})")
         if self.loss.kl_beta > 0 and not self.trainer.reference_model:
             raise ValueError("loss.kl_beta > 0 needs trainer.reference_model: true")
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:

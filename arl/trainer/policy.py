@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..config import CriticConfig, OptimConfig
+from ..config import CriticConfig, OffloadConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
@@ -66,14 +66,21 @@ def train_mode_randomness(model: torch.nn.Module) -> list:
     return found
 
 
-def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> dict:
+def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype, offload=None) -> dict:
+    zero = {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True}
+    if offload is not None and offload.optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if offload is not None and offload.params == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,  # step() is the boundary: any number of micro-batches
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # torch AdamW: no run-time C++ build of DeepSpeed's Adam
+        # offloaded on a CPU machine the state is in host memory anyway: torch's AdamW steps it there
+        "zero_force_ds_cpu_optimizer": False,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": False},
         "steps_per_print": 2 ** 62,
@@ -81,11 +88,27 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
     }
 
 
+def make_optimizer(params, optim: OptimConfig, offload_optimizer: bool, on_gpu: bool):
+    """AdamW over ``params``; with the optimizer offloaded from a GPU, DeepSpeed's CPU Adam (its C++ op,
+    JIT-built on first use: the one-line error names what is missing)."""
+    kw = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    if not (offload_optimizer and on_gpu):
+        return torch.optim.AdamW(params, **kw)
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+    except Exception as e:  # a missing compiler / ninja / headers surface here, not mid-run
+        raise RuntimeError(f"trainer.offload.optimizer: cpu needs DeepSpeed's CPU Adam op, which failed to build or "
+                           f"load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", objective: str = "policy_gradient",
-                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True):
+                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True,
+                 offload: Optional[OffloadConfig] = None):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
@@ -105,11 +128,13 @@ class PolicyTrainer:
         # heads to the model (the critic's value head, in its own param group)
         self.objective = make_objective(objective, loss_backend, critic)
         params = self.objective.prepare_model(model, optim.lr)
-        opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        opt = make_optimizer(params, optim, offload_optimizer=offload is not None and offload.optimizer == "cpu",
+                             on_gpu=self.device.type == "cuda")
         self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype))
+            model=model, optimizer=opt, lr_scheduler=sched,
+            config=deepspeed_config(zero_stage, optim.grad_clip, dtype, offload))
         self.world = world_size()
         self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
         self.last_old_logps: list = []  # the old logprobs the last rl_step trained against

@@ -166,7 +166,7 @@ class TrainerRank:
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
                                 temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
                                 objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled), critic=cfg.critic,
-                                head_grad_in_forward=cfg.trainer.head_grad_in_forward)
+                                head_grad_in_forward=cfg.trainer.head_grad_in_forward, offload=cfg.trainer.offload)
         if rank == 0:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, algo=cfg.algo)
         if resume_step is not None:
