@@ -49,6 +49,7 @@ def test_cpp_policy_loss_op_matches_the_reference():
                                atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # runs install.sh (a whole environment where none is)
 def test_install_script_is_idempotent():
     """A second run of install.sh finds every pin satisfied and installs nothing (it only checks
     pins, rebuilds the C++ ops incrementally and imports arl)."""
