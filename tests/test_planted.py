@@ -15,7 +15,7 @@ from arl.ops.policy_loss import LossConfig
 from arl.stabilizers import StabilizerConfig, Stabilizers, ipa_mixed_loss
 from arl.stabilizers.gae import critic_chunk_inputs, critic_points, gae
 from arl.stabilizers.stall import StallGuard
-from arl.stabilizers.turn_credit import chunk_process_rewards
+from arl.stabilizers.turn_credit import chunk_process_rewards, turn_advantages
 
 
 def _traj(turn_lens, reward=0.0, group=0, prompt=2, obs=1, **meta):
@@ -101,6 +101,15 @@ def test_turn_credit_pays_no_process_reward_for_a_failed_tool_call():
     _, rew, _ = critic_chunk_inputs([t], np.array([1.0]), LossConfig(ratio_level="chunk", loss_agg="token-mean"),
                                     TurnCreditConfig(enabled=True, weight=1.0, process_reward=0.25))
     np.testing.assert_allclose(rew[0], [0.25, 0.0, 0.0, 1.25])
+    # and turn credit's returns: two samples of one task reach a new state on turn 0, one of them with
+    # a failed call; only the clean one is paid, so their shared first anchor compares pr with 0
+    clean = _traj([2, 2], turn_info=[{"new_state": True, "tool_error": False}, {"new_state": False}])
+    failed = _traj([2, 2], turn_info=[{"new_state": True, "tool_error": True}, {"new_state": False}])
+    adv, _ = turn_advantages([clean, failed], np.zeros(2), LossConfig(ratio_level="chunk", gamma=1.0,
+                                                                      loss_agg="token-mean"),
+                             weight=1.0, process_reward=0.25)
+    assert adv[0][0] > 0.5 and adv[1][0] == pytest.approx(-adv[0][0])  # 0.125 / (0.25 / sqrt(2) + eps)
+    assert adv[0][1] == adv[1][1] == 0.0  # turn 1: equal returns (0) in the shared context
 
 
 # ------------------------------------------------------------------------------------------ IPA
