@@ -28,6 +28,7 @@ def test_gpu_config_layout_assigns_every_gpu_once(capsys):
     assert sorted(devices) == sorted(f"cuda:{i}" for i in range(8))
 
 
+@pytest.mark.slow  # python -m arl.train in a subprocess
 def test_dry_run_from_the_command_line():
     out = subprocess.run([sys.executable, "-m", "arl.train", "--dry-run", "trainer.zero_stage=3"],
                          capture_output=True, text=True, cwd=ROOT)

@@ -14,6 +14,7 @@ from arl.rollout.worker import EVAL_SEED_BASE
 SMALL = ["rollout.max_turn_tokens=24", "rollout.max_total_tokens=320", "env.max_turns=3", "env.kwargs.max_hops=2", "env.pool_size=4"]
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_held_out_rows_on_the_engine(vllm_engine, arun, tiny_model_dir, tmp_path):
     cfg = load_config(None, SMALL)
     rows = arun(evaluate_model(cfg, str(tiny_model_dir), 3, engine=vllm_engine))

@@ -46,6 +46,8 @@ from arl import LossConfig, available_backends, policy_loss
 from arl.ops.policy_loss import METRIC_KEYS, group_advantages
 from scalar_loss import scalar_policy_loss
 
+pytestmark = pytest.mark.slow  # the fuzz runs for minutes
+
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "200"))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # the interpreter costs about a second an example; compiled on a GPU the Triton kernel takes the full count

@@ -19,6 +19,8 @@ from arl.stabilizers.advantages import step_advantages
 
 from two_rank import random_chunk_ids, tiny_qwen
 
+pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks per case
+
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
 
