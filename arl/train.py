@@ -4,11 +4,12 @@
 hub id in the local HF cache, never the network), loads the task dataset, makes the environment
 (tools, reward function) and resets its first task, checks the SFT demonstrations and
 ``rollout.engine_kwargs``, and prints the process layout, the device assignment, a memory estimate
-and the vLLM engine arguments without starting any engine or process.  A model this machine does not have fails the dry run, unless the config gives
-``model.arch``: that is how a big run is planned on a machine without its weights, so the dry run
-then only warns (the run itself still fails at once).  ``--print-config`` prints the resolved
-config (every key, defaults included) as YAML; ``--help-config [SECTION|SECTION.key]`` prints the
-config reference (keys, types, defaults, descriptions; docs/config.md).
+and the vLLM engine arguments without starting any engine or process. A model this machine does not
+have fails the dry run, unless the config gives ``model.arch``: that is how a big run is planned on
+a machine without its weights, so the dry run then only warns (the run itself still fails at once).
+``--print-config`` prints the resolved config (every key, defaults included) as YAML;
+``--help-config [SECTION|SECTION.key]`` prints the config reference (keys, types, defaults,
+descriptions; docs/config.md).
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
 process takes its role in the config's layout (``arl.launch``); started plainly, the launcher
