@@ -37,7 +37,7 @@ from ..metrics import rollout_rates
 from ..procs import die_with_parent
 from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
-from .engine_args import build_engine_args
+from .engine_args import build_engine_args, check_engine_kwargs
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .expert import StartChooser, expert_start_hook
 from .manager import RolloutManager, fill_batch
@@ -113,6 +113,7 @@ def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int)
 def run_engine(cfg: TrainConfig, model_dir: str) -> RolloutEngine:
     """The run's rollout engine over the weights in ``model_dir`` (also ``python -m arl.eval``'s)."""
     r = cfg.rollout
+    check_engine_kwargs(r.engine_kwargs)  # launchers checked it already (preflight); cached, cheap
     return make_engine(r.engine, model=model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
                        max_model_len=engine_max_model_len(cfg), engine_kwargs=engine_kwargs(cfg),
                        device=cfg.layout.device)
