@@ -130,3 +130,16 @@ def test_arg_names_equal_vllm_dataclass_fields():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     assert vllm_engine_arg_names() == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def test_run_engine_makes_what_the_dry_run_prints(monkeypatch):
+    """``run_engine`` hands the engine the pieces ``engine_args`` (the dry run's printout) is built from."""
+    import arl.rollout.worker as worker
+
+    got = {}
+    monkeypatch.setattr(worker, "make_engine", lambda name, **kw: got.update(kw))
+    for cfg in (load_config(None, ["rollout.engine_kwargs.max_num_seqs=8"]), load_config(ONE_GPU, [])):
+        worker.run_engine(cfg, "/m")
+        built = build_engine_args(got["model"], device=got["device"], seed=got["seed"], dtype=got["dtype"],
+                                  max_model_len=got["max_model_len"], extra=got["engine_kwargs"])
+        assert built == engine_args(cfg, "/m")
