@@ -2,13 +2,14 @@
 
 ``--dry-run`` validates the config, finds the model (``model.name_or_path``: a local directory or a
 hub id in the local HF cache, never the network), loads the task dataset, makes the environment
-(tools, reward function) and resets its first task, checks the SFT demonstrations, and prints the
-process layout, the device assignment and a memory estimate without starting any engine or
-process.  A model this machine does not have fails the dry run, unless the config gives
-``model.arch``: that is how a big run is planned on a machine without its weights, so the dry run
-then only warns (the run itself still fails at once).  ``--print-config`` prints the resolved
-config (every key, defaults included) as YAML; ``--help-config [SECTION|SECTION.key]`` prints the
-config reference (keys, types, defaults, descriptions; docs/config.md).
+(tools, reward function) and resets its first task, checks the SFT demonstrations and
+``rollout.engine_kwargs``, and prints the process layout, the device assignment, a memory estimate
+and the vLLM engine arguments without starting any engine or process. A model this machine does not
+have fails the dry run, unless the config gives ``model.arch``: that is how a big run is planned on
+a machine without its weights, so the dry run then only warns (the run itself still fails at once).
+``--print-config`` prints the resolved config (every key, defaults included) as YAML;
+``--help-config [SECTION|SECTION.key]`` prints the config reference (keys, types, defaults,
+descriptions; docs/config.md).
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
 process takes its role in the config's layout (``arl.launch``); started plainly, the launcher
@@ -27,6 +28,8 @@ from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 from .model.resolve import arch_mismatches, resolve_model
 from .procs import exit_process
+from .rollout.engine_args import render_engine_args
+from .rollout.worker import engine_args
 
 
 def parse_args(argv=None):
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
         print(model_line)
         print("\n".join(checks))
         print(layout.render())
+        print(render_engine_args(engine_args(cfg)))
         return 0
     if cfg.model.name_or_path != "tiny":
         try:  # before any process starts: a missing model is one line, not a crash in every rank

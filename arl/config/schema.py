@@ -161,6 +161,9 @@ class RolloutConfig(Section):
     engines: Optional[int] = Field(
         None, ge=1, description="vLLM engines, each generating tasks_per_step / engines groups; null: one on CPU, one "
         "per node on GPU layouts.")
+    engine_kwargs: dict[str, Any] = Field(
+        {}, description="More vLLM engine arguments (enforce_eager, max_num_seqs, enable_prefix_caching, ...), "
+        "overriding arl's defaults; names arl sets itself are refused (docs/engine.md).")
 
     def sync_mode(self, device: str, colocate: bool = False) -> str:
         """``auto``: the group on separate GPUs; the file on CPU and on colocated GPUs (NCCL cannot
