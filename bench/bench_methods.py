@@ -73,10 +73,10 @@ class Method:
 _NO_TC = "stabilizers.turn_credit.enabled=false"
 _TC = "stabilizers.turn_credit.enabled=true"
 _TOKEN = ("loss.ratio_level=token", "loss.surrogate=ppo_clip", "loss.clip_low=0.2", "loss.gamma=1.0",
-          "loss.loss_agg=token-mean", "loss.adv_norm=group_std")
+          "loss.loss_agg=token-mean")
 _IPA = ("loss.ratio_level=chunk", "loss.surrogate=ppo_clip", "loss.clip_low=0.2", "loss.clip_high=0.28",
         "loss.gamma=0.95", "loss.mismatch_level=chunk", "loss.mismatch_mode=mask", "loss.mismatch_low=0.8",
-        "loss.mismatch_high=5.0", "loss.loss_agg=token-mean", "loss.adv_norm=group_std")
+        "loss.mismatch_high=5.0", "loss.loss_agg=token-mean")
 
 METHODS: dict[str, Method] = {
     "grpo_token": Method("token-level GRPO: token ratio, symmetric clip 0.2, group-std advantages, no mask",
@@ -85,7 +85,7 @@ METHODS: dict[str, Method] = {
         "GRPO with the recommended settings: clip-higher 0.28, Dr.GRPO (group-mean advantages, "
         "constant-length sum normalization), token mismatch mask, dynamic sampling filter",
         ("loss.ratio_level=token", "loss.surrogate=ppo_clip", "loss.clip_low=0.2", "loss.clip_high=0.28",
-         "loss.gamma=1.0", "loss.adv_norm=group_mean", "loss.loss_agg=seq-mean-token-sum-norm",
+         "loss.gamma=1.0", "loss.loss_agg=seq-mean-token-sum-norm",
          "loss.mismatch_level=token", "loss.mismatch_mode=mask", "loss.mismatch_low=0.8",
          "loss.mismatch_high=2.0", "stabilizers.dynamic_sampling.enabled=true", _NO_TC)),
     "grpo_token_turn_credit": Method("token-level GRPO + turn credit (separates the ratio level from the credit)",

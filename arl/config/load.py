@@ -28,7 +28,7 @@ BUILTIN_DEFAULT: dict = {
                 "optim": {"lr": 4.0e-4, "warmup_steps": 5, "schedule": "constant", "grad_clip": 1.0}},
     "sft": {"episodes": 2048, "steps": 232},
     "loss": {"ratio_level": "chunk", "surrogate": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28,
-             "adv_norm": "group_std", "gamma": 0.95, "mismatch_level": "chunk", "mismatch_mode": "mask",
+             "gamma": 0.95, "mismatch_level": "chunk", "mismatch_mode": "mask",
              "mismatch_low": 0.8, "mismatch_high": 5.0, "loss_agg": "token-mean"},
     "stabilizers": {"turn_credit": {"enabled": True, "weight": 1.0, "process_reward": 0.1},
                     "curriculum": {"enabled": True, "until_success": 0.6}},

@@ -2,7 +2,7 @@
 
     rewards   = outcome + capped process rewards                 (shaping.py; outcome when off)
     batch     = long failures masked or down-weighted            (extreme.py; unchanged when off)
-    A_i       = group normalization of the rewards over the whole step (the loss spec's
+    A_i       = group normalization of the rewards over the whole step (arl.algo.advantages
                 ``group_advantages``; FILTERED trajectories are left out and get 0)
     A_i      *= negative reweighting and extreme weights         (extreme.py; when on)
     A_{i,k}   = gamma^(K-1-k) A_i + w * step advantage of chunk k (turn_credit.py; when on)
@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from ..config.stabilizers import StabilizerConfig
 from ..errors import finite_vector
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
-from ..ops.policy_loss.spec import group_advantages
+from ..algo.advantages import group_advantages
 from .gae import critic_chunk_inputs
 from .extreme import control_extremes, reweight_negatives
 from .shaping import shape_rewards
@@ -45,16 +44,16 @@ class StepAdvantages:
 
 def group_step_advantages(trajs: Sequence[Trajectory], rewards, loss_cfg: LossConfig):
     """``(A [N] float64, zero-variance groups, groups)``: group-normalized advantages over the whole
-    step (``loss_cfg.adv_norm`` / ``adv_eps``) in the loss spec's arithmetic.  FILTERED trajectories
+    step (GRPO's, eps 1e-6, until ``algo.advantage`` chooses the estimator).  FILTERED trajectories
     are not packed: they get 0 and take no part in any group."""
     rewards = finite_vector("rewards", rewards, len(trajs))
     keep = np.array([t.status is not TrajectoryStatus.FILTERED for t in trajs], dtype=bool)
     adv = np.zeros(len(trajs), dtype=np.float64)
     if not keep.any():
         return adv, 0, 0
-    gids = torch.tensor([int(t.group_id) for t, k in zip(trajs, keep) if k], dtype=torch.int64)
-    a, n_zero, n_groups = group_advantages(torch.from_numpy(rewards[keep]), gids, loss_cfg)
-    adv[keep] = a.numpy()
+    gids = np.array([int(t.group_id) for t, k in zip(trajs, keep) if k], dtype=np.int64)
+    a, n_zero, n_groups = group_advantages(rewards[keep], gids, "grpo", 1e-6)
+    adv[keep] = a
     return adv, int(n_zero), int(n_groups)
 
 

@@ -6,7 +6,7 @@ keys right and the fourth wrong pushes all four down.  Here each chunk also gets
   r_{i,k}  = process_reward * [turn k reached a new state] (+ the outcome reward R_i on the last chunk)
   G_{i,k}  = r_{i,k} + gamma * G_{i,k+1}                       (the chunk's discounted return)
   anchor   = (group, every token before chunk k)               (the exact context the policy acted in)
-  A^S_{i,k} = normalize(G_{i,k} over the chunks sharing its anchor)   (group_std / group_mean as adv_norm;
+  A^S_{i,k} = normalize(G_{i,k} over the chunks sharing its anchor)   (group_std, eps 1e-6;
              0 for an anchor seen once or whose returns all agree)
   A_{i,k}  = gamma^(K_i-1-k) * A_i + weight * A^S_{i,k}        (A_i: the step's per-trajectory advantage)
 
@@ -106,7 +106,7 @@ def turn_advantages(trajs: Sequence[Trajectory], traj_adv: np.ndarray, loss_cfg:
     sizes, nonzero = [], 0
     for members in anchors.values():
         g = np.array([returns[i][k] for i, k in members])
-        a = _normalize(g, loss_cfg.adv_norm, float(loss_cfg.adv_eps))
+        a = _normalize(g, "group_std", 1e-6)  # was loss_cfg.adv_norm / adv_eps (now algo.advantage)
         sizes.append(len(members))
         nonzero += int((a != 0).sum())
         for (i, k), v in zip(members, a):
@@ -129,10 +129,9 @@ def packed_chunks(mb, j: int, t: Trajectory):
 
 def chunk_segments(mb, trajs: Sequence[Trajectory], chunk_adv: Sequence[np.ndarray]) -> dict:
     """The micro-batch's sequences cut at every chunk start after the first, as ``policy_loss`` kwargs
-    overrides: ``cu_seqlens`` [S+1], ``advantages`` [S] (the chunk's own advantage), ``rewards`` and
-    ``group_ids`` [S] (each segment its own group: the advantages are given)."""
+    overrides: ``cu_seqlens`` [S+1] and ``advantages`` [S] (the chunk's own advantage)."""
     cu = mb.cu_seqlens.tolist()
-    bounds, adv, rew = [0], [], []
+    bounds, adv = [0], []
     for j, i in enumerate(mb.traj_indices.tolist()):
         a, b = cu[j], cu[j + 1]
         t, ca = trajs[i], chunk_adv[i]
@@ -140,17 +139,12 @@ def chunk_segments(mb, trajs: Sequence[Trajectory], chunk_adv: Sequence[np.ndarr
         if not present or ca.size == 0:  # nothing trained (MASKED, or every chunk cut off)
             bounds.append(b)
             adv.append(0.0)
-            rew.append(float(mb.rewards[j]))
             continue
         for n, k in enumerate(present):
             if n > 0:
                 bounds.append(a + int(starts[k]))
             adv.append(float(ca[k]))
-            rew.append(float(mb.rewards[j]))
         bounds.append(b)
         # the first segment holds the prompt and chunk present[0]; later ones start at their chunk
-    S = len(adv)
     return {"cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
-            "advantages": torch.tensor(adv, dtype=torch.float64),
-            "rewards": torch.tensor(rew, dtype=torch.float32),
-            "group_ids": torch.arange(S, dtype=torch.int64)}
+            "advantages": torch.tensor(adv, dtype=torch.float64)}

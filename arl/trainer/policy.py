@@ -176,6 +176,7 @@ class PolicyTrainer:
         """(advantages, policy_loss keyword arguments) of a non-IPA micro-batch, on the device."""
         adv = mb.advantages.to(self.device, torch.float32) if mb.advantages is not None else None
         kw = mb.loss_kwargs()
+        kw.pop("advantages")  # passed on their own (adv above), on the device
         if mb.segments is not None:  # turn credit: each chunk a segment with its own advantage
             kw.update(mb.segments)
             adv = kw.pop("advantages").to(self.device, torch.float32)
