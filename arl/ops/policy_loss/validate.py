@@ -49,6 +49,7 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         i = _first(low)
         raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
     trained = cid >= 0
+    _finite("advantages", inp.advantages)
     for name in ("logp", "old_logp") + _TOKEN_FLOATS:
         x = getattr(inp, name)
         if x is not None:
@@ -69,7 +70,7 @@ def _check_shapes(inp: LossInputs, cfg: LossConfig) -> tuple[int, int]:
     if T == 0:
         raise ValueError("logp: empty batch (0 tokens)")
     _need_1d("old_logp", inp.old_logp, True)
-    _need_1d("advantages", inp.advantages, True)
+    validate_advantages(inp.advantages, None, False)  # present, 1-D floating; its count is checked below
     _need_1d("cu_seqlens", inp.cu_seqlens, False)
     _need_1d("chunk_ids", inp.chunk_ids, False)
     N = inp.advantages.numel()
@@ -158,7 +159,8 @@ def _check_unclamped_ratios(inp: LossInputs, cfg: LossConfig, trained: torch.Ten
 
 def validate_advantages(advantages, cu_seqlens, check_finite: bool) -> None:
     """The per-trajectory advantages policy_loss requires: a 1-D floating tensor [N] (N = len(cu_seqlens)
-    - 1), finite.  Checked whether or not ``validate_inputs`` is on (finiteness only when it is)."""
+    - 1 when ``cu_seqlens`` is given), finite when ``check_finite``.  policy_loss runs it alone when
+    ``validate_inputs`` is off; ``validate_inputs`` runs it as part of its checks."""
     if advantages is None:
         raise ValueError("advantages: required, [N] per-trajectory advantages (see arl.algo.advantages)")
     if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1 or not advantages.is_floating_point():
