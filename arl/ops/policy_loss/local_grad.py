@@ -22,7 +22,7 @@ ordinary backward.  The entropy bonus is local too (its coefficient is a constan
 its whole vocabulary row for it, which arl/ops/logprob/grad_in_forward.py has.
 
 Not covered (``local_logp_grad`` returns None and why): IPA's mixed loss (a different loss: the
-trainer never asks).  Tested against the spec's autograd in tests/test_logprob_grad_in_forward.py.
+trainer never asks).  Tested against the spec's autograd in tests/ops/test_logprob_grad_in_forward.py.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every backend (C++, CUDA, Triton) reads its options from ``kernel_options`` and its tensors from
 ``kernel_tensors``; nothing else maps LossConfig strings to numbers.  The codes are the enums of
-csrc/policy_loss/core.h (tests/test_policy_loss_options.py parses the header and compares).
+csrc/policy_loss/core.h (tests/ops/test_policy_loss_options.py parses the header and compares).
 
 The kernels receive per-trajectory advantages A_i ([N], ``LossInputs.advantages``) and never look at
 groups: the advantage estimators (arl/algo/advantages.py) run before packing.

@@ -54,7 +54,7 @@ def test_install_script_is_idempotent():
     pins, rebuilds the C++ ops incrementally and imports arl)."""
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(["bash", os.path.join(root, "install.sh")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[install] installing" not in out.stdout, out.stdout

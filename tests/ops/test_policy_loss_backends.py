@@ -128,7 +128,7 @@ def test_arbitrary_advantages_input(backend, level):
 def test_untrained_token_inside_a_chunk(cfg, backend):
     """Chunk ids [0, 0, -1, 0, 1]: the -1 token does not split chunk 0 (its ratio is the mean over
     tokens 0, 1, 3), and gets gradient exactly 0 whatever its logprobs; values and gradients are
-    the reference's (tests/ops/test_loss_reference.py checks the reference by hand)."""
+    the reference's (test_loss_reference.py checks the reference by hand)."""
     b = _on(untrained_inside_chunk_batch(), backend)
     assert_same(b, cfg, backend)
     _, g, ge = run(b, cfg, backend)
@@ -449,7 +449,7 @@ def test_gpu_packed_agentic_batch_against_float64_reference(backend):
     """The bench layout (512 sequences, ~8 chunks each) at 256k tokens: the fp32 kernels against
     the float64 reference on CPU (the fp32 reference's own sums drift at this length)."""
     spec = importlib.util.spec_from_file_location(
-        "bench_policy_loss", pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_policy_loss.py")
+        "bench_policy_loss", pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_policy_loss.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     for cfg in (bench.CONFIGS["chunk_level"], bench.CONFIGS["token_level"]):

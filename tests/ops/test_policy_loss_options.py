@@ -8,7 +8,7 @@ import re
 from arl.ops.policy_loss import METRIC_KEYS
 from arl.ops.policy_loss import options as O
 
-HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "policy_loss" / "core.h"
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "policy_loss" / "core.h"
 # C++ enumerator (without its k / kI / kF / kS prefix) -> Python name, where they are not the same word
 ALIASES = {"NoLevel": "none", "KLOff": "off", "K1": "k1", "K2": "k2", "K3": "k3",
            "MismatchFrac": "mismatch_masked_frac"}

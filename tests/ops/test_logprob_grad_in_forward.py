@@ -345,7 +345,7 @@ def test_entropy_holds_one_logits_block():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
     from bench_logprob import peak_bytes
 
     T, V_, H_ = 100, 4096, 8
