@@ -14,7 +14,6 @@ from ...errors import OneLineErrors
 
 RatioLevel = Literal["token", "sequence", "chunk"]
 Surrogate = Literal["ppo_clip", "topr"]
-AdvNorm = Literal["group_std", "group_mean", "none"]
 MismatchLevel = Literal["none", "token", "sequence", "chunk"]
 MismatchMode = Literal["mask", "truncate"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -37,9 +36,7 @@ class LossConfig(OneLineErrors):
         0.2, description="Upper clip: ratios above 1 + clip_high are clipped; DAPO's clip-higher raises it to 0.28.")
     dual_clip: Optional[float] = Field(
         None, description="Dual clip c > 1: bounds the loss of a negative-advantage token at -c*A; null: off.")
-    # advantages from per-trajectory rewards and group ids
-    adv_norm: AdvNorm = "group_std"
-    adv_eps: float = 1e-6
+    # per-trajectory advantages are given (arl.algo.advantages); the op only discounts and clamps them
     gamma: float = Field(
         1.0, description="Chunk discount in (0, 1]: chunk c gets gamma**(chunks after c) * A; 1 gives every chunk "
         "the trajectory's advantage.")
@@ -80,7 +77,6 @@ class LossConfig(OneLineErrors):
         need(0.0 <= self.clip_low < 1.0, "clip_low", "must be in [0, 1)")
         need(self.clip_high >= 0.0, "clip_high", "must be >= 0")
         need(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be None or > 1")
-        need(self.adv_eps >= 0.0, "adv_eps", "must be >= 0")
         need(0.0 < self.gamma <= 1.0, "gamma", "must be in (0, 1]")
         need(0.0 <= self.mismatch_low <= 1.0, "mismatch_low", "must be in [0, 1]")
         need(self.mismatch_high >= 1.0, "mismatch_high", "must be >= 1")

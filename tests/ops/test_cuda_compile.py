@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CU_FILES = sorted((ROOT / "csrc").glob("*/*.cu"))
 NVCC = shutil.which("nvcc")
 

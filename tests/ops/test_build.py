@@ -38,7 +38,7 @@ def test_cpp_policy_loss_op_matches_the_reference():
     toks, idx = kernel_tensors(inp, cfg)
     loss, grad, stats, _ = torch.ops.arl.policy_loss(
         toks["logp"], toks["old_logp"], toks.get("rollout_logp"), toks.get("ref_logp"), toks.get("entropy"),
-        idx["rewards"], idx["group_ids"], idx["cu_seqlens"], idx["chunk_ids"], *kernel_options(cfg, None), True)
+        idx["advantages"], idx["cu_seqlens"], idx["chunk_ids"], *kernel_options(cfg, None), True)
     assert grad.shape == b.logp.shape
     lp = b.logp.clone().requires_grad_(True)
     ref = reference_policy_loss(LossInputs(logp=lp, old_logp=b.old_logp, **b.kwargs()), cfg)
@@ -57,7 +57,7 @@ def test_install_script_is_idempotent():
     pins, rebuilds the C++ ops incrementally and imports arl)."""
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(["bash", os.path.join(root, "install.sh")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[install] installing" not in out.stdout, out.stdout
