@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD_OPS=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 T0=$(date +%s)
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
-STAGES=${STAGES:-build smoke trainer_ref trainer_gpu trainer_perf tests bench_logprob bench_policy_loss profile}
+STAGES=${STAGES:-build smoke trainer_ref trainer_gpu trainer_perf trainer_lora tests bench_logprob bench_policy_loss profile}
 stage() {  # stage NAME CAP_SECONDS CMD...: run CMD with min(CAP, time left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
@@ -87,6 +87,9 @@ if [ $HAVE_PREP = 1 ]; then
     --reference "$REF" --json "$OUT/trainer_gpu.json"
   stage trainer_perf 150 $TRAIN perf --data "$PREP" --device cuda --dtype bfloat16 --loss-backend "${LOSS:-cuda}" \
     --arch qwen2.5-0.5b --tokens 65536 --micro-batch-tokens 16384 --json "$OUT/trainer_perf.json"
+  # the same steps with LoRA r=16 adapters (model.lora): throughput and memory beside full fine-tuning
+  stage trainer_lora 90 $TRAIN perf --data "$PREP" --device cuda --dtype bfloat16 --loss-backend "${LOSS:-cuda}" \
+    --arch qwen2.5-0.5b --tokens 65536 --micro-batch-tokens 16384 --lora 16 --json "$OUT/trainer_lora.json"
 fi
 # tests: xdist (when there) spreads the per-config Triton compiles over the cores
 XDIST=$(python3 -c "import xdist; print('-n 12')" 2>/dev/null)

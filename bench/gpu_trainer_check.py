@@ -173,8 +173,12 @@ def updates(cfg, args) -> int:
 
 
 def make_trainer(cfg, model, args, dtype):
+    from arl.config import LoRAConfig
+    from arl.model.lora import apply_lora
     from arl.trainer import PolicyTrainer
 
+    if args.lora:  # adapters on every linear layer but lm_head: only they train
+        model = apply_lora(model, LoRAConfig(r=args.lora, alpha=2.0 * args.lora))
     return PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=args.zero_stage, total_steps=cfg.trainer.steps,
                          dtype=dtype, loss_backend=args.loss_backend, temperature=cfg.rollout.temperature,
                          ref_model=None, attn=args.attn, objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled),
@@ -431,6 +435,7 @@ def main(argv=None) -> int:
         p.add_argument("--loss-backend", default="auto", help="policy-loss backend (cuda on a GPU; reference: the spec)")
         p.add_argument("--attn", default="varlen_sdpa", help="packed attention path (arl/model/packed.py)")
         p.add_argument("--zero-stage", type=int, default=2)
+        p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
         p.add_argument("--steps", type=int, default=3 if name == "steps" else 5)
         p.add_argument("--updates", type=int, default=None,
                        help="optimizer updates per step on the step's old logprobs (default: trainer.updates_per_batch; "
