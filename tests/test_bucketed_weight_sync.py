@@ -151,3 +151,27 @@ def test_file_bucketed_arrives_bitwise_in_fewer_files(tmp_path, bucket_bytes):
     # rewritten unbucketed (or bucketed): no stale file of the other layout is left to load
     write_sync_weights(state, d, 0 if bucket_bytes else 4096)
     _equal_bitwise(dict(_safetensors(str(d))), state)
+
+
+def test_bench_shapes_are_qwen2_05b_state_dict():
+    """bench/bench_weight_sync.py's state dict is transformers' Qwen2ForCausalLM at Qwen2.5-0.5B's
+    config (built on the meta device: no memory), the tied head left out as the sender does."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = importlib.util.spec_from_file_location("bench_weight_sync",
+                                                  Path(__file__).parents[1] / "bench" / "bench_weight_sync.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    c = bench.QWEN25_05B
+    cfg = Qwen2Config(hidden_size=c["hidden"], num_hidden_layers=c["layers"], intermediate_size=c["intermediate"],
+                      vocab_size=c["vocab"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                      tie_word_embeddings=c["tied"])
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    want = {k: list(v.shape) for k, v in model.state_dict().items() if k != HEAD}
+    got = dict(bench.qwen2_shapes(**c))
+    assert got == want
+    assert 490e6 < sum(torch.Size(s).numel() for s in got.values()) < 500e6  # 0.49B parameters, as published
