@@ -175,3 +175,14 @@ def test_bench_shapes_are_qwen2_05b_state_dict():
     got = dict(bench.qwen2_shapes(**c))
     assert got == want
     assert 490e6 < sum(torch.Size(s).numel() for s in got.values()) < 500e6  # 0.49B parameters, as published
+
+
+def test_sync_bucket_mb_default_by_device():
+    from arl.config import load_config
+    from arl.trainer.sync import GPU_BUCKET_MB, sync_bucket_mb
+
+    cfg = load_config(None, [])
+    assert cfg.rollout.sync_bucket_mb is None
+    assert sync_bucket_mb(cfg, torch.device("cpu")) == 0 and sync_bucket_mb(cfg, torch.device("cuda", 0)) == GPU_BUCKET_MB
+    cfg = load_config(None, ["rollout.sync_bucket_mb=64"])
+    assert sync_bucket_mb(cfg, torch.device("cpu")) == sync_bucket_mb(cfg, torch.device("cuda", 0)) == 64

@@ -115,8 +115,8 @@ class RolloutConfig(Section):
     # reloads; "group" = trainer rank 0 broadcasts the tensors into the engine's workers over a
     # process group (NCCL on GPU, gloo on CPU); "auto" = group on GPU, file on CPU
     weight_sync: Literal["auto", "file", "group"] = "auto"
-    sync_bucket_mb: int = Field(256, ge=0, description="weight sync: tensors go in flat per-dtype buckets of this many MiB "
-                                                       "(one broadcast or file each); 0 = one per tensor")
+    sync_bucket_mb: Optional[int] = Field(None, ge=0, description="weight sync: flat per-dtype buckets of this many MiB, "
+                                          "one broadcast or file each; 0 = per tensor; None = 256 on GPU, 0 on CPU")
     # vLLM engines, each driven by its own rollout process that generates tasks_per_step / engines
     # groups of every batch.  None: one on the CPU layout, one per node on GPU layouts (over that
     # node's rollout GPUs); the CPU layout takes any number (how the multi-engine path is tested).

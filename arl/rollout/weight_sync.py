@@ -15,8 +15,8 @@ dict.  Bucketed (``rollout.sync_bucket_mb`` > 0, the default): ``plan_buckets`` 
 out in flat buffers of one dtype each, at most that size (a larger tensor alone in its own), and
 the plan, a list of (name, dtype, shape, bucket, offset), goes to the workers once with the order;
 each bucket is then ONE broadcast (``send_buckets`` / ``receive_buckets``), and the worker hands
-vLLM's in-place ``reload_weights`` views into the received bucket, streaming (at most two buckets
-in flight on either side, not the whole model).  ``sync_bucket_mb: 0`` is the unbucketed sync
+vLLM's in-place ``reload_weights`` views into the received bucket, streaming (one bucket at a
+time on either side, not the whole model).  ``sync_bucket_mb: 0`` is the unbucketed sync
 (``send`` / ``receive``: one broadcast per tensor, the whole model received before it loads).
 The file path (``write_sync_weights``) writes the same buckets as safetensors files of one flat
 tensor each (the plan in the file's metadata); its directory is read by the workers too
@@ -161,36 +161,23 @@ def receive(group, meta: Meta, device) -> List[Tuple[str, torch.Tensor]]:
 
 def send_buckets(group, state: Mapping[str, torch.Tensor], plan: Plan, device) -> int:
     """Source side of the bucketed sync: one broadcast per bucket of ``plan`` (``plan_buckets`` of
-    ``state``), the next bucket packed while the previous one is on the wire.  Returns the number
-    of broadcasts."""
-    pending, n = None, 0
+    ``state``), one bucket in memory at a time.  Returns the number of broadcasts.  (Packing the
+    next bucket while one is on the wire was measured twice as slow on gloo: docs/weight_sync.md.)"""
+    n = 0
     for flat, _ in iter_buckets(state, plan, device):
+        group.broadcast(flat, 0).wait()
         n += 1
-        work = group.broadcast(flat, 0)
-        if pending is not None:
-            pending[1].wait()
-        pending = (flat, work)  # the buffer lives until its broadcast is done
-    if pending is not None:
-        pending[1].wait()
     return n
 
 
 def receive_buckets(group, plan: Plan, device) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Receiver side: every tensor of ``plan``, as views into the buckets it arrives in, streamed
-    (bucket i+1 is on the wire while bucket i's tensors load).  Each bucket is a fresh buffer:
-    vLLM's layerwise reload may keep views until a layer is complete.  Must be consumed to the end
-    (every member takes part in every broadcast): ``drain`` what a failed load left."""
-    buckets = _by_bucket(plan)
-
-    def post(entries):
+    """Receiver side: every tensor of ``plan``, as views into the bucket it arrives in, streamed
+    bucket by bucket.  Each bucket is a fresh buffer: vLLM's layerwise reload may keep views until
+    a layer is complete.  Must be consumed to the end (every member takes part in every
+    broadcast): ``drain`` what a failed load left."""
+    for entries in _by_bucket(plan):
         flat = torch.empty(_bucket_numel(entries), dtype=getattr(torch, entries[0][1]), device=device)
-        return flat, group.broadcast(flat, 0)
-
-    nxt = post(buckets[0]) if buckets else None
-    for i, entries in enumerate(buckets):
-        flat, work = nxt
-        work.wait()
-        nxt = post(buckets[i + 1]) if i + 1 < len(buckets) else None
+        group.broadcast(flat, 0).wait()
         yield from _unflatten(flat, entries)
 
 

@@ -3,8 +3,8 @@
 ``file`` (the CPU default): trainer rank 0 writes the weights to shared memory (a directory per
 version) and orders each engine to reload them.  ``group`` (the GPU default): trainer rank 0 broadcasts every tensor over a
 process group straight into the engines' workers (arl/rollout/weight_sync.py), the first sync
-having them join it.  Both move flat buckets of ``rollout.sync_bucket_mb`` (one file or one
-broadcast each; docs/weight_sync.md).  Either way the order carries the new policy version and the IPA start
+having them join it.  Both can move flat buckets of ``rollout.sync_bucket_mb`` (one file or one
+broadcast each; by default on GPU only: docs/weight_sync.md).  Either way the order carries the new policy version and the IPA start
 chooser's state (it advances with the trainer's steps).  Colocated (``layout.colocate``) the file
 path is the default: NCCL cannot pair trainer rank 0 and an engine worker on one GPU.
 """
@@ -27,6 +27,19 @@ from .link import RolloutLink
 from .policy import PolicyTrainer
 
 
+GPU_BUCKET_MB = 256
+
+
+def sync_bucket_mb(cfg: TrainConfig, device) -> int:
+    """``rollout.sync_bucket_mb``, or when unset: buckets of ``GPU_BUCKET_MB`` on GPU (fewer NCCL
+    calls; not measured yet), one per tensor on CPU (packing copies, and it measured slower on
+    gloo and /dev/shm: docs/weight_sync.md)."""
+    mb = cfg.rollout.sync_bucket_mb
+    if mb is not None:
+        return int(mb)
+    return GPU_BUCKET_MB if str(device).startswith("cuda") else 0
+
+
 class WeightSender:
     def __init__(self, cfg: TrainConfig, trainer: PolicyTrainer, rank: int, link: Optional[RolloutLink],
                  sync_addr: Optional[tuple]):
@@ -40,7 +53,7 @@ class WeightSender:
         # tied embeddings: the head is the embedding, which the engines load under both names
         # (arl/rollout/weight_sync.py), so it is not sent twice
         self.tied = is_tied(trainer.module)
-        self.bucket_bytes = cfg.rollout.sync_bucket_mb << 20  # 0: one broadcast / one file entry per tensor
+        self.bucket_bytes = sync_bucket_mb(cfg, trainer.device) << 20  # 0: one broadcast / file entry per tensor
 
     def __call__(self, version: int, chooser_state: Optional[dict]) -> None:
         """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
