@@ -366,4 +366,5 @@ def write_sync_weights(state_dict: Mapping, weights_dir: str | os.PathLike, buck
         tmp = d / (name + ".tmp")
         save_file(data, str(tmp), metadata=metadata)
         os.replace(tmp, d / name)  # a reader never sees a half-written file
+        del data  # before the next bucket is packed
     return d

@@ -167,6 +167,7 @@ def send_buckets(group, state: Mapping[str, torch.Tensor], plan: Plan, device) -
     for flat, _ in iter_buckets(state, plan, device):
         group.broadcast(flat, 0).wait()
         n += 1
+        del flat  # before the next bucket is packed: one in memory, not two
     return n
 
 
@@ -179,6 +180,7 @@ def receive_buckets(group, plan: Plan, device) -> Iterator[Tuple[str, torch.Tens
         flat = torch.empty(_bucket_numel(entries), dtype=getattr(torch, entries[0][1]), device=device)
         group.broadcast(flat, 0).wait()
         yield from _unflatten(flat, entries)
+        del flat  # before the next bucket is allocated (the loader may still hold views)
 
 
 def drain(it: Iterator) -> None:
