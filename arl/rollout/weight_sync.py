@@ -11,9 +11,9 @@ data-parallel workers all report DP rank 0, which is how a numbering derived fro
 failed).
 
 One sync: the rollout side asks its workers to receive while trainer rank 0 sends the same state
-dict.  Bucketed (``rollout.sync_bucket_mb`` > 0, the default): ``plan_buckets`` lays the tensors
-out in flat buffers of one dtype each, at most that size (a larger tensor alone in its own), and
-the plan, a list of (name, dtype, shape, bucket, offset), goes to the workers once with the order;
+dict.  Bucketed (``rollout.sync_bucket_mb`` > 0; unset: on GPU only, see arl/trainer/sync.py):
+``plan_buckets`` lays the tensors out in flat buffers of one dtype each, at most that size (a
+larger tensor alone in its own), and the plan, a list of (name, dtype, shape, bucket, offset), goes to the workers once with the order;
 each bucket is then ONE broadcast (``send_buckets`` / ``receive_buckets``), and the worker hands
 vLLM's in-place ``reload_weights`` views into the received bucket, streaming (one bucket at a
 time on either side, not the whole model).  ``sync_bucket_mb: 0`` is the unbucketed sync
