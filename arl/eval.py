@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig, load_config
 from .rollout.episode import ChatFormat
+from .rollout.engine_args import check_engine_kwargs
 from .rollout.worker import evaluate_tasks, run_engine, task_set
 
 OUT_SUFFIXES = (".jsonl", ".json")
@@ -55,6 +56,7 @@ def resolve(args) -> tuple:
     """The config, model directory, task count and output path of the command line; a bad one is
     a one-line ValueError (ConfigError) naming the option or key."""
     cfg = load_config(args.config, args.overrides)
+    check_engine_kwargs(cfg.rollout.engine_kwargs)
     model_dir = check_model_dir(args.model)
     n = cfg.env.eval_tasks if args.tasks is None else args.tasks
     if n < 1:

@@ -53,6 +53,7 @@ from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
 from .procs import exit_process, free_port
 from .rollout.colocate import ready_file, wait_ready
+from .rollout.engine_args import check_engine_kwargs
 from .rollout.episode import ChatFormat
 from .rollout.expert import sft_demonstrations, sft_source
 from .rollout.worker import RolloutHooks, rollout_process, task_set
@@ -80,9 +81,13 @@ def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
 def preflight(cfg: TrainConfig) -> list:
     """What ``--dry-run`` checks, and every launcher before it starts a process: the task dataset
     loads, the environment (with its reward function and tools) is made and resets its first task,
-    the SFT demonstrations have a source.  Returns one line per check; one-line ValueError at the
-    first failure."""
+    the SFT demonstrations have a source, ``rollout.engine_kwargs`` names only vLLM engine arguments
+    arl does not set itself.  Returns one line per check; one-line ValueError at the first failure."""
     lines = []
+    check_engine_kwargs(cfg.rollout.engine_kwargs)  # by name against vLLM's EngineArgs (nothing imported)
+    if cfg.rollout.engine_kwargs:
+        lines.append(f"engine OK: rollout.engine_kwargs {', '.join(cfg.rollout.engine_kwargs)} are vLLM engine "
+                     "arguments")
     tasks = task_set(cfg)
     needs = env_class(cfg.env.name).needs_task
     if tasks is None and needs:

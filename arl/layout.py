@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import ArchConfig, TrainConfig
+from .model.lora import target_modules
 from .model.resolve import resolve_model
 from .ops.logprob.grad_in_forward import _GROUPS, default_tile_rows
 from .rollout.colocate import schedule_name
@@ -61,6 +62,29 @@ def arch_of(cfg: TrainConfig) -> ArchConfig:
     except Exception as e:
         raise ValueError(f"model.arch: needed for a memory estimate of {cfg.model.name_or_path!r} "
                          f"(cannot read its config offline: {type(e).__name__})") from None
+
+
+_LINEAR_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def decoder_linear_names(a: ArchConfig) -> list:
+    """The linear layers of a Llama-family decoder (Llama, Qwen2, Mistral) of this shape, by module name."""
+    names = [f"model.layers.{i}.{part}" for i in range(a.layers)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    return names + ["lm_head"]
+
+
+def lora_param_count(a: ArchConfig, lora) -> int:
+    """Adapter parameters: r x (in + out) per adapted linear layer (the decoder's seven per layer;
+    named targets count by their last name component)."""
+    kv = a.kv_heads * (a.hidden // a.heads)
+    io = {"q_proj": (a.hidden, a.hidden), "k_proj": (a.hidden, kv), "v_proj": (a.hidden, kv),
+          "o_proj": (a.hidden, a.hidden), "gate_proj": (a.hidden, a.intermediate),
+          "up_proj": (a.hidden, a.intermediate), "down_proj": (a.intermediate, a.hidden)}
+    names = _LINEAR_SHAPES if lora.target_modules == "all-linear" else {
+        n for t in lora.target_modules for n in _LINEAR_SHAPES if t.rsplit(".", 1)[-1] in (n, "*") or n in t}
+    return a.layers * sum(lora.r * sum(io[n]) for n in names)
 
 
 def param_count(a: ArchConfig) -> int:
@@ -146,9 +170,35 @@ def plan(cfg: TrainConfig) -> Plan:
         per_param = {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp, 3: 16 / dp}[stage]
     T, H, L = cfg.trainer.micro_batch_tokens, a.hidden, a.layers
     act = (2 * T * H * L + 34 * T * H) if cfg.model.gradient_checkpointing else 34 * T * H * L
+    lora = cfg.model.lora
+    off = cfg.trainer.offload
+    opt_share = (12 if wbytes == 2 else 8) / (dp if stage else 1)  # fp32 master (bf16 runs), Adam m and v
+    host = {}
+    if off.optimizer == "cpu":  # ZeRO-Offload: the optimizer's partition lives and steps in host memory
+        per_param -= opt_share
+    if off.params == "cpu":  # ZeRO-3: the weights' partition waits in host memory between uses
+        per_param -= wbytes / dp
+    if lora is not None:  # frozen base weights; gradients and Adam state for the adapters only
+        target_modules(lora, decoder_linear_names(a))  # a pattern that matches nothing: one line, now
+        Pa = lora_param_count(a, lora)
+        state = {f"base weights (frozen{', ZeRO-3' if stage == 3 else ''})": wbytes * P / (dp if stage == 3 else 1),
+                 f"LoRA state (ZeRO-{stage})": per_param * Pa}
+        pl.notes.append(f"LoRA r={lora.r}: {Pa / 1e6:.2f} M trainable parameters ({100 * Pa / P:.2f}% of the model); "
+                        "the KL reference is the model with its adapters off (no second copy)")
+    else:
+        state = {f"weights+grads+optim (ZeRO-{stage})": per_param * P}
+    n = Pa if lora is not None else P
+    if off.optimizer == "cpu":
+        host["optimizer state (offloaded)"] = opt_share * n
+    if off.params == "cpu":
+        host["weights (offloaded)"] = wbytes * n / dp
+    if host:
+        pl.notes.append("host memory per trainer rank (trainer.offload): " + ", ".join(
+            f"{k} {v / GiB:.2f} GiB" for k, v in host.items()))
     pl.trainer_bytes = {
-        f"weights+grads+optim (ZeRO-{stage})": per_param * P,
-        "reference model": (wbytes * P / (dp if stage == 3 else 1)) if cfg.trainer.reference_model else 0,
+        **state,
+        "reference model": ((wbytes * P / (dp if stage == 3 else 1)) if cfg.trainer.reference_model and lora is None
+                            else 0),
         "activations (micro-batch)": act * wbytes / 2,
         "logits (fused op)": 3 * 4 * T,
         # grad in forward: one [rows, V] fp32 logit block (+ the entropy's scratch) per micro-batch
@@ -173,21 +223,36 @@ def plan(cfg: TrainConfig) -> Plan:
         pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
         total = pl.trainer_bytes["total (fused)"]
         if lay.colocate:
-            peak = _colocated(pl, cfg, budget, w, stage)
+            peak = _colocated(pl, cfg, budget, w, sum(state.values()) + pl.trainer_bytes["reference model"])
             if peak > lay.gpu_memory_gib * GiB:
                 raise ValueError(
                     f"layout.colocate: estimated peak {peak / GiB:.1f} GiB per GPU (trainer + vLLM's "
                     f"{cfg.rollout.gpu_memory_utilization:g} of the GPU) exceeds layout.gpu_memory_gib = "
-                    f"{lay.gpu_memory_gib} (lower rollout.gpu_memory_utilization or trainer.micro_batch_tokens, "
-                    f"raise trainer.zero_stage)")
+                    f"{lay.gpu_memory_gib} (lower rollout.gpu_memory_utilization; {_remedies(cfg)})")
         elif total > lay.gpu_memory_gib * GiB:
             raise ValueError(
                 f"trainer: estimated {total / GiB:.1f} GiB per rank exceeds layout.gpu_memory_gib = "
-                f"{lay.gpu_memory_gib} (raise trainer.zero_stage, enable model.gradient_checkpointing, "
-                f"or lower trainer.micro_batch_tokens)")
+                f"{lay.gpu_memory_gib} ({_remedies(cfg)})")
         if w > budget:
             raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise rollout.tensor_parallel")
     return pl
+
+
+def _remedies(cfg: TrainConfig) -> str:
+    """What would lower the trainer's estimate for this config: sharding only helps with more than one
+    rank, LoRA only when it is not on already."""
+    out = []
+    if cfg.model.lora is None:
+        out.append("set model.lora")
+    if cfg.trainer.offload.optimizer == "none":
+        out.append("set trainer.offload.optimizer: cpu" + (" (with trainer.zero_stage >= 1)"
+                                                            if cfg.trainer.zero_stage == 0 else ""))
+    if cfg.trainer.world_size > 1 and cfg.trainer.zero_stage < 3:
+        out.append("raise trainer.zero_stage")
+    if not cfg.model.gradient_checkpointing:
+        out.append("enable model.gradient_checkpointing")
+    out.append("lower trainer.micro_batch_tokens")
+    return ", ".join(out[:-1]) + (" or " if len(out) > 1 else "") + out[-1]
 
 
 SCHEDULE_LINES = {
@@ -197,10 +262,10 @@ SCHEDULE_LINES = {
 }
 
 
-def _colocated(pl: Plan, cfg: TrainConfig, budget: float, w: float, stage: int) -> float:
-    """Fill ``pl.colocated_bytes``; returns the peak per GPU."""
+def _colocated(pl: Plan, cfg: TrainConfig, budget: float, w: float, resident: float) -> float:
+    """Fill ``pl.colocated_bytes``; returns the peak per GPU.  ``resident``: what the trainer keeps
+    on the GPU between steps (weights, gradients, optimizer state, reference)."""
     t = pl.trainer_bytes
-    resident = t[f"weights+grads+optim (ZeRO-{stage})"] + t["reference model"]
     whole = t["total (fused)"]
     if schedule_name(cfg) == "alternate":
         peak = max(resident + budget, whole)

@@ -2,12 +2,14 @@
 
 ``--dry-run`` validates the config, finds the model (``model.name_or_path``: a local directory or a
 hub id in the local HF cache, never the network), loads the task dataset, makes the environment
-(tools, reward function) and resets its first task, checks the SFT demonstrations, and prints the
-process layout, the device assignment and a memory estimate without starting any engine or
-process.  A model this machine does not have fails the dry run, unless the config gives
-``model.arch``: that is how a big run is planned on a machine without its weights, so the dry run
-then only warns (the run itself still fails at once).  ``--print-config`` prints the resolved
-config (every key, defaults included) as YAML.
+(tools, reward function) and resets its first task, checks the SFT demonstrations and
+``rollout.engine_kwargs``, and prints the process layout, the device assignment, a memory estimate
+and the vLLM engine arguments without starting any engine or process. A model this machine does not
+have fails the dry run, unless the config gives ``model.arch``: that is how a big run is planned on
+a machine without its weights, so the dry run then only warns (the run itself still fails at once).
+``--print-config`` prints the resolved config (every key, defaults included) as YAML;
+``--help-config [SECTION|SECTION.key]`` prints the config reference (keys, types, defaults,
+descriptions; docs/config.md).
 
 Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
 process takes its role in the config's layout (``arl.launch``); started plainly, the launcher
@@ -21,10 +23,13 @@ import os
 import sys
 
 from .config import ConfigError, dump_config, load_config
+from .config.reference import select, table
 from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 from .model.resolve import arch_mismatches, resolve_model
 from .procs import exit_process
+from .rollout.engine_args import render_engine_args
+from .rollout.worker import engine_args
 
 
 def parse_args(argv=None):
@@ -32,6 +37,9 @@ def parse_args(argv=None):
     ap.add_argument("--config", default=None, help="YAML config (default: the built-in tiny CPU run, equal to configs/tiny_cpu.yaml)")
     ap.add_argument("--dry-run", action="store_true", help="validate, print layout + memory estimate, exit")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config (all keys) as YAML, exit")
+    ap.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION|SECTION.key",
+                    help="print the config reference (keys, types, defaults, descriptions) of every section, one "
+                         "section or one key, exit")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     # the deepspeed launcher passes --local_rank (LOCAL_RANK is read from the environment)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -60,6 +68,13 @@ def _check_model(cfg) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.help_config is not None:
+        try:
+            print(table(select(args.help_config)))
+        except ValueError as e:
+            print(f"arl.train: --help-config: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
         layout = plan(cfg)
@@ -84,6 +99,7 @@ def main(argv=None) -> int:
         print(model_line)
         print("\n".join(checks))
         print(layout.render())
+        print(render_engine_args(engine_args(cfg)))
         return 0
     if cfg.model.name_or_path != "tiny":
         try:  # before any process starts: a missing model is one line, not a crash in every rank

@@ -42,13 +42,15 @@ import time
 import torch
 
 from arl import LossConfig, available_backends, policy_loss
+from arl.algo.advantages import group_advantages
 from arl.ops.policy_loss import LossInputs, reference_policy_loss
 
 N_SEQ, GROUP, CHUNKS = 512, 8, 8
+LOSS_KEYS = ("old_logp", "rollout_logp", "advantages", "cu_seqlens", "chunk_ids")  # the batch's policy_loss inputs
 
 CONFIGS = {
     "chunk_level": LossConfig(ratio_level="chunk", mismatch_level="chunk", mismatch_mode="mask", mismatch_low=0.8,
-                              mismatch_high=5.0, adv_norm="group_std", gamma=0.95, validate_inputs=False),
+                              mismatch_high=5.0, gamma=0.95, validate_inputs=False),
     "token_level": LossConfig(ratio_level="token", clip_low=0.2, clip_high=0.28, validate_inputs=False),
 }
 
@@ -72,12 +74,17 @@ def agentic_batch(T: int, device: str, seed: int = 0) -> dict:
             chunk_ids[lo:min(mid, b + L)] = next_id
             next_id += 1
     old = -torch.rand(T, generator=g) * 3
+    logp = old + torch.randn(T, generator=g) * 0.1
+    rollout = old + torch.randn(T, generator=g) * 0.05
+    rewards = (torch.rand(N_SEQ, generator=g) > 0.5).float()
+    group_ids = torch.arange(N_SEQ) // GROUP
     return dict(
-        logp=(old + torch.randn(T, generator=g) * 0.1).to(device),
+        logp=logp.to(device),
         old_logp=old.to(device),
-        rollout_logp=(old + torch.randn(T, generator=g) * 0.05).to(device),
-        rewards=(torch.rand(N_SEQ, generator=g) > 0.5).float().to(device),
-        group_ids=(torch.arange(N_SEQ) // GROUP).to(device),
+        rollout_logp=rollout.to(device),
+        advantages=torch.from_numpy(group_advantages(rewards, group_ids, "grpo", 1e-6)[0]).to(device),
+        rewards=rewards.to(device),  # the trajectories' (peer_verl compares verl's advantages); not loss inputs
+        group_ids=group_ids.to(device),
         cu_seqlens=cu.to(device),
         chunk_ids=chunk_ids.to(device),
     )
@@ -87,17 +94,17 @@ def method_fns(cfg: LossConfig, device: str) -> dict:
     """name -> fn(logp, batch) returning the loss tensor (differentiable w.r.t. logp)."""
     def backend_fn(name):
         def fn(logp, b):
-            kw = {k: v for k, v in b.items() if k != "logp"}
+            kw = {k: b[k] for k in LOSS_KEYS}
             return policy_loss(logp, **kw, config=cfg, backend=name).loss
         return fn
 
-    def ref_math(logp, old_logp, rollout_logp, rewards, group_ids, cu_seqlens, chunk_ids):
-        inp = LossInputs(logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, rewards=rewards,
-                         group_ids=group_ids, cu_seqlens=cu_seqlens, chunk_ids=chunk_ids)
+    def ref_math(logp, old_logp, rollout_logp, advantages, cu_seqlens, chunk_ids):
+        inp = LossInputs(logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, advantages=advantages,
+                         cu_seqlens=cu_seqlens, chunk_ids=chunk_ids)
         return reference_policy_loss(inp, cfg).loss
 
     compiled = torch.compile(ref_math)
-    fns = {"eager": backend_fn("reference"), "compile": lambda logp, b: compiled(logp, **{k: v for k, v in b.items() if k != "logp"})}
+    fns = {"eager": backend_fn("reference"), "compile": lambda logp, b: compiled(logp, **{k: b[k] for k in LOSS_KEYS})}
     avail = available_backends()
     kernels = ("cuda", "triton") if device == "cuda" else ("cpu",)
     for name in kernels:

@@ -253,6 +253,7 @@ def reference_loss(mb, logp, old, ent, loss_cfg: LossConfig, device) -> torch.Te
         raise ValueError("naive step: IPA micro-batches are not covered (the shapes here have none)")
     adv = mb.advantages.to(device, torch.float32) if mb.advantages is not None else None
     kw = mb.loss_kwargs()
+    kw.pop("advantages")  # passed on their own (adv above), as rl_step does
     if mb.segments is not None:
         kw.update(mb.segments)
         adv = kw.pop("advantages").to(device, torch.float32)

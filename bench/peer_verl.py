@@ -36,7 +36,8 @@ import time
 import torch
 
 from arl import LossConfig, policy_loss
-from arl.ops.policy_loss import PackLayout, group_advantages
+from arl.algo.advantages import group_advantages
+from arl.ops.policy_loss import PackLayout
 
 CLIP_LOW, CLIP_HIGH, DUAL_C = 0.2, 0.28, 3.0
 GSPO_LOW, GSPO_HIGH = 3e-4, 4e-4  # the GSPO paper's clip range (verl's GSPO example uses the same)
@@ -120,8 +121,8 @@ def verl_fn(mode: str):
 
 def arl_fn(cfg: LossConfig):
     def run(logp, b):
-        return policy_loss(logp, b["old_logp"], rewards=b["rewards"], advantages=b["advantages"], group_ids=b["group_ids"],
-                           cu_seqlens=b["cu_seqlens"], chunk_ids=b["chunk_ids"], config=cfg, backend="cpu").loss
+        return policy_loss(logp, b["old_logp"], advantages=b["advantages"], cu_seqlens=b["cu_seqlens"],
+                           chunk_ids=b["chunk_ids"], config=cfg, backend="cpu").loss
     return run
 
 
@@ -157,7 +158,7 @@ def verl_advantages_agree(b: dict, adv_seq: torch.Tensor, index: torch.Tensor, m
 
 def both_inputs(b: dict):
     """(arl's inputs, verl's inputs, index, mask, layout) of the batch ``b``, same advantages."""
-    adv_seq, _, _ = group_advantages(b["rewards"], b["group_ids"], LossConfig())
+    adv_seq = torch.from_numpy(group_advantages(b["rewards"], b["group_ids"], "grpo", 1e-6)[0]).to(b["rewards"].dtype)
     index, mask = padded_layout(b)
     lay = PackLayout(b["cu_seqlens"], b["chunk_ids"], b["rewards"].numel())
     return {**b, "advantages": adv_seq}, verl_inputs(b, adv_seq, index, mask), index, mask, lay

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from arl import LossConfig
+from arl.algo.advantages import group_advantages
+
+ADV_EPS = 1e-6  # the estimators' eps (algo.advantage's default)
 
 
 @dataclass
@@ -16,21 +19,22 @@ class Batch:
     rollout_logp: torch.Tensor
     ref_logp: torch.Tensor
     entropy: torch.Tensor
-    rewards: torch.Tensor
-    group_ids: torch.Tensor
+    advantages: torch.Tensor  # [N] float64, the estimator's (arl.algo.advantages), as the trainer passes them
     cu_seqlens: torch.Tensor
     chunk_ids: torch.Tensor
 
     def kwargs(self, with_optional: bool = True) -> dict:
-        kw = dict(rewards=self.rewards, group_ids=self.group_ids, cu_seqlens=self.cu_seqlens, chunk_ids=self.chunk_ids)
+        kw = dict(advantages=self.advantages, cu_seqlens=self.cu_seqlens, chunk_ids=self.chunk_ids)
         if with_optional:
             kw.update(rollout_logp=self.rollout_logp, ref_logp=self.ref_logp, entropy=self.entropy)
         return kw
 
     def to(self, **kw) -> "Batch":
-        """dtype applies to the float tensors only; device to all of them."""
+        """dtype applies to the token float tensors only (advantages stay float64, as the estimator
+        gives them); device to all of them."""
         ints = {k: v for k, v in kw.items() if k == "device"}
-        return Batch(**{k: v.to(**kw) if v.is_floating_point() else v.to(**ints) for k, v in self.__dict__.items()})
+        return Batch(**{k: v.to(**kw) if v.is_floating_point() and k != "advantages" else v.to(**ints)
+                        for k, v in self.__dict__.items()})
 
 
 def agentic_layout(lengths, gen: torch.Generator, max_chunks: int = 8, untrained_frac: float = 0.3):
@@ -57,7 +61,9 @@ def agentic_layout(lengths, gen: torch.Generator, max_chunks: int = 8, untrained
 
 def make_batch(n_seq: int = 8, min_len: int = 1, max_len: int = 64, group_size: int = 4, seed: int = 0,
                max_chunks: int = 8, log_ratio_scale: float = 0.3, dtype=torch.float32,
-               binary_rewards: bool = True) -> Batch:
+               binary_rewards: bool = True, estimator: str = "grpo") -> Batch:
+    """A random packed batch; its advantages are ``estimator``'s over binary (or normal) rewards in
+    groups of ``group_size`` consecutive sequences."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n_seq,), generator=gen).tolist()
     T = sum(lengths)
@@ -74,8 +80,8 @@ def make_batch(n_seq: int = 8, min_len: int = 1, max_len: int = 64, group_size: 
     else:
         rewards = torch.randn(n_seq, generator=gen, dtype=torch.float64)
     group_ids = torch.arange(n_seq) // group_size
-    return Batch(logp.to(dtype), old.to(dtype), rollout.to(dtype), ref.to(dtype), entropy.to(dtype), rewards.to(dtype),
-                 group_ids, cu, chunk_ids)
+    adv = torch.from_numpy(group_advantages(rewards, group_ids, estimator, ADV_EPS)[0])
+    return Batch(logp.to(dtype), old.to(dtype), rollout.to(dtype), ref.to(dtype), entropy.to(dtype), adv, cu, chunk_ids)
 
 
 def config_grid():
@@ -89,8 +95,8 @@ def config_grid():
         out.append(dict(ratio_level=level, surrogate=sur, loss_agg=agg))
     extras = [
         dict(clip_high=0.28, dual_clip=3.0),
-        dict(adv_norm="group_mean", gamma=0.95),
-        dict(adv_norm="none", positive_only=True),
+        dict(gamma=0.95),
+        dict(positive_only=True),
         dict(mismatch_level="chunk", mismatch_mode="mask", mismatch_low=0.9, mismatch_high=1.1),
         dict(mismatch_level="token", mismatch_mode="truncate", mismatch_high=1.05),
         dict(mismatch_level="sequence", mismatch_mode="mask", mismatch_low=0.97, mismatch_high=1.03),
@@ -103,7 +109,7 @@ def config_grid():
         for e in extras:
             out.append(dict(ratio_level=level, **e))
     # the two production presets
-    out.append(dict(ratio_level="chunk", surrogate="ppo_clip", adv_norm="group_std", gamma=0.95,
+    out.append(dict(ratio_level="chunk", surrogate="ppo_clip", gamma=0.95,
                     mismatch_level="chunk", mismatch_mode="mask", mismatch_low=0.8, mismatch_high=5.0))
     out.append(dict(ratio_level="token", clip_high=0.28, loss_agg="token-mean"))
     return out
@@ -115,3 +121,22 @@ def config_id(d: dict) -> str:
 
 CONFIGS = [LossConfig(**d) for d in config_grid()]
 CONFIG_IDS = [config_id(d) for d in config_grid()]
+
+
+UNTRAINED_INSIDE_D = (0.1, -0.05, 3.0, 0.04, 0.3, 0.0, 0.2, -0.1)  # logp - old_logp per token
+
+
+def untrained_inside_chunk_batch(dtype=torch.float32) -> Batch:
+    """Two sequences, chunk ids [0, 0, -1, 0, 1] and [-1, 2, 2], advantages (1, -0.5): an untrained
+    token (index 2) inside chunk 0, with logprobs, rollout, reference and entropy far from its
+    neighbours' (they must not reach the loss)."""
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5, -0.7, -1.0, -0.3, -2.5], dtype=torch.float64)
+    logp = old + torch.tensor(UNTRAINED_INSIDE_D, dtype=torch.float64)
+    rollout = old - 0.01 * torch.arange(1, 9, dtype=torch.float64)
+    rollout[2] = old[2] - 10.0
+    ref = logp - 0.1
+    ref[2] = logp[2] + 5.0
+    entropy = torch.tensor([0.5, 1.0, 9.0, 1.5, 2.0, 0.7, 0.3, 1.1], dtype=torch.float64)
+    return Batch(logp.to(dtype), old.to(dtype), rollout.to(dtype), ref.to(dtype), entropy.to(dtype),
+                 torch.tensor([1.0, -0.5], dtype=torch.float64), torch.tensor([0, 5, 8], dtype=torch.int32),
+                 torch.tensor([0, 0, -1, 0, 1, -1, 2, 2], dtype=torch.int32))

@@ -1,6 +1,7 @@
 """An independent, loop-by-loop Python implementation of the policy loss (plain floats, the math
 module, and the definitions at the top of arl/ops/policy_loss/spec.py).  Tests check the vectorized
-reference against it, so the spec is written down twice, differently."""
+reference against it, so the spec is written down twice, differently.  ``scalar_group_advantages`` is
+the same for the group estimators of arl/algo/advantages.py (grpo, dr_grpo, none)."""
 from __future__ import annotations
 
 import math
@@ -21,15 +22,17 @@ def _segments(chunk, cu):
     return chunks, seq_tokens
 
 
-def scalar_group_advantages(rewards, groups, cfg):
-    """Per-trajectory advantages (a list) and {group: [rewards]}, with plain floats."""
+def scalar_group_advantages(rewards, groups, estimator="grpo", eps=1e-6):
+    """Per-trajectory advantages (a list) and {group: [rewards]}, with plain floats: ``grpo``
+    (R - mean) / (std + eps) with Bessel's std, ``dr_grpo`` R - mean, ``none`` R; a group whose
+    rewards all agree gets 0 under grpo and dr_grpo."""
     gvals = {}
     for i, g in enumerate(groups):
         gvals.setdefault(g, []).append(rewards[i])
     adv = []
     for i, g in enumerate(groups):
         vals = gvals[g]
-        if cfg.adv_norm == "none":
+        if estimator == "none":
             adv.append(rewards[i])
             continue
         if max(vals) == min(vals):
@@ -37,22 +40,22 @@ def scalar_group_advantages(rewards, groups, cfg):
             continue
         mean = sum(vals) / len(vals)
         a = rewards[i] - mean
-        if cfg.adv_norm == "group_std":
+        if estimator == "grpo":
             std = math.sqrt(sum((v - mean) ** 2 for v in vals) / max(len(vals) - 1, 1))
-            a = a / (std + cfg.adv_eps)
+            a = a / (std + eps)
         adv.append(a)
     return adv, gvals
 
 
-def scalar_policy_loss(logp, old, rewards, groups, cu, chunk, cfg, rollout=None, ref=None, entropy=None,
+def scalar_policy_loss(logp, old, adv, cu, chunk, cfg, rollout=None, ref=None, entropy=None,
                        normalizer=None):
-    """Returns (loss, dloss/dlogp list, metrics dict) computed with Python floats."""
+    """Returns (loss, dloss/dlogp list, metrics dict) computed with Python floats; ``adv`` the
+    per-trajectory advantages."""
     T = len(logp)
     chunks, seq_tokens = _segments(chunk, cu)
     clampc = cfg.log_ratio_clamp
     cl = (lambda x: max(-clampc, min(clampc, x))) if clampc is not None else (lambda x: x)
 
-    adv, gvals = scalar_group_advantages(rewards, groups, cfg)
     flush = lambda x: 0.0 if abs(x) < sys.float_info.min else x  # noqa: E731 - the spec's underflow rule
     A = [0.0] * T
     chunk_of = {}
@@ -155,12 +158,11 @@ def scalar_policy_loss(logp, old, rewards, groups, cu, chunk, cfg, rollout=None,
         m["adv_nz"] += a != 0
         m["pg"] += w * pg
     n = max(len(trained), 1)
-    zero_var = sum(1 for vals in gvals.values() if max(vals) == min(vals))
     metrics = {
         "clip_frac": m["clip"] / n, "dual_clip_frac": m["dual"] / n, "mismatch_masked_frac": m["altered"] / n,
         "approx_kl": m["akl"] / n, "ratio_mean": m["ratio_sum"] / n,
         "ratio_max": m["ratio_max"] if trained else 0.0, "adv_nonzero_frac": m["adv_nz"] / n,
-        "zero_var_group_frac": zero_var / len(gvals), "tokens_kept": float(m["kept"]), "pg_loss": m["pg"] / n,
+        "tokens_kept": float(m["kept"]), "pg_loss": m["pg"] / n,
         "kl_mean": m["kl"] / n, "entropy_mean": m["ent"] / n if entropy is not None else 0.0,
     }
     return total, grad, metrics

@@ -77,11 +77,7 @@ def test_algo_section():
 
 
 def test_old_keys_name_their_replacement():
-    from arl.ops.policy_loss import LossConfig
-
-    moved = [("critic.enabled=true", "algo.advantage: gae")]
-    if "adv_norm" not in LossConfig.model_fields:  # the loss op no longer normalizes groups
-        moved += [("loss.adv_norm=group_std", "algo.advantage"), ("loss.adv_eps=1e-6", "algo.adv_eps")]
-    for ov, new in moved:
+    for ov, new in (("loss.adv_norm=group_std", "algo.advantage"), ("loss.adv_eps=1e-6", "algo.adv_eps"),
+                    ("critic.enabled=true", "algo.advantage: gae")):
         with pytest.raises(ConfigError, match=f"moved to {new}"):
             load_config("configs/tiny_cpu.yaml", [ov])

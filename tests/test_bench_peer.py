@@ -63,6 +63,7 @@ def peer_setup(tiny_model_dir):
     return cfg, str(tiny_model_dir)
 
 
+@pytest.mark.slow  # builds TRL's GRPO trainer
 @pytest.mark.skipif(TRL_MISSING is not None, reason=str(TRL_MISSING))
 def test_trl_sees_arls_token_sequence(peer_setup, tmp_path):
     """TRL's prompt and its tool suffix are the ids arl's episode uses; its stop set holds arl's stops."""

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,6 +13,7 @@ VARIANTS = {"raw", "naive", "arl", "arl_with_old_pass", "arl_recompute_head", "a
 PHASES = {"forward", "head+loss", "backward", "optimizer", "old_logp_pass", "other", "total"}
 
 
+@pytest.mark.slow  # trains in a benchmark subprocess
 def test_bench_trainer_quick_reports_its_keys():
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "bench/bench_trainer.py", "--quick"], cwd=ROOT, env=env,

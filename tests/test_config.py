@@ -28,6 +28,7 @@ def test_gpu_config_layout_assigns_every_gpu_once(capsys):
     assert sorted(devices) == sorted(f"cuda:{i}" for i in range(8))
 
 
+@pytest.mark.slow  # python -m arl.train in a subprocess
 def test_dry_run_from_the_command_line():
     out = subprocess.run([sys.executable, "-m", "arl.train", "--dry-run", "trainer.zero_stage=3"],
                          capture_output=True, text=True, cwd=ROOT)
@@ -39,7 +40,7 @@ def test_dry_run_from_the_command_line():
     (["trainer.zero_stage=5"], "trainer.zero_stage: Input should be 0, 1, 2 or 3"),
     (["loss.ratio_level=turn"], "loss.ratio_level: Input should be 'token', 'sequence' or 'chunk'"),
     (["loss.clip_low=1.5"], "loss.clip_low: 1.5 must be in [0, 1)"),
-    (["loss.clip_hi=0.3"], "loss.clip_hi: unknown key (allowed: adv_eps,"),
+    (["loss.clip_hi=0.3"], "loss.clip_hi: unknown key (allowed: agg_constant,"),
     (["rollout.group_size=0"], "rollout.group_size: Input should be greater than or equal to 1"),
     (["loss.kl_beta=0.1"], "loss.kl_beta > 0 needs trainer.reference_model: true"),
     (["rollout.max_total_tokens=99999"], "exceeds trainer.micro_batch_tokens"),

@@ -26,6 +26,8 @@ from arl.ops.policy_loss import LossConfig
 
 from two_rank import random_chunk_ids, tiny_qwen
 
+pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks per case
+
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28, loss_agg="token-mean")
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
 GAE = AlgoConfig(advantage="gae")

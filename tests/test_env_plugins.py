@@ -42,6 +42,7 @@ def _make_in_child(name, out):
     out.put(type(make_env(name, word="hi")).__qualname__)
 
 
+@pytest.mark.slow  # a spawned process imports torch and the plugin
 def test_made_here_and_in_a_spawned_process(plugin):
     env = make_env(plugin, word="hi")
     assert type(env).__name__ == "Echo" and env.word == "hi" and env_class(plugin) is type(env)

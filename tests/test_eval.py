@@ -14,6 +14,7 @@ from arl.rollout.worker import EVAL_SEED_BASE
 SMALL = ["rollout.max_turn_tokens=24", "rollout.max_total_tokens=320", "env.max_turns=3", "env.kwargs.max_hops=2", "env.pool_size=4"]
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_held_out_rows_on_the_engine(vllm_engine, arun, tiny_model_dir, tmp_path):
     cfg = load_config(None, SMALL)
     rows = arun(evaluate_model(cfg, str(tiny_model_dir), 3, engine=vllm_engine))
@@ -56,7 +57,10 @@ def _tokenizer_less_dir(tmp_path):
     (lambda t, m: ["--model", m, "--out", str(t / "rows.csv")], "--out:"),
     (lambda t, m: ["--model", m, "env.max_turn=3"], "env.max_turn: unknown key"),
     (lambda t, m: ["--model", m, "--config", str(t / "missing.yaml")], "--config: no such file"),
-], ids=["no-dir", "no-config-json", "no-tokenizer", "tasks-0", "eval-tasks-0", "out-suffix", "bad-key", "no-yaml"])
+    (lambda t, m: ["--model", m, "rollout.engine_kwargs.max_num_seq=8"],
+     "rollout.engine_kwargs.max_num_seq: not a vLLM engine argument; did you mean max_num_seqs"),
+], ids=["no-dir", "no-config-json", "no-tokenizer", "tasks-0", "eval-tasks-0", "out-suffix", "bad-key", "no-yaml",
+        "engine-kwarg"])
 def test_command_line_errors_are_one_line(argv, msg, tmp_path, tiny_model_dir, capsys):
     assert main(argv(tmp_path, str(tiny_model_dir))) == 2
     err = capsys.readouterr().err.strip()

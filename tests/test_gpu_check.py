@@ -39,6 +39,7 @@ def prepared(tmp_path_factory):
     return prep, json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the prepare step records a rollout on vLLM in a subprocess
 def test_prepare_records_a_real_rollout_and_prints_the_device_run(prepared):
     from arl.data.trajectory import load_trajectories
 
@@ -70,6 +71,7 @@ def _with_reward_signal(prep):
     save_trajectories(path, trajs)
 
 
+@pytest.mark.slow  # the prepare step records a rollout on vLLM in a subprocess
 def test_trainer_steps_check_on_cpu(prepared, tmp_path):
     prep, _ = prepared
     _with_reward_signal(prep)
@@ -113,6 +115,7 @@ def test_trainer_steps_check_on_cpu(prepared, tmp_path):
         gtc.compare(dict(run, updates=1), ref, gtc.TOL_FP32)
 
 
+@pytest.mark.slow  # the prepare step records a rollout on vLLM in a subprocess
 def test_trainer_perf_on_cpu(prepared, tmp_path):
     prep, _ = prepared
     r = _run([sys.executable, "bench/gpu_trainer_check.py", "perf", "--data", str(prep), "--device", "cpu",

@@ -92,3 +92,37 @@ def test_a_registered_variant_runs_through_the_unchanged_step(tmp_path):
     assert set(half["grads"]) == set(pg["grads"]) and pg["grads"]
     for n, g in pg["grads"].items():
         torch.testing.assert_close(half["grads"][n], 0.5 * g, rtol=1e-5, atol=1e-8)
+
+
+def test_ipa_objective_divides_imitation_by_the_step_normalizer():
+    """The ipa objective hands the step-wide ``il_normalizer`` to the mixed loss (the trainer-side half
+    of tests/test_planted.py's IPA case): over two micro-batches of one step (7 + 6 imitated tokens)
+    every imitated token's gradient is -lambda_il / 13."""
+    from arl.config import StabilizerConfig as S
+    from arl.data.packer import PackerConfig as PC
+    from arl.trainer.objectives import Forward
+
+    from test_planted import _traj
+
+    trajs = [_traj([4, 3, 2], 1.0, group=0, ipa_prefix_chunks=2, ipa_imitate=True),
+             _traj([4, 3, 5], 0.0, group=0, ipa_prefix_chunks=2, ipa_imitate=False),
+             _traj([6, 5], 1.0, group=1, ipa_prefix_chunks=1, ipa_imitate=True),
+             _traj([6, 2], 0.0, group=1, ipa_prefix_chunks=1, ipa_imitate=False)]
+    loss_cfg = LossConfig(ratio_level="chunk", loss_agg="token-mean")
+    stab = Stabilizers(S(ipa=dict(enabled=True, lambda_il=0.5, lambda_rl=0.0)), loss_cfg)
+    prep = stab.prepare(trajs, loss_cfg)
+    packed = pack_step(prep.trajectories, PC(token_budget=30), loss_cfg, advantages=prep.advantages)
+    stab.apply(packed, prep, loss_cfg)
+    mbs = packed.all_micro_batches()
+    assert len(mbs) == 2
+    obj = make_objective("ipa", "reference")
+    n = 0
+    for mb in mbs:
+        logp = (-0.1 - torch.arange(mb.num_tokens, dtype=torch.float64) / mb.num_tokens).requires_grad_()
+        out = obj.loss(mb, Forward(logp, None, logp.detach(), None), loss_cfg, "cpu")
+        out.total.backward()
+        il = mb.ipa["il_mask"].bool()
+        n += int(il.sum())
+        np.testing.assert_allclose(logp.grad[il].numpy(), -0.5 / 13.0, rtol=1e-12)
+        assert float(logp.grad[~il].abs().max()) == 0.0
+    assert n == 13

@@ -20,6 +20,8 @@ from arl.ops.policy_loss import LossConfig
 
 from two_rank import random_chunk_ids, tiny_qwen
 
+pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks per case
+
 # token-level truncated mismatch weight: the old logprobs reach the loss twice (ratio and weight)
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28, mismatch_level="token", mismatch_mode="truncate",
                   mismatch_high=2.0)

@@ -123,6 +123,7 @@ def _fake_dist(site, name, version):
     return d
 
 
+@pytest.mark.slow  # a new venv and an install.sh run
 def test_install_sh_reports_conflicts_in_an_existing_environment_and_changes_nothing(tmp_path):
     """--python: a package at another version and a CUDA torchvision beside a CPU torch are reported,
     and install.sh stops before it installs, removes or builds anything."""

@@ -71,6 +71,19 @@ def packed_trajs(trajs):
     return [i for i, t in enumerate(trajs) if t.status != TrajectoryStatus.FILTERED]
 
 
+def step_advantages_of(trajs, estimator="grpo"):
+    """The step's advantages [len(trajs)] as computed before packing (one group normalization over the
+    whole step; a MASKED placeholder is a group of its own, a FILTERED trajectory gets 0), written
+    independently of arl/algo/advantages.py (tests/scalar_loss.py)."""
+    idx = packed_trajs(trajs)
+    adv = np.zeros(len(trajs))
+    if idx:
+        rewards = torch.tensor([trajs[i].reward for i in idx], dtype=torch.float32).double().tolist()
+        gids = [-(i + 1) if trajs[i].status == TrajectoryStatus.MASKED else trajs[i].group_id for i in idx]
+        adv[idx] = scalar_group_advantages(rewards, gids, estimator, 1e-6)[0]
+    return adv
+
+
 def effective_chunk_ids(t):
     return np.full(len(t), -1) if t.status == TrajectoryStatus.MASKED else t.chunk_ids
 
@@ -181,8 +194,9 @@ def test_normalizer_is_the_whole_step_count(s, p, agg, const):
     assert all(mb.normalizer == expect for mb in ps.all_micro_batches())
 
 
-def whole_step(trajs, idx, logp_of):
-    """The step as one packed batch, in trajectory order (chunk ids made increasing by hand)."""
+def whole_step(trajs, idx, logp_of, adv):
+    """The step as one packed batch, in trajectory order (chunk ids made increasing by hand), with the
+    step's advantages ``adv`` [len(trajs)]."""
     cid, off = [], 0
     for i in idx:
         c = effective_chunk_ids(trajs[i]).astype(np.int64)
@@ -194,16 +208,14 @@ def whole_step(trajs, idx, logp_of):
     cu[1:] = torch.tensor(np.cumsum(lengths), dtype=torch.int32)
     return dict(
         logp=torch.cat([logp_of[i] for i in idx]),
-        rewards=torch.tensor([trajs[i].reward for i in idx], dtype=torch.float32).double(),
-        group_ids=torch.tensor([-(i + 1) if trajs[i].status == TrajectoryStatus.MASKED else trajs[i].group_id for i in idx]),
-        cu_seqlens=cu, chunk_ids=torch.from_numpy(np.concatenate(cid).astype(np.int32)),
+        advantages=torch.from_numpy(adv[idx]), cu_seqlens=cu, chunk_ids=torch.from_numpy(np.concatenate(cid).astype(np.int32)),
         rollout_logp=torch.cat([torch.from_numpy(trajs[i].rollout_logp).double() for i in idx]),
     )
 
 
 LOSS_CONFIGS = [dict(ratio_level=lv, loss_agg=agg) for lv, agg in itertools.product(("token", "chunk", "sequence"), AGGS)]
 LOSS_CONFIGS += [dict(ratio_level="chunk", gamma=0.95, mismatch_level="chunk", mismatch_high=5.0, surrogate="topr"),
-                 dict(adv_norm="group_mean", loss_agg="seq-mean-token-sum-norm", agg_constant=64.0)]
+                 dict(estimator="dr_grpo", loss_agg="seq-mean-token-sum-norm", agg_constant=64.0)]
 
 
 @pytest.mark.parametrize("lc", LOSS_CONFIGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
@@ -212,9 +224,11 @@ LOSS_CONFIGS += [dict(ratio_level="chunk", gamma=0.95, mismatch_level="chunk", m
 def test_micro_batches_reproduce_step_loss_and_grad(lc, s, p):
     s = {**s, "n": max(s["n"], 2), "max_len": min(s["max_len"], 120)}
     trajs = make_step(**s)
+    lc = dict(lc)
+    adv = step_advantages_of(trajs, lc.pop("estimator", "grpo"))
     loss = LossConfig(**lc)
     p = {**p, "keep_groups": True, "slack": p["slack"] + 8 * s["max_len"]}  # every group fits: none split
-    _, ps = pack(trajs, p, loss)
+    _, ps = pack(trajs, p, loss, advantages=adv)
     assert ps.split_groups == []
     idx = packed_trajs(trajs)
     if not idx:
@@ -223,7 +237,7 @@ def test_micro_batches_reproduce_step_loss_and_grad(lc, s, p):
     old = {i: -torch.rand(len(trajs[i]), generator=gen, dtype=torch.float64) * 2 for i in idx}
     noise = {i: 0.3 * torch.randn(len(trajs[i]), generator=gen, dtype=torch.float64) for i in idx}
     leaf = {i: (old[i] + noise[i]).requires_grad_(True) for i in idx}
-    w = whole_step(trajs, idx, leaf)
+    w = whole_step(trajs, idx, leaf, adv)
     if not bool((w["chunk_ids"] >= 0).any()):
         return
     total = policy_loss(w.pop("logp"), torch.cat([old[i] for i in idx]), config=loss, **w).loss
@@ -234,7 +248,7 @@ def test_micro_batches_reproduce_step_loss_and_grad(lc, s, p):
             continue
         ids = mb.traj_indices.tolist()
         kw = mb.loss_kwargs()
-        kw["rewards"], kw["rollout_logp"] = kw["rewards"].double(), kw["rollout_logp"].double()
+        kw["rollout_logp"] = kw["rollout_logp"].double()
         # validation is on: a ValueError here means the packed chunk ids are not what policy_loss expects
         out = policy_loss(torch.cat([leaf[i] for i in ids]), torch.cat([old[i] for i in ids]), config=loss, **kw)
         acc = acc + out.loss
@@ -248,11 +262,11 @@ def test_micro_batches_reproduce_step_loss_and_grad(lc, s, p):
 
 
 def test_advantages_are_carried_not_computed():
-    """Without given advantages the micro-batches carry none (policy_loss then normalizes in the
-    micro-batch); a wrong shape or a non-finite value is refused with one line."""
+    """Without given advantages the micro-batches carry none (policy_loss then refuses them: the op
+    never normalizes groups); a wrong shape or a non-finite value is refused with one line."""
     trajs = make_step(seed=1, n=8, max_len=40)
     _, ps = pack(trajs, dict(ranks=2, slack=0, keep_groups=True, seed=0, attn=0.0))
-    assert all(mb.advantages is None for mb in ps.all_micro_batches())
+    assert all(mb.advantages is None and mb.loss_kwargs()["advantages"] is None for mb in ps.all_micro_batches())
     cfg = PackerConfig(token_budget=200)
     with pytest.raises(ValueError, match="advantages: shape"):
         pack_step(trajs, cfg, advantages=np.zeros(3))
@@ -381,7 +395,7 @@ def test_micro_batch_to_and_loss_kwargs():
     rng = np.random.default_rng(4)
     ps = pack_step([make_traj(i, 20, rng) for i in range(4)], PackerConfig(token_budget=100))
     mb = ps.ranks[0][0].to("cpu")
-    assert set(mb.loss_kwargs()) == {"rewards", "group_ids", "cu_seqlens", "chunk_ids", "rollout_logp", "normalizer"}
+    assert set(mb.loss_kwargs()) == {"advantages", "cu_seqlens", "chunk_ids", "rollout_logp", "normalizer"}
 
 
 def test_many_micro_batches_reproduce_step_loss():
@@ -390,17 +404,18 @@ def test_many_micro_batches_reproduce_step_loss():
     rng = np.random.default_rng(5)
     trajs = [make_traj(i, int(rng.integers(20, 60)), rng, group_size=4) for i in range(48)]
     loss = LossConfig(ratio_level="chunk", loss_agg="seq-mean-token-mean", gamma=0.9)
-    ps = pack_step(trajs, PackerConfig(token_budget=300, num_ranks=2), loss)
+    adv = step_advantages_of(trajs)
+    ps = pack_step(trajs, PackerConfig(token_budget=300, num_ranks=2), loss, advantages=adv)
     assert ps.micro_batches_per_rank >= 3 and ps.split_groups == []
     idx = list(range(48))
     old = {i: -torch.rand(len(trajs[i]), dtype=torch.float64) for i in idx}
     leaf = {i: (old[i] + 0.2 * torch.randn(len(trajs[i]), dtype=torch.float64)).requires_grad_(True) for i in idx}
-    w = whole_step(trajs, idx, leaf)
+    w = whole_step(trajs, idx, leaf, adv)
     total = policy_loss(w.pop("logp"), torch.cat([old[i] for i in idx]), config=loss, **w).loss
     acc = 0
     for mb in ps.all_micro_batches():
         ids = mb.traj_indices.tolist()
-        kw = {**mb.loss_kwargs(), "rewards": mb.rewards.double(), "rollout_logp": mb.rollout_logp.double()}
+        kw = {**mb.loss_kwargs(), "rollout_logp": mb.rollout_logp.double()}
         acc = acc + policy_loss(torch.cat([leaf[i] for i in ids]), torch.cat([old[i] for i in ids]),
                                 config=loss, **kw).loss
     g1 = torch.autograd.grad(total, [leaf[i] for i in idx])
@@ -410,7 +425,7 @@ def test_many_micro_batches_reproduce_step_loss():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("lc", [dict(ratio_level="chunk", gamma=0.9), dict(adv_norm="group_mean", loss_agg="seq-mean-token-sum")],
+@pytest.mark.parametrize("lc", [dict(ratio_level="chunk", gamma=0.9), dict(estimator="dr_grpo", loss_agg="seq-mean-token-sum")],
                          ids=["chunk_group_std", "group_mean"])
 @settings(max_examples=5, **SETTINGS)
 @given(s=step_args, p=pack_args)
@@ -419,6 +434,8 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
     micro-batch losses and gradients are still the step's."""
     s = {**s, "n": max(s["n"], 2), "max_len": min(s["max_len"], 120), "filtered": 0.0}
     trajs = make_step(**s)
+    lc = dict(lc)
+    est = lc.pop("estimator", "grpo")
     loss = LossConfig(**lc)
     ps_cfg, _ = pack(trajs, {**p, "keep_groups": False, "slack": p["slack"] % 40}, loss)
     idx = packed_trajs(trajs)
@@ -426,14 +443,12 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
     old = {i: -torch.rand(len(trajs[i]), generator=gen, dtype=torch.float64) * 2 for i in idx}
     leaf = {i: (old[i] + 0.3 * torch.randn(len(trajs[i]), generator=gen, dtype=torch.float64)).requires_grad_(True)
             for i in idx}
-    w = whole_step(trajs, idx, leaf)
+    # the step's advantages, normalized over the whole step (as arl/stabilizers/advantages.py does
+    # before packing), handed to the packer; computed independently of arl/algo/advantages.py
+    step_adv = step_advantages_of(trajs, est)
+    w = whole_step(trajs, idx, leaf, step_adv)
     if not bool((w["chunk_ids"] >= 0).any()):
         return
-    w["rewards"] = torch.tensor([trajs[i].reward for i in idx], dtype=torch.float64)
-    # the step's advantages, normalized over the whole step (as arl/stabilizers/advantages.py does
-    # before packing), handed to the packer; computed independently of the loss's group_advantages
-    step_adv = np.zeros(len(trajs))
-    step_adv[idx] = scalar_group_advantages(w["rewards"].tolist(), w["group_ids"].tolist(), loss)[0]
     ps = pack_step(trajs, ps_cfg, loss, advantages=step_adv)
     total = policy_loss(w.pop("logp"), torch.cat([old[i] for i in idx]), config=loss, **w).loss
     acc = torch.zeros((), dtype=torch.float64)
@@ -441,9 +456,9 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
         if mb.is_empty or not bool(mb.loss_mask.any()):
             continue
         ids = mb.traj_indices.tolist()
-        kw = {**mb.loss_kwargs(), "rewards": mb.rewards.double(), "rollout_logp": mb.rollout_logp.double()}
+        kw = {**mb.loss_kwargs(), "rollout_logp": mb.rollout_logp.double()}
         acc = acc + policy_loss(torch.cat([leaf[i] for i in ids]), torch.cat([old[i] for i in ids]), config=loss,
-                                advantages=mb.advantages, **kw).loss
+                                **kw).loss
     g1 = torch.autograd.grad(total, [leaf[i] for i in idx], allow_unused=True)
     g2 = torch.autograd.grad(acc, [leaf[i] for i in idx], allow_unused=True)
     torch.testing.assert_close(acc, total.detach(), rtol=1e-10, atol=1e-12)
@@ -455,8 +470,8 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
 
 
 def test_masked_placeholder_does_not_move_its_groups_advantages():
-    """In-micro-batch normalization (no advantages given): a placeholder is a group of its own, so
-    the real members' loss and gradient are those without it."""
+    """The step's advantages: a placeholder is a group of its own (it keeps its group id apart in the
+    micro-batch too), so the real members' loss and gradient are those without it, and it trains nothing."""
     rng = np.random.default_rng(5)
     group = [make_traj(i, 20, rng, group_size=3) for i in range(3)]  # one group of 3
     for t, r in zip(group, (1.0, 0.0, 0.0)):
@@ -465,7 +480,8 @@ def test_masked_placeholder_does_not_move_its_groups_advantages():
     ph.reward = 0.0
 
     def grads(trajs):
-        (mb,) = pack_step(trajs, PackerConfig(token_budget=200), LossConfig()).all_micro_batches()
+        adv = step_advantages_of(trajs)
+        (mb,) = pack_step(trajs, PackerConfig(token_budget=200), LossConfig(), advantages=adv).all_micro_batches()
         logp = (mb.rollout_logp.double() - 0.1).requires_grad_(True)
         kw = {**mb.loss_kwargs(), "rollout_logp": mb.rollout_logp.double()}
         policy_loss(logp, mb.rollout_logp.double(), config=LossConfig(), **kw).loss.backward()

@@ -52,6 +52,7 @@ def test_unknown_engine_and_bad_sampling():
         SamplingConfig(max_tokens=0)
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_logprobs_match_transformers(vllm_engine, tiny_model_dir, tiny_tokenizer, arun):
     prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "Find the value for k17."}],
                                                 tokenize=False, add_generation_prompt=True)
@@ -67,6 +68,7 @@ def test_logprobs_match_transformers(vllm_engine, tiny_model_dir, tiny_tokenizer
         arun(vllm_engine.generate([[]], SamplingConfig()))
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_weight_sync_forces_tokens_and_stop_string(vllm_engine, tiny_model_dir, tiny_tokenizer, arun, tmp_path):
     prompt = [1, 20, 30, 40]
     v0 = vllm_engine.version

@@ -68,6 +68,7 @@ class FaultyEnv(Environment):
         return StepResult("obs", 0.0, False, {"tool": "t"})
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_scripted_episode_masks_and_chunk_ids_exact(vllm_engine, tiny_tokenizer, arun):
     fmt, env = ChatFormat(tiny_tokenizer), ScriptedEnv()
     cfg = EpisodeConfig(sampling=SAMPLING)
@@ -113,6 +114,7 @@ def test_observation_after_eos_turn_has_no_double_turn_end(tiny_tokenizer):
     assert fmt.observation_ids("x", turn_ended_with_eos=True) == enc("\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_limits_max_turns_and_total_tokens(vllm_engine, tiny_tokenizer, arun):
     fmt = ChatFormat(tiny_tokenizer)
     t = arun(run_episode(vllm_engine, ScriptedEnv(["o"] * 10), fmt, 1, EpisodeConfig(max_turns=2, sampling=SAMPLING)))
@@ -145,6 +147,7 @@ class EvenSlowEnv(Environment):
         return StepResult("obs", float(self.i == 3), self.i == 3, {"tool": "t"})
 
 
+@pytest.mark.slow  # the session vLLM engine
 @pytest.mark.parametrize("held", [0, 1])
 def test_in_order_batches_sample_each_group_from_one_version(vllm_engine, tiny_tokenizer, arun, held):
     """trainer.deterministic's rollouts: batch k holds the groups started k-th, whatever finishes
@@ -176,6 +179,7 @@ def test_in_order_batches_sample_each_group_from_one_version(vllm_engine, tiny_t
         assert all(vs and set(vs) == {start} for vs in versions), (i, versions)
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_faults_keep_batch_size_and_filter_cap(vllm_engine, tiny_tokenizer, arun):
     FaultyEnv.plan = {0: "ok", 1: "died", 2: "nostart", 3: "flaky", 4: "flaky_once", 5: "flaky", 6: "flaky", 7: "flaky"}
 
@@ -211,6 +215,7 @@ def test_faults_keep_batch_size_and_filter_cap(vllm_engine, tiny_tokenizer, arun
     assert b2.metrics["rollout/num_over_filter_cap"] == 2 and b2.metrics["rollout/filtered_frac"] == 0.5
 
 
+@pytest.mark.slow  # the session vLLM engine
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
     G, n, steps = 2, 2, 4
@@ -250,6 +255,7 @@ def test_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
             assert set(versions) == {step}
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_env_reset_determinism_through_rollout(vllm_engine, tiny_tokenizer, arun):
     async def go():
         m = _manager(vllm_engine, tiny_tokenizer, lambda: make_env("toy_lookup"), [3, 4], group_size=2,
@@ -268,6 +274,7 @@ def test_env_reset_determinism_through_rollout(vllm_engine, tiny_tokenizer, arun
     assert prompt(ta[(3, 0)]) == prompt(ta[(3, 1)]) != prompt(ta[(4, 0)])  # a group shares its task
 
 
+@pytest.mark.slow  # the session vLLM engine
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_get_groups_refills_the_step_within_the_staleness_bound(vllm_engine, tiny_tokenizer, arun, staleness):
     """Dynamic sampling's refill: extra groups for the step just taken, new task seeds, the step
@@ -299,6 +306,7 @@ def test_get_groups_refills_the_step_within_the_staleness_bound(vllm_engine, tin
     assert all(0 <= nxt.step - t.policy_version <= staleness for t in nxt.trajectories)
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_episode_start_from_expert_chunk_k(vllm_engine, tiny_tokenizer, arun):
     """IPA resampling's rollout hook: the env is replayed through the expert's first k turns, the
     trajectory starts with the expert's exact prefix tokens and chunk ids (logprob 0, not sampled)
@@ -338,6 +346,7 @@ def test_episode_start_from_expert_chunk_k(vllm_engine, tiny_tokenizer, arun):
                          start=start_state(expert, 2)))
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_manager_start_for_hook_resamples_from_expert_prefixes(vllm_engine, tiny_tokenizer, arun):
     """The IPA hook in the manager: every sample of a group starts from the state ``start_for``
     gave its task, trajectories are tagged, and only sample 0 imitates the prefix."""

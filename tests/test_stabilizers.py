@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from arl.algo.advantages import group_advantages
 from arl.data.batch import RolloutBatch
 from arl.data.expert import expert_trajectory, start_state, tag_resampled
 from arl.data.packer import PackerConfig, pack_step
@@ -18,7 +19,7 @@ from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSamp
 from arl.config.stabilizers import (AdaptiveKLConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                                     IPAResampleConfig, MonitorConfig, ShapingConfig)
 
-EPS = LossConfig().adv_eps
+EPS = 1e-6  # the step advantages' (and turn credit's) eps: GRPO, arl/stabilizers/advantages.py
 
 
 def traj(reward=0.0, group=0, turn_lens=(3, 3), prompt=2, obs=2, status=S.OK, **meta):
@@ -215,7 +216,7 @@ def test_off_gives_the_spec_advantages_and_weights_reach_the_loss():
         assert m.ipa["il_normalizer"] == 1.0 and m.ipa["rl_normalizer"] == m.normalizer
     (mb,) = packed.all_micro_batches()
     logp = torch.full((mb.num_tokens,), -1.0, requires_grad=True)
-    out = policy_loss(logp, logp.detach() - 0.1, advantages=mb.advantages.float(), config=loss_cfg, **mb.loss_kwargs())
+    out = policy_loss(logp, logp.detach() - 0.1, config=loss_cfg, **{**mb.loss_kwargs(), "advantages": mb.advantages.float()})
     out.loss.backward()
     cu = mb.cu_seqlens.tolist()
     j = mb.traj_indices.tolist().index(1)  # the long failure, weight 0: no gradient
@@ -577,7 +578,8 @@ def test_chunk_roles_normalizers_and_mixed_loss_exact(expert):
     il_norm, rl_norm = ipa_normalizers(b, loss_cfg)
     n_prefix = sum(b_ - a for a, b_ in expert.turns[:2])
     assert (il_norm, rl_norm) == (n_prefix, 12.0)  # prefix imitated once per group; RL on 7 + 5 tokens
-    (mb,) = pack_step(b, PackerConfig(token_budget=1024)).all_micro_batches()
+    adv = group_advantages([t.reward for t in b], [t.group_id for t in b], "grpo", 1e-6)[0]  # the step's
+    (mb,) = pack_step(b, PackerConfig(token_budget=1024), advantages=adv).all_micro_batches()
     il, rl_ids = split_chunk_roles(mb, b)
     cu = mb.cu_seqlens.tolist()
     assert int(il.sum()) == n_prefix and not il[cu[1]:].any()
@@ -589,7 +591,7 @@ def test_chunk_roles_normalizers_and_mixed_loss_exact(expert):
                              il_normalizer=il_norm, rl_normalizer=rl_norm, lambda_il=0.5, lambda_rl=2.0)
     loss.backward()
     kw = mb.loss_kwargs()
-    kw.update(chunk_ids=rl_ids, normalizer=rl_norm, rewards=kw["rewards"].double())
+    kw.update(chunk_ids=rl_ids, normalizer=rl_norm)
     rl = policy_loss(logp.detach(), old, config=loss_cfg, **kw).loss
     nll = -(logp.detach() * il).sum() / il_norm
     assert float(loss.detach()) == pytest.approx(0.5 * float(nll) + 2.0 * float(rl), rel=1e-12)
@@ -663,7 +665,7 @@ def test_turn_credit_segments_equal_the_plain_loss_at_zero_weight(level, mismatc
         for seg in (False, True):
             logp = new0.clone().requires_grad_(True)
             kw = mb.loss_kwargs()
-            adv = mb.advantages
+            adv = kw.pop("advantages")
             if seg:
                 kw.update(mb.segments)
                 adv = kw.pop("advantages")

@@ -63,6 +63,7 @@ def test_tie_head_and_untied_state():
     assert untied_state({HEAD: 2, EMBED: 3}, False) == {HEAD: 2, EMBED: 3}
 
 
+@pytest.mark.slow  # the session vLLM engine
 @pytest.mark.parametrize("mode", ["file", "group"])
 def test_tied_model_engine_logprobs_equal_trainer_after_update(mode, vllm_engine, tiny_model_dir, tiny_tokenizer,
                                                                arun, monkeypatch):

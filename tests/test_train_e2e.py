@@ -14,6 +14,8 @@ import torch
 
 from arl.trainer.checkpoints import checkpoint_steps
 
+pytestmark = pytest.mark.slow  # whole training runs (subprocesses: trainer ranks, vLLM engines)
+
 ROOT = Path(__file__).resolve().parents[1]
 # the tiny model of the session vLLM engine (tests/vllm_fixture.py), so its weights can be swapped
 SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",

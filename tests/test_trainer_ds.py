@@ -19,6 +19,8 @@ from arl.stabilizers.advantages import step_advantages
 
 from two_rank import random_chunk_ids, tiny_qwen
 
+pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks per case
+
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
 
@@ -182,8 +184,8 @@ def single_process_reference(tied=False):
         for k, v in (("ent", ent), ("logp", lp_e), ("cid", mb.chunk_ids), ("cu", mb.cu_seqlens), ("ok", mb.rewards >= 1.0)):
             turn_parts[k].append(v)
         logp, _ = packed_logprobs(model, mb.token_ids, mb.cu_seqlens)
-        adv = None if mb.complete_groups else mb.advantages.float()  # groups that did not fit a micro-batch
-        out = policy_loss(logp, old, config=LOSS, advantages=adv, **mb.loss_kwargs())
+        # the step's advantages, as rl_step passes them (fp32 on the device)
+        out = policy_loss(logp, old, config=LOSS, **{**mb.loss_kwargs(), "advantages": mb.advantages.float()})
         out.loss.backward()
         total += out.loss.item()
     gn = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())).item()

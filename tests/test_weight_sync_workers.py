@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a vLLM engine with two workers in a subprocess
+
 HERE = os.path.abspath(__file__)
 PARALLEL = ["data_parallel_size", "tensor_parallel_size"]
 

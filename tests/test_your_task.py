@@ -43,6 +43,7 @@ def _rows(path, n):
     return str(path)
 
 
+@pytest.mark.slow  # the session vLLM engine
 def test_rollout_trains_on_training_rows_and_evaluates_held_out_ones(vllm_engine, tiny_tokenizer, arun, tmp_path):
     data = _rows(tmp_path / "tasks.jsonl", 12)
     cfg = load_config(None, [f"env.name={__name__}:RowEnv", f"env.dataset={data}", "sft.enabled=false",

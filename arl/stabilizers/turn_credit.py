@@ -130,10 +130,9 @@ def packed_chunks(mb, j: int, t: Trajectory):
 
 def chunk_segments(mb, trajs: Sequence[Trajectory], chunk_adv: Sequence[np.ndarray]) -> dict:
     """The micro-batch's sequences cut at every chunk start after the first, as ``policy_loss`` kwargs
-    overrides: ``cu_seqlens`` [S+1], ``advantages`` [S] (the chunk's own advantage), ``rewards`` and
-    ``group_ids`` [S] (each segment its own group: the advantages are given)."""
+    overrides: ``cu_seqlens`` [S+1] and ``advantages`` [S] (the chunk's own advantage)."""
     cu = mb.cu_seqlens.tolist()
-    bounds, adv, rew = [0], [], []
+    bounds, adv = [0], []
     for j, i in enumerate(mb.traj_indices.tolist()):
         a, b = cu[j], cu[j + 1]
         t, ca = trajs[i], chunk_adv[i]
@@ -141,17 +140,12 @@ def chunk_segments(mb, trajs: Sequence[Trajectory], chunk_adv: Sequence[np.ndarr
         if not present or ca.size == 0:  # nothing trained (MASKED, or every chunk cut off)
             bounds.append(b)
             adv.append(0.0)
-            rew.append(float(mb.rewards[j]))
             continue
         for n, k in enumerate(present):
             if n > 0:
                 bounds.append(a + int(starts[k]))
             adv.append(float(ca[k]))
-            rew.append(float(mb.rewards[j]))
         bounds.append(b)
         # the first segment holds the prompt and chunk present[0]; later ones start at their chunk
-    S = len(adv)
     return {"cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
-            "advantages": torch.tensor(adv, dtype=torch.float64),
-            "rewards": torch.tensor(rew, dtype=torch.float32),
-            "group_ids": torch.arange(S, dtype=torch.int64)}
+            "advantages": torch.tensor(adv, dtype=torch.float64)}

@@ -16,10 +16,11 @@ from typing import Optional, Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
-from ..config import CriticConfig, OptimConfig
+from ..config import CriticConfig, OffloadConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
+from ..model.lora import hf_model, is_lora, merged_state_dict
 from ..model.packed import packed_logprobs
 from ..model.tied import is_tied, untied_state
 from . import faults
@@ -65,14 +66,21 @@ def train_mode_randomness(model: torch.nn.Module) -> list:
     return found
 
 
-def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> dict:
+def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype, offload=None) -> dict:
+    zero = {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True}
+    if offload is not None and offload.optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if offload is not None and offload.params == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,  # step() is the boundary: any number of micro-batches
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # torch AdamW: no run-time C++ build of DeepSpeed's Adam
+        # offloaded on a CPU machine the state is in host memory anyway: torch's AdamW steps it there
+        "zero_force_ds_cpu_optimizer": False,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": False},
         "steps_per_print": 2 ** 62,
@@ -80,11 +88,27 @@ def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype) -> d
     }
 
 
+def make_optimizer(params, optim: OptimConfig, offload_optimizer: bool, on_gpu: bool):
+    """AdamW over ``params``; with the optimizer offloaded from a GPU, DeepSpeed's CPU Adam (its C++ op,
+    JIT-built on first use: the one-line error names what is missing)."""
+    kw = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    if not (offload_optimizer and on_gpu):
+        return torch.optim.AdamW(params, **kw)
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+    except Exception as e:  # a missing compiler / ninja / headers surface here, not mid-run
+        raise RuntimeError(f"trainer.offload.optimizer: cpu needs DeepSpeed's CPU Adam op, which failed to build or "
+                           f"load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", objective: str = "policy_gradient",
-                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True):
+                 critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True,
+                 offload: Optional[OffloadConfig] = None):
         import deepspeed
 
         from deepspeed.accelerator import get_accelerator
@@ -104,11 +128,13 @@ class PolicyTrainer:
         # heads to the model (the critic's value head, in its own param group)
         self.objective = make_objective(objective, loss_backend, critic)
         params = self.objective.prepare_model(model, optim.lr)
-        opt = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+        opt = make_optimizer(params, optim, offload_optimizer=offload is not None and offload.optimizer == "cpu",
+                             on_gpu=self.device.type == "cuda")
         self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(zero_stage, optim.grad_clip, dtype))
+            model=model, optimizer=opt, lr_scheduler=sched,
+            config=deepspeed_config(zero_stage, optim.grad_clip, dtype, offload))
         self.world = world_size()
         self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
         self.last_old_logps: list = []  # the old logprobs the last rl_step trained against
@@ -129,10 +155,14 @@ class PolicyTrainer:
         return engine.module.eval()
 
     def ref_logprobs(self, mbs: Sequence[MicroBatch]) -> list:
-        """Logprobs of the frozen reference policy (for the KL term); a collective under ZeRO-3."""
-        if self.ref_model is None:
+        """Logprobs of the frozen reference policy (for the KL term): the reference model, or under LoRA
+        without one the policy with its adapters disabled; a collective under ZeRO-3."""
+        if self.ref_model is not None:
+            return self.old_logprobs(mbs, model=self.ref_model)
+        if not is_lora(self.engine.module):
             raise ValueError("ref_logprobs: the trainer has no reference model (trainer.reference_model: true)")
-        return self.old_logprobs(mbs, model=self.ref_model)
+        with self.engine.module.disable_adapter():  # LoRA: the base without adapters is the reference
+            return self.old_logprobs(mbs)
 
     def _record_grad_norm_on_clip(self) -> None:
         """Without ZeRO, DeepSpeed clips fp32 gradients but drops the norm; keep it for metrics."""
@@ -164,7 +194,7 @@ class PolicyTrainer:
                  head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
-        return packed_logprobs(model, mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
+        return packed_logprobs(hf_model(model), mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
                                temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
                                return_hidden=return_hidden, head_grad=head_grad)
 
@@ -209,7 +239,7 @@ class PolicyTrainer:
         self._begin_forward(model)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
-        return packed_logprobs(model, ids, cu, temperature=self.temperature, attn=self.attn)[0]
+        return packed_logprobs(hf_model(model), ids, cu, temperature=self.temperature, attn=self.attn)[0]
 
     def _dummy_backward(self) -> None:
         # an empty micro-batch still runs forward/backward so every rank joins the same gradient
@@ -370,7 +400,8 @@ class PolicyTrainer:
             if not keep:
                 return None
             # the policy only: the critic's value head (arl/trainer/critic.py) is neither synced nor exported
-            state = without_value_head(module.state_dict())
+            # under LoRA: the merged weights, under the base model's names (arl/model/lora.py)
+            state = without_value_head(merged_state_dict(module) if is_lora(module) else module.state_dict())
             if to_cpu or self.zero3:  # gathered ZeRO-3 tensors are released when the context exits
                 return {k: v.detach().to("cpu" if to_cpu else v.device, copy=True).contiguous()
                         for k, v in state.items()}
@@ -388,12 +419,23 @@ class PolicyTrainer:
             bar = hf_logging.is_progress_bar_enabled()
             hf_logging.disable_progress_bar()
             try:
-                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+                hf_model(self.engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
             finally:
                 if bar:
                     hf_logging.enable_progress_bar()
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
+        if is_lora(self.engine.module):  # and the adapter alone (peft's format), beside the merged model
+            self._export_adapter(os.path.join(directory, "adapter"))
+
+    def _export_adapter(self, directory: str) -> None:
+        import deepspeed
+
+        module = self.engine.module
+        params = [p for n, p in module.named_parameters() if ".lora_" in n]
+        with (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else _null()):
+            if rank() == 0:
+                module.save_pretrained(directory, safe_serialization=True)
 
 
 class _null:

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from ..config import TrainConfig
 from ..data.packer import PackerConfig, pack_step
 from ..metrics import MetricsLogger, trajectory_metrics
+from ..model.lora import merge_and_rewrap
 from ..procs import die_with_parent
 from ..stabilizers import Stabilizers
 from . import faults
@@ -157,14 +158,15 @@ class TrainerRank:
             sft_metrics = {f"sft/{k}": v for k, v in sft_out.items()}
             sft_metrics["sft/wall_s"] = time.perf_counter() - self.t0
             if sft_state is not None:  # ZeRO-3 partitioned the SFT model: RL starts from a whole copy
-                model = load_policy(cfg, self.model_dir)
-                model.load_state_dict(sft_state)
+                model = load_policy(cfg, self.model_dir, state=sft_state)
+            elif cfg.model.lora is not None:  # the SFT adapters go into the base: adapters off = the SFT model
+                model = merge_and_rewrap(model, cfg.model.lora)
         ref = reference_model(cfg, model, self.model_dir, rank, fresh=resume_step is None, sft_done=bool(sft_metrics))
         self.tr = PolicyTrainer(model, optim=cfg.trainer.optim, zero_stage=cfg.trainer.zero_stage,
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
                                 temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
                                 objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled), critic=cfg.critic,
-                                head_grad_in_forward=cfg.trainer.head_grad_in_forward)
+                                head_grad_in_forward=cfg.trainer.head_grad_in_forward, offload=cfg.trainer.offload)
         if rank == 0:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, algo=cfg.algo)
         if resume_step is not None:

@@ -19,7 +19,7 @@ class SFTSteps:
         s = cfg.sft
         optim = OptimConfig(lr=s.lr, grad_clip=cfg.trainer.optim.grad_clip)  # constant lr: no end to reach
         self.tr = PolicyTrainer(model, optim=optim, zero_stage=cfg.trainer.zero_stage, total_steps=max(s.steps, 1),
-                                dtype=dtype_of(cfg), attn=cfg.model.attn_implementation)
+                                dtype=dtype_of(cfg), attn=cfg.model.attn_implementation, offload=cfg.trainer.offload)
         self.cfg, self.demos, self.rank, self.world = cfg, demos, rank, world
         self.rng = random.Random(cfg.seed)
         self.per_step = max(world, min(len(demos), s.batch_size))

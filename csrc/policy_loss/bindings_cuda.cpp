@@ -31,8 +31,8 @@ const void* token_ptr(const c10::optional<at::Tensor>& x, const char* name, cons
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
     const at::Tensor& logp, const at::Tensor& old_logp, const c10::optional<at::Tensor>& rollout_logp,
-    const c10::optional<at::Tensor>& ref_logp, const c10::optional<at::Tensor>& entropy, const at::Tensor& rewards,
-    const at::Tensor& group_ids, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids, at::IntArrayRef iopts,
+    const c10::optional<at::Tensor>& ref_logp, const c10::optional<at::Tensor>& entropy,
+    const at::Tensor& advantages, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids, at::IntArrayRef iopts,
     at::ArrayRef<double> fopts, bool need_grad) {
   using namespace ploss;
   TORCH_CHECK_VALUE(iopts.size() == kINumIOpts && fopts.size() == kFNumFOpts, kOp, ": wrong number of options");
@@ -42,13 +42,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
   TORCH_CHECK_VALUE(logp.is_cuda() && logp.dim() == 1 && logp.is_contiguous(), kOp,
                     ": logp must be a contiguous 1-D CUDA tensor");
   const int64_t T = logp.numel();
-  const int64_t N = rewards.numel();
-  TORCH_CHECK_VALUE(N > 0, kOp, ": rewards is empty");
+  const int64_t N = advantages.numel();
+  TORCH_CHECK_VALUE(N > 0, kOp, ": advantages is empty");
   const auto cdt = dt == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK_VALUE(rewards.scalar_type() == cdt && rewards.is_contiguous() && rewards.device() == logp.device(),
-                    kOp, ": rewards must be contiguous [N] of the compute dtype on logp's device");
-  TORCH_CHECK_VALUE(group_ids.scalar_type() == at::kLong && group_ids.numel() == N && group_ids.is_contiguous() &&
-                        group_ids.device() == logp.device(), kOp, ": group_ids must be int64 [N] on logp's device");
+  TORCH_CHECK_VALUE(advantages.scalar_type() == cdt && advantages.dim() == 1 && advantages.is_contiguous() &&
+                        advantages.device() == logp.device(),
+                    kOp, ": advantages must be contiguous [N] of the compute dtype on logp's device");
   TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.numel() == N + 1 &&
                         cu_seqlens.is_contiguous() && cu_seqlens.device() == logp.device(),
                     kOp, ": cu_seqlens must be int64 [N+1] on logp's device");
@@ -62,9 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
   at::Tensor loss = at::empty({}, fopt);
   at::Tensor stats = at::empty({kNumStats}, fopt);
   at::Tensor coef = at::empty({N}, fopt);
-  at::Tensor adv = at::empty({N}, fopt);
   at::Tensor part = at::empty({N * kNumPartials}, logp.options().dtype(at::kDouble));
-  at::Tensor flags = at::empty({N}, logp.options().dtype(at::kInt));
 
   PolicyLossArgs a;
   a.dtype = dt == at::kFloat ? 0 : (dt == at::kDouble ? 1 : 2);
@@ -76,18 +73,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
   a.ref_logp = token_ptr(ref_logp, "ref_logp", logp, iopts[kIKL] != kKLOff);
   a.entropy = token_ptr(entropy, "entropy", logp, iopts[kIEntropyTerm] != 0);
   a.chunk_ids = chunk_ids.data_ptr();
-  a.rewards = rewards.data_ptr();
+  a.advantages = advantages.data_ptr();
   a.cu_seqlens = cu_seqlens.data_ptr<int64_t>();
-  a.group_ids = group_ids.data_ptr<int64_t>();
   a.iopts = iopts.data();
   a.fopts = fopts.data();
   a.grad = need_grad ? grad.data_ptr() : nullptr;
   a.loss = loss.data_ptr();
   a.stats = stats.data_ptr();
   a.seq_coef = coef.data_ptr();
-  a.adv_scratch = adv.data_ptr();
   a.part_scratch = part.data_ptr();
-  a.flags_scratch = flags.data_ptr<int>();
   const cudaError_t err = policy_loss_cuda_launch(a, c10::cuda::getCurrentCUDAStream(logp.device().index()));
   TORCH_CHECK(err == cudaSuccess, kOp, ": ", cudaGetErrorString(err));
   return {loss, grad, stats, coef};
@@ -116,7 +110,7 @@ at::Tensor policy_loss_entropy_grad_cuda(const at::Tensor& chunk_ids, const at::
 TORCH_LIBRARY_FRAGMENT(arl, m) {
   m.def(
       "policy_loss_cuda(Tensor logp, Tensor old_logp, Tensor? rollout_logp, Tensor? ref_logp, Tensor? entropy, "
-      "Tensor rewards, Tensor group_ids, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
+      "Tensor advantages, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
       "bool need_grad) -> (Tensor loss, Tensor grad_logp, Tensor stats, Tensor seq_coef)");
   m.def("policy_loss_entropy_grad_cuda(Tensor chunk_ids, Tensor cu_seqlens, Tensor seq_coef, float scale) -> Tensor");
 }

@@ -23,19 +23,18 @@ namespace ploss {
 // ---- option codes: arl/ops/policy_loss/options.py maps LossConfig onto these (a test compares) ----
 enum Level : int { kToken = 0, kSequence = 1, kChunk = 2, kNoLevel = 3 };
 enum Surrogate : int { kPPOClip = 0, kTOPR = 1 };
-enum AdvNorm : int { kGroupStd = 0, kGroupMean = 1, kAdvNone = 2 };
 enum MismatchMode : int { kMask = 0, kTruncate = 1 };
 enum LossAgg : int { kTokenMean = 0, kSeqMeanTokenMean = 1, kSeqMeanTokenSum = 2, kSeqMeanTokenSumNorm = 3 };
 enum KL : int { kKLOff = 0, kK1 = 1, kK2 = 2, kK3 = 3 };
 
 // Integer options, in the order of the op's `int[] iopts`.
 enum IOpt : int {
-  kIRatioLevel, kISurrogate, kIAdvNorm, kIPositiveOnly, kIMismatchLevel, kIMismatchMode, kILossAgg,
+  kIRatioLevel, kISurrogate, kIPositiveOnly, kIMismatchLevel, kIMismatchMode, kILossAgg,
   kIKL, kIEntropyTerm, kIHasDual, kIHasClamp, kIHasAggConstant, kIHasNormalizer, kINumIOpts
 };
 // Float options, in the order of the op's `float[] fopts`.
 enum FOpt : int {
-  kFClipLow, kFClipHigh, kFDualClip, kFAdvEps, kFGamma, kFMismatchLow, kFMismatchHigh, kFAggConstant,
+  kFClipLow, kFClipHigh, kFDualClip, kFGamma, kFMismatchLow, kFMismatchHigh, kFAggConstant,
   kFKLBeta, kFEntropyCoef, kFLogRatioClamp, kFNormalizer, kFNumFOpts
 };
 
@@ -47,7 +46,7 @@ enum Partial : int {
 // The op's `stats` output: METRIC_KEYS order of arl/ops/policy_loss/spec.py, then 1/D.
 enum Stat : int {
   kSClipFrac, kSDualClipFrac, kSMismatchFrac, kSApproxKL, kSRatioMean, kSRatioMax, kSAdvNonzeroFrac,
-  kSZeroVarGroupFrac, kSTokensKept, kSPgLoss, kSKLMean, kSEntropyMean, kSInvD, kNumStats
+  kSTokensKept, kSPgLoss, kSKLMean, kSEntropyMean, kSInvD, kNumStats
 };
 
 // bf16 storage (raw bits); loads widen to float exactly.
@@ -73,8 +72,6 @@ ARL_HD inline double xexp(double x) { return exp(x); }
 ARL_HD inline double tiny_of(float) { return 1.17549435082228750797e-38; }
 ARL_HD inline double tiny_of(double) { return 2.22507385850720138309e-308; }
 ARL_HD inline double flush_below(double x, double tiny) { return (x < tiny && x > -tiny) ? 0.0 : x; }
-ARL_HD inline float xsqrt(float x) { return sqrtf(x); }
-ARL_HD inline double xsqrt(double x) { return sqrt(x); }
 // torch.clamp / clamp_min / clamp_max semantics (NaN-free inputs)
 template <typename T>
 ARL_HD inline T clampv(T x, T lo, T hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -86,9 +83,9 @@ ARL_HD inline T maxv(T a, T b) { return b > a ? b : a; }
 // Options converted once to the compute type T (float for fp32/bf16 input, double for fp64).
 template <typename T>
 struct Opts {
-  int ratio_level, surrogate, adv_norm, positive_only, mismatch_level, mismatch_mode, loss_agg, kl;
+  int ratio_level, surrogate, positive_only, mismatch_level, mismatch_mode, loss_agg, kl;
   int entropy_term, has_dual, has_clamp;
-  T lo, hi, dual_c, adv_eps, mm_low, mm_high, kl_beta, ent_coef, clamp;
+  T lo, hi, dual_c, mm_low, mm_high, kl_beta, ent_coef, clamp;
   double gamma;  // the discount is evaluated in double whatever T is (see chunk_advantage)
   // which per-sequence prepass quantities the main pass needs
   bool need_seq_pass;
@@ -97,7 +94,6 @@ struct Opts {
     Opts o;
     o.ratio_level = static_cast<int>(io[kIRatioLevel]);
     o.surrogate = static_cast<int>(io[kISurrogate]);
-    o.adv_norm = static_cast<int>(io[kIAdvNorm]);
     o.positive_only = static_cast<int>(io[kIPositiveOnly]);
     o.mismatch_level = static_cast<int>(io[kIMismatchLevel]);
     o.mismatch_mode = static_cast<int>(io[kIMismatchMode]);
@@ -110,7 +106,6 @@ struct Opts {
     o.lo = static_cast<T>(1.0 - fo[kFClipLow]);
     o.hi = static_cast<T>(1.0 + fo[kFClipHigh]);
     o.dual_c = static_cast<T>(fo[kFDualClip]);
-    o.adv_eps = static_cast<T>(fo[kFAdvEps]);
     o.gamma = fo[kFGamma];
     o.mm_low = static_cast<T>(fo[kFMismatchLow]);
     o.mm_high = static_cast<T>(fo[kFMismatchHigh]);
@@ -126,21 +121,7 @@ struct Opts {
   ARL_HD T clamp_gate(T x) const { return (!has_clamp || (x >= -clamp && x <= clamp)) ? T(1) : T(0); }
 };
 
-// ---- advantages (reference: group_advantages) ----
-// Arithmetic of one trajectory's advantage from its group's statistics, in the order torch does it.
-template <typename T>
-ARL_HD inline T finish_advantage(T reward, T mean, T std, bool zero_var, const Opts<T>& o) {
-  if (o.adv_norm == kAdvNone) return reward;
-  if (zero_var) return T(0);
-  T a = reward - mean;
-  if (o.adv_norm == kGroupStd) a = a / (std + o.adv_eps);
-  return a;
-}
-template <typename T>
-ARL_HD inline T group_std(T ss, T cnt) {
-  return xsqrt(ss / maxv(cnt - T(1), T(1)));
-}
-
+// ---- advantages: A_s is an input per sequence (arl/algo/advantages.py, before packing) ----
 // A_c = gamma**Delta(c) * A_s, Delta(c) = chunks after c in the sequence; positive_only clamps at 0.
 // The spec's underflow rule: discount and product in double, each flushed to 0 below T's smallest
 // normal, one rounding to T — no subnormal reaches T arithmetic (a GPU would flush it).

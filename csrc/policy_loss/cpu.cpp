@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #include "policy_loss/core.h"
@@ -24,44 +23,6 @@ namespace arl {
 namespace {
 
 using namespace ploss;
-
-// Per-trajectory advantages (reference: group_advantages).  Groups by a stable sort of the ids, so
-// each group's sums run in index order like torch's index_add.  Returns the zero-variance count.
-template <typename T>
-int64_t advantages_cpu(const T* rewards, const int64_t* gid, int64_t N, const Opts<T>& o, T* adv,
-                       int64_t* n_groups) {
-  std::vector<int64_t> order(N);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return gid[a] < gid[b]; });
-  int64_t zero_var = 0, groups = 0;
-  for (int64_t i = 0; i < N;) {
-    int64_t j = i;
-    while (j < N && gid[order[j]] == gid[order[i]]) ++j;
-    T sum = T(0), mn = rewards[order[i]], mx = rewards[order[i]];
-    for (int64_t q = i; q < j; ++q) {
-      const T x = rewards[order[q]];
-      sum += x;
-      mn = std::min(mn, x);
-      mx = std::max(mx, x);
-    }
-    const T cnt = static_cast<T>(j - i);
-    const T mean = sum / cnt;
-    T ss = T(0);
-    for (int64_t q = i; q < j; ++q) {
-      const T a = rewards[order[q]] - mean;
-      ss += a * a;
-    }
-    const T sd = group_std(ss, cnt);
-    const bool zv = mx == mn;
-    zero_var += zv ? 1 : 0;
-    ++groups;
-    for (int64_t q = i; q < j; ++q) adv[order[q]] = finish_advantage(rewards[order[q]], mean, sd, zv, o);
-    i = j;
-  }
-  *n_groups = groups;
-  return zero_var;
-}
-
 
 // ---- CPU fast path: the same math with the chunk's constants hoisted and the per-token loops
 // written for the vectorizer (omp simd reductions; masks instead of branches).  Used for every
@@ -403,12 +364,9 @@ void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, Chun
 }
 
 template <typename in_t, typename idx_t, typename T>
-void run(const Inputs<in_t, idx_t>& in, const T* rewards, const int64_t* gid, int64_t N, const int64_t* io,
-         const double* fo, T* grad, T* loss_out, T* stats, T* seq_coef) {
+void run(const Inputs<in_t, idx_t>& in, const T* adv, int64_t N, const int64_t* io, const double* fo, T* grad,
+         T* loss_out, T* stats, T* seq_coef) {
   const Opts<T> o = Opts<T>::make(io, fo);
-  std::vector<T> adv(N);
-  int64_t n_groups = 0;
-  const int64_t n_zero_var = advantages_cpu(rewards, gid, N, o, adv.data(), &n_groups);
 
   std::vector<double> part(static_cast<size_t>(N) * kNumPartials);
   // fast path unless a KL term is on; float64 (gradcheck) keeps the serial reference-order path
@@ -458,7 +416,6 @@ void run(const Inputs<in_t, idx_t>& in, const T* rewards, const int64_t* gid, in
   stats[kSRatioMean] = static_cast<T>(sum[kPRatioSum] / nf);
   stats[kSRatioMax] = static_cast<T>(n_tr > 0 ? rmax : 0.0);
   stats[kSAdvNonzeroFrac] = static_cast<T>(sum[kPAdvNonzero] / nf);
-  stats[kSZeroVarGroupFrac] = static_cast<T>(static_cast<double>(n_zero_var) / static_cast<double>(n_groups));
   stats[kSTokensKept] = static_cast<T>(sum[kPKept]);
   stats[kSPgLoss] = static_cast<T>(sum[kPPg] / nf);
   stats[kSKLMean] = static_cast<T>(sum[kPKL] / nf);
@@ -487,7 +444,7 @@ const in_t* ptr_or_null(const c10::optional<at::Tensor>& x) {
 template <typename in_t, typename idx_t, typename T>
 void dispatch_run(const at::Tensor& logp, const at::Tensor& old, const c10::optional<at::Tensor>& roll,
                   const c10::optional<at::Tensor>& ref, const c10::optional<at::Tensor>& ent,
-                  const at::Tensor& rewards, const at::Tensor& gid, const at::Tensor& cu, const at::Tensor& cid,
+                  const at::Tensor& adv, const at::Tensor& cu, const at::Tensor& cid,
                   const int64_t* io, const double* fo, at::Tensor& grad, at::Tensor& loss, at::Tensor& stats,
                   at::Tensor& coef) {
   Inputs<in_t, idx_t> in;
@@ -498,15 +455,15 @@ void dispatch_run(const at::Tensor& logp, const at::Tensor& old, const c10::opti
   in.entropy = ptr_or_null<in_t>(ent);
   in.chunk_ids = cid.data_ptr<idx_t>();
   in.cu_seqlens = cu.data_ptr<int64_t>();
-  run<in_t, idx_t, T>(in, rewards.data_ptr<T>(), gid.data_ptr<int64_t>(), rewards.numel(), io, fo,
+  run<in_t, idx_t, T>(in, adv.data_ptr<T>(), adv.numel(), io, fo,
                       grad.defined() && grad.numel() ? grad.data_ptr<T>() : nullptr, loss.data_ptr<T>(),
                       stats.data_ptr<T>(), coef.data_ptr<T>());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logp, const at::Tensor& old_logp, const c10::optional<at::Tensor>& rollout_logp,
-    const c10::optional<at::Tensor>& ref_logp, const c10::optional<at::Tensor>& entropy, const at::Tensor& rewards,
-    const at::Tensor& group_ids, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids, at::IntArrayRef iopts,
+    const c10::optional<at::Tensor>& ref_logp, const c10::optional<at::Tensor>& entropy,
+    const at::Tensor& advantages, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids, at::IntArrayRef iopts,
     at::ArrayRef<double> fopts, bool need_grad) {
   TORCH_CHECK_VALUE(iopts.size() == kINumIOpts, kOp, ": iopts must have ", int(kINumIOpts), " entries");
   TORCH_CHECK_VALUE(fopts.size() == kFNumFOpts, kOp, ": fopts must have ", int(kFNumFOpts), " entries");
@@ -521,12 +478,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
   check_token(ref_logp, "ref_logp", logp, iopts[kIKL] != kKLOff);
   check_token(entropy, "entropy", logp, iopts[kIEntropyTerm] != 0);
   const auto cdt = dt == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t N = rewards.numel();
-  TORCH_CHECK_VALUE(N > 0, kOp, ": rewards is empty");
-  TORCH_CHECK_VALUE(rewards.scalar_type() == cdt && rewards.is_contiguous() && rewards.dim() == 1, kOp,
-                    ": rewards must be contiguous [N] of dtype ", cdt);
-  TORCH_CHECK_VALUE(group_ids.scalar_type() == at::kLong && group_ids.is_contiguous() && group_ids.numel() == N,
-                    kOp, ": group_ids must be contiguous int64 [N]");
+  const int64_t N = advantages.numel();
+  TORCH_CHECK_VALUE(N > 0, kOp, ": advantages is empty");
+  TORCH_CHECK_VALUE(advantages.scalar_type() == cdt && advantages.is_contiguous() && advantages.dim() == 1 &&
+                        advantages.device().is_cpu(), kOp, ": advantages must be contiguous [N] of dtype ", cdt,
+                    " on CPU");
   TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() &&
                         cu_seqlens.numel() == N + 1, kOp, ": cu_seqlens must be contiguous int64 [N+1]");
   TORCH_CHECK_VALUE(
@@ -548,8 +504,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
   const bool i32 = chunk_ids.scalar_type() == at::kInt;
 
 #define ARL_RUN(IN_T, IDX_T, ACC_T)                                                                        \
-  dispatch_run<IN_T, IDX_T, ACC_T>(logp, old_logp, rollout_logp, ref_logp, entropy, rewards, group_ids,     \
-                                   cu_seqlens, chunk_ids, io, fo, grad, loss, stats, coef)
+  dispatch_run<IN_T, IDX_T, ACC_T>(logp, old_logp, rollout_logp, ref_logp, entropy, advantages, cu_seqlens, \
+                                   chunk_ids, io, fo, grad, loss, stats, coef)
   if (dt == at::kFloat) {
     if (i32) ARL_RUN(float, int32_t, float); else ARL_RUN(float, int64_t, float);
   } else if (dt == at::kDouble) {
@@ -602,7 +558,7 @@ at::Tensor policy_loss_entropy_grad_cpu(const at::Tensor& chunk_ids, const at::T
 TORCH_LIBRARY_FRAGMENT(arl, m) {
   m.def(
       "policy_loss(Tensor logp, Tensor old_logp, Tensor? rollout_logp, Tensor? ref_logp, Tensor? entropy, "
-      "Tensor rewards, Tensor group_ids, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
+      "Tensor advantages, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
       "bool need_grad) -> (Tensor loss, Tensor grad_logp, Tensor stats, Tensor seq_coef)");
   m.def("policy_loss_entropy_grad(Tensor chunk_ids, Tensor cu_seqlens, Tensor seq_coef, float scale) -> Tensor");
 }

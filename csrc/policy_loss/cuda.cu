@@ -2,13 +2,12 @@
 // torch.ops.arl.policy_loss_cuda in bindings_cuda.cpp).  The math is csrc/policy_loss/core.h,
 // the same functions the C++ CPU op runs; only the traversal is parallel:
 //
-//   1. advantages: one thread per trajectory scans the N group ids (O(N) each; N is the number of
-//      trajectories of a micro-batch, small) — same arithmetic and order as the CPU pre-pass.
-//   2. one warp per sequence: lanes stride over the tokens of each chunk; chunk boundaries are
+//   (advantages are an input, one per sequence: computed before packing, arl/algo/advantages.py)
+//   1. one warp per sequence: lanes stride over the tokens of each chunk; chunk boundaries are
 //      found with ballots; segment sums, G and the metric partials are warp-reduced with a fixed
 //      xor butterfly, so the result does not depend on scheduling.  Writes the sequence's
 //      partial sums to its own slot.
-//   3. one block reduces the per-sequence slots in a fixed order and forms D, loss and metrics.
+//   2. one block reduces the per-sequence slots in a fixed order and forms D, loss and metrics.
 // No atomics anywhere: runs are bitwise reproducible.
 #include <cuda_runtime.h>
 
@@ -38,37 +37,7 @@ __device__ __forceinline__ T warp_max(T v) {
   return v;
 }
 
-// 1. per-trajectory advantages; flags bit 0: first member of its group, bit 1: and zero-variance
-template <typename T>
-__global__ void advantages_kernel(const T* __restrict__ rewards, const int64_t* __restrict__ gid, int64_t N,
-                                  Opts<T> o, T* __restrict__ adv, int* __restrict__ flags) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= N) return;
-  const int64_t g = gid[i];
-  T sum = T(0), mn = rewards[i], mx = rewards[i], cnt = T(0);
-  bool first = true;
-  for (int64_t j = 0; j < N; ++j) {
-    if (gid[j] != g) continue;
-    const T x = rewards[j];
-    first = first && j >= i;
-    sum += x;
-    mn = minv(mn, x);
-    mx = maxv(mx, x);
-    cnt += T(1);
-  }
-  const T mean = sum / cnt;
-  T ss = T(0);
-  for (int64_t j = 0; j < N; ++j) {
-    if (gid[j] != g) continue;
-    const T a = rewards[j] - mean;
-    ss += a * a;
-  }
-  const bool zv = mx == mn;
-  adv[i] = finish_advantage(rewards[i], mean, group_std(ss, cnt), zv, o);
-  flags[i] = (first ? 1 : 0) | ((first && zv) ? 2 : 0);
-}
-
-// 2. one warp per sequence
+// 1. one warp per sequence
 template <typename in_t, typename idx_t, typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     sequence_kernel(Inputs<in_t, idx_t> in, Opts<T> o, int64_t N, const T* __restrict__ adv, T* __restrict__ grad,
@@ -202,22 +171,22 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
-// 3. fixed-order reduction of the per-sequence slots (one block), then D, loss and the stats
+// 2. fixed-order reduction of the per-sequence slots (one block), then D, loss and the stats
 struct Reduced {
   double v[kNumPartials];
-  double S, max_ns, zero_var, groups;
+  double S, max_ns;
 };
 
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    finalize_kernel(const double* __restrict__ part, const int* __restrict__ flags, int64_t N, int loss_agg,
+    finalize_kernel(const double* __restrict__ part, int64_t N, int loss_agg,
                     int has_agg_constant, double agg_constant, int has_normalizer, double normalizer,
                     T* __restrict__ loss, T* __restrict__ stats) {
   __shared__ Reduced sh[kReduceThreads];
   Reduced r;
   for (int i = 0; i < kNumPartials; ++i) r.v[i] = 0.0;
   r.v[kPRatioMax] = -INFINITY;
-  r.S = r.max_ns = r.zero_var = r.groups = 0.0;
+  r.S = r.max_ns = 0.0;
   for (int64_t s = threadIdx.x; s < N; s += kReduceThreads) {  // fixed stride order per thread
     const double* p = part + s * kNumPartials;
     for (int i = 0; i < kNumPartials; ++i)
@@ -228,8 +197,6 @@ __global__ void __launch_bounds__(kReduceThreads)
       r.S += 1.0;
       r.max_ns = maxv(r.max_ns, ns);
     }
-    r.groups += (flags[s] & 1) ? 1.0 : 0.0;
-    r.zero_var += (flags[s] & 2) ? 1.0 : 0.0;
   }
   sh[threadIdx.x] = r;
   __syncthreads();
@@ -241,8 +208,6 @@ __global__ void __launch_bounds__(kReduceThreads)
         a.v[i] = i == kPRatioMax ? maxv(a.v[i], c.v[i]) : a.v[i] + c.v[i];
       a.S += c.S;
       a.max_ns = maxv(a.max_ns, c.max_ns);
-      a.zero_var += c.zero_var;
-      a.groups += c.groups;
     }
     __syncthreads();
   }
@@ -260,7 +225,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   stats[kSRatioMean] = static_cast<T>(t.v[kPRatioSum] / nf);
   stats[kSRatioMax] = static_cast<T>(n_tr > 0 ? t.v[kPRatioMax] : 0.0);
   stats[kSAdvNonzeroFrac] = static_cast<T>(t.v[kPAdvNonzero] / nf);
-  stats[kSZeroVarGroupFrac] = static_cast<T>(t.zero_var / t.groups);
   stats[kSTokensKept] = static_cast<T>(t.v[kPKept]);
   stats[kSPgLoss] = static_cast<T>(t.v[kPPg] / nf);
   stats[kSKLMean] = static_cast<T>(t.v[kPKL] / nf);
@@ -289,16 +253,13 @@ cudaError_t launch(const PolicyLossArgs& a, cudaStream_t stream) {
   in.entropy = static_cast<const in_t*>(a.entropy);
   in.chunk_ids = static_cast<const idx_t*>(a.chunk_ids);
   in.cu_seqlens = a.cu_seqlens;
-  T* adv = static_cast<T*>(a.adv_scratch);
+  const T* adv = static_cast<const T*>(a.advantages);
   double* part = static_cast<double*>(a.part_scratch);
-  const unsigned adv_blocks = static_cast<unsigned>((N + 255) / 256);
-  advantages_kernel<T><<<adv_blocks, 256, 0, stream>>>(static_cast<const T*>(a.rewards), a.group_ids, N, o, adv,
-                                                       a.flags_scratch);
   const unsigned seq_blocks = static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
   sequence_kernel<in_t, idx_t, T><<<seq_blocks, kWarpsPerBlock * 32, 0, stream>>>(
       in, o, N, adv, static_cast<T*>(a.grad), part, static_cast<T*>(a.seq_coef));
   finalize_kernel<T><<<1, kReduceThreads, 0, stream>>>(
-      part, a.flags_scratch, N, o.loss_agg, static_cast<int>(a.iopts[kIHasAggConstant]), a.fopts[kFAggConstant],
+      part, N, o.loss_agg, static_cast<int>(a.iopts[kIHasAggConstant]), a.fopts[kFAggConstant],
       static_cast<int>(a.iopts[kIHasNormalizer]), a.fopts[kFNormalizer], static_cast<T*>(a.loss),
       static_cast<T*>(a.stats));
   return cudaGetLastError();
@@ -307,7 +268,7 @@ cudaError_t launch(const PolicyLossArgs& a, cudaStream_t stream) {
 }  // namespace
 
 // Dtype codes: 0 float32, 1 float64, 2 bfloat16 (token inputs); compute dtype is float64 for
-// float64 inputs and float32 otherwise (rewards, grad, loss, stats, seq_coef, scratch).
+// float64 inputs and float32 otherwise (advantages, grad, loss, stats, seq_coef, scratch).
 cudaError_t policy_loss_cuda_launch(const PolicyLossArgs& a, cudaStream_t stream) {
   if (a.n_seq <= 0) return cudaErrorInvalidValue;
   const bool i64 = a.idx64 != 0;

@@ -7,20 +7,19 @@
 
 namespace arl {
 
-// Device pointers unless noted.  Token arrays [T] of the input dtype (null when absent); rewards,
+// Device pointers unless noted.  Token arrays [T] of the input dtype (null when absent); advantages,
 // grad, seq_coef [N] / [T] and loss, stats of the compute dtype (float64 for float64 input,
-// float32 otherwise).  Scratch: adv [N] of the compute dtype, part [N * ploss::kNumPartials]
-// float64, flags [N] int32.  grad may be null (no gradient wanted).
+// float32 otherwise).  Scratch: part [N * ploss::kNumPartials] float64.  grad may be null (no
+// gradient wanted).
 struct PolicyLossArgs {
   int dtype;  // token inputs: 0 float32, 1 float64, 2 bfloat16
   int idx64;  // chunk_ids int64 (else int32)
   int64_t n_seq;
-  const void *logp, *old_logp, *rollout_logp, *ref_logp, *entropy, *chunk_ids, *rewards;
-  const int64_t *cu_seqlens, *group_ids;
+  const void *logp, *old_logp, *rollout_logp, *ref_logp, *entropy, *chunk_ids, *advantages;
+  const int64_t* cu_seqlens;
   const int64_t* iopts;  // host, ploss::kINumIOpts entries
   const double* fopts;   // host, ploss::kFNumFOpts entries
-  void *grad, *loss, *stats, *seq_coef, *adv_scratch, *part_scratch;
-  int* flags_scratch;
+  void *grad, *loss, *stats, *seq_coef, *part_scratch;
 };
 
 cudaError_t policy_loss_cuda_launch(const PolicyLossArgs& args, cudaStream_t stream);

@@ -4,10 +4,10 @@ registry (api.py), options (config.py), the specification (spec.py), the one ker
 from . import fused  # noqa: F401  registers the kernel backends (each reports whether it can run here)
 from .api import available_backends, policy_loss, register_backend
 from .config import LossConfig
-from .spec import METRIC_KEYS, PackLayout, group_advantages, reference_policy_loss
+from .spec import METRIC_KEYS, PackLayout, reference_policy_loss
 from .types import LossInputs, LossOutput
 
 __all__ = [
-    "LossConfig", "LossInputs", "LossOutput", "METRIC_KEYS", "PackLayout", "available_backends", "group_advantages",
-    "policy_loss", "reference_policy_loss", "register_backend",
+    "LossConfig", "LossInputs", "LossOutput", "METRIC_KEYS", "PackLayout", "available_backends", "policy_loss",
+    "reference_policy_loss", "register_backend",
 ]

@@ -49,8 +49,7 @@ def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     *,
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
+    advantages: torch.Tensor,
     cu_seqlens: torch.Tensor,
     chunk_ids: torch.Tensor,
     rollout_logp: Optional[torch.Tensor] = None,
@@ -58,24 +57,21 @@ def policy_loss(
     entropy: Optional[torch.Tensor] = None,
     config: Optional[LossConfig] = None,
     normalizer: Optional[float] = None,
-    advantages: Optional[torch.Tensor] = None,
     backend: str = "reference",
 ) -> LossOutput:
     """Clipped / TOPR policy loss over a packed batch; see ``spec.py`` for the math.
 
-    ``advantages`` ([N], optional) overrides the in-batch group normalization with per-trajectory
-    advantages computed over the whole step (the trainer's come from
-    ``arl.stabilizers.advantages``; ``spec.group_advantages`` over the step's rewards is the plain
-    case) — needed when a group is split across micro-batches or ranks.  gamma discounting and
-    positive_only still apply per chunk; ``zero_var_group_frac`` is then a step-level figure,
-    reported with the step's advantages, not here.
+    ``advantages`` [N] (required): one advantage per trajectory, computed over the whole step before
+    packing by an estimator of ``arl.algo.advantages`` (e.g. ``group_advantages(rewards, group_ids,
+    "grpo", eps)``).  The op never normalizes groups; gamma discounting and positive_only apply per
+    chunk.  Step-level figures of the advantages (zero-variance groups) are reported with them.
     """
     cfg = config if config is not None else LossConfig()
-    if advantages is not None:
-        validate_advantages(advantages, rewards, cfg.validate_inputs)
+    if not cfg.validate_inputs:  # the advantages are checked even so (validate_inputs checks them too)
+        validate_advantages(advantages, cu_seqlens, False)
     inp = LossInputs(
-        logp=logp, old_logp=old_logp, rewards=rewards, group_ids=group_ids, cu_seqlens=cu_seqlens,
-        chunk_ids=chunk_ids, rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy, advantages=advantages,
+        logp=logp, old_logp=old_logp, advantages=advantages, cu_seqlens=cu_seqlens, chunk_ids=chunk_ids,
+        rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy,
     )
     if isinstance(normalizer, torch.Tensor):
         normalizer = float(normalizer.item())
@@ -86,8 +82,5 @@ def policy_loss(
         raise ValueError(f"backend: unknown {backend!r}; choose from {['auto'] + sorted(_BACKENDS)}")
     if not _AVAILABLE[name]():
         raise ValueError(f"backend: {name!r} is not available here; available: {available_backends()}")
-    out = _BACKENDS[name](inp, cfg, normalizer)
-    if advantages is not None:  # a step-level figure then, reported with the step's advantages
-        out.metrics.pop("zero_var_group_frac", None)
-    return out
+    return _BACKENDS[name](inp, cfg, normalizer)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from ...errors import OneLineErrors
 
 RatioLevel = Literal["token", "sequence", "chunk"]
 Surrogate = Literal["ppo_clip", "topr"]
-AdvNorm = Literal["group_std", "group_mean", "none"]
 MismatchLevel = Literal["none", "token", "sequence", "chunk"]
 MismatchMode = Literal["mask", "truncate"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -26,31 +25,48 @@ class LossConfig(OneLineErrors):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # ratio granularity: token (PPO/GRPO), sequence (GSPO), chunk (IPA)
-    ratio_level: RatioLevel = "token"
-    # ppo_clip: clipped surrogate; topr: positives untruncated, negatives sg(clamp(ratio, 0, 1))
-    surrogate: Surrogate = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # DAPO clip-higher: 0.28
-    dual_clip: Optional[float] = None  # c > 1 bounds the loss of negative advantages at -c*A
-    # advantages from per-trajectory rewards and group ids
-    adv_norm: AdvNorm = "group_std"
-    adv_eps: float = 1e-6
-    gamma: float = 1.0  # chunk discount: A_c = gamma**(chunks after c) * A_i
-    positive_only: bool = False  # zero negative advantages (tokens still count in the normalizer)
-    # rollout/trainer mismatch: geometric-mean ratio exp(mean(old_logp - rollout_logp)) per level
-    mismatch_level: MismatchLevel = "none"
-    mismatch_mode: MismatchMode = "mask"  # mask: drop outside [low, high]; truncate: weight min(m, high)
-    mismatch_low: float = 0.8
-    mismatch_high: float = 1.2
-    # aggregation; the normalizer passed to policy_loss overrides the denominator
-    loss_agg: LossAgg = "token-mean"
-    agg_constant: Optional[float] = None  # seq-mean-token-sum-norm length constant (None: longest sequence)
-    kl_beta: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    entropy_coef: float = 0.0
-    log_ratio_clamp: Optional[float] = 20.0  # log-ratios clamped to +-this before exp (None: off)
-    validate_inputs: bool = True
+    ratio_level: RatioLevel = Field(
+        "token", description="Granularity of the importance ratio: token (PPO/GRPO), sequence (GSPO) or chunk (IPA, "
+        "one model turn); turn credit and the critic need token or chunk.")
+    surrogate: Surrogate = Field(
+        "ppo_clip", description="ppo_clip: the clipped PPO surrogate; topr: positive advantages untruncated, negative "
+        "ones weighted by sg(clamp(ratio, 0, 1)).")
+    clip_low: float = Field(0.2, description="Lower clip: ratios below 1 - clip_low are clipped; in [0, 1).")
+    clip_high: float = Field(
+        0.2, description="Upper clip: ratios above 1 + clip_high are clipped; DAPO's clip-higher raises it to 0.28.")
+    dual_clip: Optional[float] = Field(
+        None, description="Dual clip c > 1: bounds the loss of a negative-advantage token at -c*A; null: off.")
+    # per-trajectory advantages are given (arl.algo.advantages); the op only discounts and clamps them
+    gamma: float = Field(
+        1.0, description="Chunk discount in (0, 1]: chunk c gets gamma**(chunks after c) * A; 1 gives every chunk "
+        "the trajectory's advantage.")
+    positive_only: bool = Field(
+        False, description="Zero negative advantages (their tokens still count in the normalizer).")
+    mismatch_level: MismatchLevel = Field(
+        "none", description="Rollout/trainer mismatch correction per token, sequence or chunk: the geometric-mean "
+        "ratio exp(mean(old_logp - rollout_logp)); none: off.")
+    mismatch_mode: MismatchMode = Field(
+        "mask", description="mask: drop segments whose mismatch ratio is outside [mismatch_low, mismatch_high]; "
+        "truncate: weight them by min(ratio, mismatch_high).")
+    mismatch_low: float = Field(0.8, description="Lower mismatch bound, in [0, 1] (mask mode).")
+    mismatch_high: float = Field(1.2, description="Upper mismatch bound, >= 1 (mask and truncate modes).")
+    loss_agg: LossAgg = Field(
+        "token-mean", description="Loss aggregation: token-mean over all trained tokens of the step, or a mean over "
+        "sequences of their token mean, token sum, or token sum / agg_constant (Dr.GRPO).")
+    agg_constant: Optional[float] = Field(
+        None, description="Length constant of seq-mean-token-sum-norm, in tokens; null: the longest sequence's "
+        "trained tokens.")
+    kl_beta: float = Field(
+        0.0, description="Weight of the KL penalty to the frozen reference model; > 0 needs "
+        "trainer.reference_model: true.")
+    kl_estimator: KLEstimator = Field(
+        "k3", description="KL estimator per token: k1 (log-ratio), k2 (half its square) or k3 (exp(x) - x - 1).")
+    entropy_coef: float = Field(0.0, description="Weight of the entropy bonus in the loss; 0: off.")
+    log_ratio_clamp: Optional[float] = Field(
+        20.0, description="Every log-ratio is clamped to +-this before exp, against overflow; null: no clamp.")
+    validate_inputs: bool = Field(
+        True, description="Check the loss inputs (shapes, ids, finite values) on every call; false skips the checks "
+        "once a pipeline is trusted.")
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "LossConfig":
@@ -61,7 +77,6 @@ class LossConfig(OneLineErrors):
         need(0.0 <= self.clip_low < 1.0, "clip_low", "must be in [0, 1)")
         need(self.clip_high >= 0.0, "clip_high", "must be >= 0")
         need(self.dual_clip is None or self.dual_clip > 1.0, "dual_clip", "must be None or > 1")
-        need(self.adv_eps >= 0.0, "adv_eps", "must be >= 0")
         need(0.0 < self.gamma <= 1.0, "gamma", "must be in (0, 1]")
         need(0.0 <= self.mismatch_low <= 1.0, "mismatch_low", "must be in [0, 1]")
         need(self.mismatch_high >= 1.0, "mismatch_high", "must be >= 1")

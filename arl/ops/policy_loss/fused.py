@@ -79,10 +79,10 @@ def fused_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer, launcher: La
 def _compiled_launch(main_op, ent_op, inp: LossInputs, cfg: LossConfig, normalizer, need_grad: bool) -> KernelLaunch:
     """Launch of the C++ / CUDA op pair (same schema): the entropy gradient is rebuilt by ent_op."""
     toks, idx = kernel_tensors(inp, cfg)
-    iopts, fopts = kernel_options(cfg, normalizer, inp.advantages is not None)
+    iopts, fopts = kernel_options(cfg, normalizer)
     loss, grad, stats, seq_coef = main_op(
         toks["logp"], toks["old_logp"], toks.get("rollout_logp"), toks.get("ref_logp"), toks.get("entropy"),
-        idx["rewards"], idx["group_ids"], idx["cu_seqlens"], idx["chunk_ids"], iopts, fopts, need_grad,
+        idx["advantages"], idx["cu_seqlens"], idx["chunk_ids"], iopts, fopts, need_grad,
     )
     ent = None
     if cfg.entropy_coef != 0:

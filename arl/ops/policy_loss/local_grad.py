@@ -22,7 +22,7 @@ ordinary backward.  The entropy bonus is local too (its coefficient is a constan
 its whole vocabulary row for it, which arl/ops/logprob/grad_in_forward.py has.
 
 Not covered (``local_logp_grad`` returns None and why): IPA's mixed loss (a different loss: the
-trainer never asks).  Tested against the spec's autograd in tests/test_logprob_grad_in_forward.py.
+trainer never asks).  Tested against the spec's autograd in tests/ops/test_logprob_grad_in_forward.py.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .config import LossConfig
-from .spec import PackLayout, agg_denominator, discounted_advantage, group_advantages
+from .spec import PackLayout, agg_denominator, discounted_advantage
 
 _LEVEL_RANK = {"none": 0, "token": 1, "chunk": 2, "sequence": 3}
 
@@ -171,15 +171,13 @@ def _kl_grad(lp: torch.Tensor, ref: torch.Tensor, cfg: LossConfig) -> torch.Tens
 def local_logp_grad(
     *,
     config: LossConfig,
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
+    advantages: torch.Tensor,
     cu_seqlens: torch.Tensor,
     chunk_ids: torch.Tensor,
     rollout_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     with_entropy: bool = False,
     normalizer: Optional[float] = None,
-    advantages: Optional[torch.Tensor] = None,
     scale: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> LogpGrad:
@@ -193,13 +191,11 @@ def local_logp_grad(
     if isinstance(normalizer, torch.Tensor):
         normalizer = float(normalizer.item())
     dev = chunk_ids.device
-    lay = PackLayout(cu_seqlens.to(dev), chunk_ids, rewards.numel())
+    if advantages is None:
+        raise ValueError("advantages: required, [N] per-trajectory advantages (see arl.algo.advantages)")
+    lay = PackLayout(cu_seqlens.to(dev), chunk_ids, advantages.numel())
     tidx, T = lay.tidx, lay.T
-    if advantages is not None:
-        adv_seq = advantages.to(rewards.dtype).to(dtype)
-    else:
-        adv_seq = group_advantages(rewards.to(dtype), group_ids, cfg)[0]
-    A = discounted_advantage(adv_seq, lay, cfg.gamma)
+    A = discounted_advantage(advantages.to(dev).to(dtype), lay, cfg.gamma)
     if cfg.positive_only:
         A = A.clamp_min(0)
     # aggregation: per-token coefficient and denominator (spec.py, "Aggregation")

@@ -2,11 +2,10 @@
 
 Every backend (C++, CUDA, Triton) reads its options from ``kernel_options`` and its tensors from
 ``kernel_tensors``; nothing else maps LossConfig strings to numbers.  The codes are the enums of
-csrc/policy_loss/core.h (tests/test_policy_loss_options.py parses the header and compares).
+csrc/policy_loss/core.h (tests/ops/test_policy_loss_options.py parses the header and compares).
 
-Given per-trajectory advantages (``LossInputs.advantages``) are encoded here, not by rewriting the
-LossConfig: they travel in the kernels' rewards slot with adv_norm "none", which makes every
-kernel use A_i = advantages_i (each trajectory its own group, so group statistics are never read).
+The kernels receive per-trajectory advantages A_i ([N], ``LossInputs.advantages``) and never look at
+groups: the advantage estimators (arl/algo/advantages.py) run before packing.
 """
 from __future__ import annotations
 
@@ -17,29 +16,27 @@ import torch
 from .config import LossConfig
 from .types import LossInputs
 
-# LossConfig value -> code (enums Level, Surrogate, AdvNorm, MismatchMode, LossAgg, KL of core.h)
+# LossConfig value -> code (enums Level, Surrogate, MismatchMode, LossAgg, KL of core.h)
 LEVEL = {"token": 0, "sequence": 1, "chunk": 2, "none": 3}
 SURROGATE = {"ppo_clip": 0, "topr": 1}
-ADV_NORM = {"group_std": 0, "group_mean": 1, "none": 2}
 MISMATCH_MODE = {"mask": 0, "truncate": 1}
 LOSS_AGG = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2, "seq-mean-token-sum-norm": 3}
 KL = {"off": 0, "k1": 1, "k2": 2, "k3": 3}
 
 # order of the ops' `int[] iopts` / `float[] fopts` (enums IOpt / FOpt of core.h)
-IOPTS = ("ratio_level", "surrogate", "adv_norm", "positive_only", "mismatch_level", "mismatch_mode", "loss_agg",
+IOPTS = ("ratio_level", "surrogate", "positive_only", "mismatch_level", "mismatch_mode", "loss_agg",
          "kl", "entropy_term", "has_dual", "has_clamp", "has_agg_constant", "has_normalizer")
-FOPTS = ("clip_low", "clip_high", "dual_clip", "adv_eps", "gamma", "mismatch_low", "mismatch_high", "agg_constant",
+FOPTS = ("clip_low", "clip_high", "dual_clip", "gamma", "mismatch_low", "mismatch_high", "agg_constant",
          "kl_beta", "entropy_coef", "log_ratio_clamp", "normalizer")
 
 KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
-def kernel_options(cfg: LossConfig, normalizer: Optional[float], advantages_given: bool = False
-                   ) -> tuple[list[int], list[float]]:
+def kernel_options(cfg: LossConfig, normalizer: Optional[float]) -> tuple[list[int], list[float]]:
     """LossConfig -> (iopts, fopts) in IOPTS / FOPTS order."""
     i = dict(
         ratio_level=LEVEL[cfg.ratio_level], surrogate=SURROGATE[cfg.surrogate],
-        adv_norm=ADV_NORM["none" if advantages_given else cfg.adv_norm], positive_only=int(cfg.positive_only),
+        positive_only=int(cfg.positive_only),
         mismatch_level=LEVEL[cfg.mismatch_level], mismatch_mode=MISMATCH_MODE[cfg.mismatch_mode],
         loss_agg=LOSS_AGG[cfg.loss_agg], kl=KL[cfg.kl_estimator] if cfg.kl_beta > 0 else KL["off"],
         entropy_term=int(cfg.entropy_coef != 0), has_dual=int(cfg.dual_clip is not None),
@@ -47,7 +44,7 @@ def kernel_options(cfg: LossConfig, normalizer: Optional[float], advantages_give
         has_normalizer=int(normalizer is not None),
     )
     f = dict(
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0, adv_eps=cfg.adv_eps,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0,
         gamma=cfg.gamma, mismatch_low=cfg.mismatch_low, mismatch_high=cfg.mismatch_high,
         agg_constant=cfg.agg_constant or 0.0, kl_beta=cfg.kl_beta, entropy_coef=cfg.entropy_coef,
         log_ratio_clamp=cfg.log_ratio_clamp or 0.0, normalizer=float(normalizer) if normalizer is not None else 0.0,
@@ -62,9 +59,8 @@ def compute_dtype(inp: LossInputs) -> torch.dtype:
 
 def kernel_tensors(inp: LossInputs, cfg: LossConfig):
     """Token tensors in one dtype the kernels read (fp32, fp64 or bf16; mixed or fp16 inputs are
-    converted to the reference's compute dtype), and the per-sequence / index tensors: rewards of
-    the compute dtype (the given advantages when there are some), int64 group ids and cu_seqlens,
-    int32/int64 chunk ids."""
+    converted to the reference's compute dtype), and the per-sequence / index tensors: advantages of
+    the compute dtype, int64 cu_seqlens, int32/int64 chunk ids."""
     cdt = compute_dtype(inp)
     names = ("logp", "old_logp", "rollout_logp", "ref_logp", "entropy")
     need = {"rollout_logp": cfg.mismatch_level != "none", "ref_logp": cfg.kl_beta > 0}
@@ -73,13 +69,8 @@ def kernel_tensors(inp: LossInputs, cfg: LossConfig):
     kdt = inp.logp.dtype if len(dtypes) == 1 and inp.logp.dtype in KERNEL_DTYPES else cdt
     toks = {n: t.to(kdt).contiguous() for n, t in toks.items()}
     cid = inp.chunk_ids if inp.chunk_ids.dtype in (torch.int32, torch.int64) else inp.chunk_ids.to(torch.int64)
-    if inp.advantages is not None:  # rounded through the rewards' dtype, as the reference reads them
-        rewards = inp.advantages.to(inp.rewards.dtype)
-        group_ids = torch.arange(rewards.numel(), device=rewards.device)
-    else:
-        rewards, group_ids = inp.rewards, inp.group_ids
     idx = dict(
-        rewards=rewards.to(cdt).contiguous(), group_ids=group_ids.to(torch.int64).contiguous(),
+        advantages=inp.advantages.to(cdt).contiguous(),
         cu_seqlens=inp.cu_seqlens.to(torch.int64).contiguous(), chunk_ids=cid.contiguous(),
     )
     return toks, idx

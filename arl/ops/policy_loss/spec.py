@@ -7,10 +7,9 @@ Notation (packed batch of N trajectories, T tokens):
   equal ids never spans two sequences; untrained tokens inside a run do not split it).
   Delta(c) = number of chunks after c in its sequence.
 
-Advantages (per trajectory i in group g, computed in the compute dtype):
-  group_std:  (R_i - mean_g) / (std_g + eps), std unbiased (Bessel); group_mean: R_i - mean_g;
-  none: R_i.  A group whose rewards are all equal (incl. size 1) gets advantage exactly 0 under
-  group_std and group_mean.  Token t gets A_t = gamma**Delta(c(t)) * A_s(t); positive_only
+Advantages: A_i [N] per trajectory is an input (computed once per step, before packing, by an
+  estimator of arl/algo/advantages.py; the op never looks at groups), rounded to the compute dtype.
+  Token t gets A_t = gamma**Delta(c(t)) * A_s(t); positive_only
   clamps A_t at 0.  Underflow (gamma < 1 only; gamma = 1 leaves A_t = A_s exactly): gamma**Delta
   and the product are evaluated in float64, each taken as exactly 0 when below the smallest
   normal number of the compute dtype (fp32: 2**-126), and the product is rounded once to the
@@ -55,7 +54,6 @@ METRIC_KEYS = (
     "ratio_mean",
     "ratio_max",
     "adv_nonzero_frac",
-    "zero_var_group_frac",
     "tokens_kept",
     "pg_loss",
     "kl_mean",
@@ -110,27 +108,6 @@ class PackLayout:
         return (sums / cnt).to(x.dtype)[seg]
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, cfg: LossConfig):
-    """Per-trajectory advantages and the number of zero-variance groups."""
-    _, g = torch.unique(group_ids, return_inverse=True)
-    G = int(g.max().item()) + 1
-    cnt = torch.bincount(g, minlength=G).to(rewards.dtype)
-    rmax = torch.full((G,), -torch.inf, dtype=rewards.dtype, device=rewards.device).scatter_reduce(0, g, rewards, "amax")
-    rmin = torch.full((G,), torch.inf, dtype=rewards.dtype, device=rewards.device).scatter_reduce(0, g, rewards, "amin")
-    zero_var = rmax == rmin
-    if cfg.adv_norm == "none":
-        adv = rewards.clone()
-    else:
-        mean = torch.zeros(G, dtype=rewards.dtype, device=rewards.device).index_add(0, g, rewards) / cnt
-        adv = rewards - mean[g]
-        if cfg.adv_norm == "group_std":
-            ss = torch.zeros(G, dtype=rewards.dtype, device=rewards.device).index_add(0, g, adv * adv)
-            std = torch.sqrt(ss / (cnt - 1).clamp_min(1))
-            adv = adv / (std[g] + cfg.adv_eps)
-        adv = torch.where(zero_var[g], torch.zeros_like(adv), adv)
-    return adv, int(zero_var.sum().item()), G
-
-
 def _flush(x: torch.Tensor, tiny: float) -> torch.Tensor:
     return torch.where(x.abs() < tiny, torch.zeros_like(x), x)
 
@@ -165,22 +142,15 @@ def _clamp(x: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
 
 def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
     cdt = torch.float64 if inp.logp.dtype == torch.float64 else torch.float32
-    lay = PackLayout(inp.cu_seqlens, inp.chunk_ids, inp.rewards.numel())
+    lay = PackLayout(inp.cu_seqlens, inp.chunk_ids, inp.advantages.numel())
     tidx = lay.tidx
     n_tr = tidx.numel()
 
     logp = inp.logp.to(cdt)[tidx]
     old = inp.old_logp.to(cdt)[tidx]
 
-    # advantages: per trajectory (given, or from the rewards' groups), discounted per chunk,
-    # broadcast to trained tokens
-    if inp.advantages is not None:
-        adv_seq = inp.advantages.to(inp.rewards.dtype).to(cdt)
-        zero_var_frac = None  # no groups here: a step-level figure, reported with the advantages
-    else:
-        adv_seq, n_zero_var, n_groups = group_advantages(inp.rewards.to(cdt), inp.group_ids, cfg)
-        zero_var_frac = n_zero_var / n_groups
-    A = discounted_advantage(adv_seq, lay, cfg.gamma)
+    # advantages: given per trajectory, discounted per chunk, broadcast to trained tokens
+    A = discounted_advantage(inp.advantages.to(cdt), lay, cfg.gamma)
     if cfg.positive_only:
         A = A.clamp_min(0)
 
@@ -255,13 +225,10 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
             "ratio_mean": r.sum() / nf,
             "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt, device=inp.logp.device),
             "adv_nonzero_frac": (A != 0).sum().to(cdt) / nf,
-            "zero_var_group_frac": torch.tensor(zero_var_frac or 0.0, dtype=cdt, device=inp.logp.device),
             "tokens_kept": (w > 0).sum().to(cdt),
             "pg_loss": (w * pg).sum() / nf,
             "kl_mean": kl.sum() / nf if kl is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
             "entropy_mean": ent.sum() / nf if ent is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
         }
         metrics = {k: v.detach().to(cdt).reshape(()) for k, v in metrics.items()}
-        if zero_var_frac is None:
-            del metrics["zero_var_group_frac"]
     return LossOutput(loss=loss, metrics=metrics)

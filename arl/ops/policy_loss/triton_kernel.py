@@ -5,10 +5,8 @@ The launch (options, scratch buffers, the host-side reduction) is ``triton_launc
 
 Design (one program per packed sequence, tokens walked in blocks of ``BLOCK``):
 
-* Group advantage, in the same program: the program loads all N rewards/group ids in blocks of
-  ``BLOCK_N`` and reduces its own group's count, sum, min, max (then the squared deviations), so no
-  pre-pass launch and no host sync is needed.  O(N) per program, O(N^2) in all: fine for RL batches
-  (N up to a few thousand); beyond that a per-group pre-pass kernel would be the better shape.
+* Advantages are an input, one per sequence (arl/algo/advantages.py computes them before packing):
+  the program loads its own and never looks at other sequences or at groups.
 * Pass 1 (only when a segment statistic is needed): a forward walk that builds a per-chunk table
   for the sequence in the sequence's own slice ``[cu[s], cu[s+1])`` of T-sized scratch buffers (a
   sequence has at most as many chunks as tokens).  Chunk starts are found without a segmented
@@ -25,7 +23,7 @@ Design (one program per packed sequence, tokens walked in blocks of ``BLOCK``):
   table, and evaluates ratio, mismatch weight, discounted advantage, surrogate, KL and entropy for
   every token; it writes dL/dlogp and dL/dentropy *before* division by the aggregation denominator
   D (D needs global counts: it is applied as one scalar in backward) and accumulates the metric
-  partials of the program in fp64; the host side sums the [N, 16] partials (deterministic).
+  partials of the program in fp64; the host side sums the [N, NPART] partials (deterministic).
 * Token-level configs without discount, sequence statistics or per-sequence coefficients skip
   pass 1 entirely (a single streaming pass: the GRPO/DAPO case).
 
@@ -48,11 +46,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .options import ADV_NORM, KL, LEVEL, LOSS_AGG, SURROGATE
+from .options import KL, LEVEL, LOSS_AGG, SURROGATE
 
-NPART = 16  # metric partials per program, columns in the order of _PARTS
+NPART = 13  # metric partials per program, columns in the order of _PARTS
 _PARTS = ("loss", "ntok", "clip", "dual", "altered", "approx_kl", "ratio_sum", "ratio_max", "adv_nonzero",
-          "kept", "pg", "kl", "ent", "first", "zero_var")
+          "kept", "pg", "kl", "ent")
 
 # option codes of the one table (options.py), as constants the kernel's constexpr branches compare to
 _TOKEN = tl.constexpr(LEVEL["token"])
@@ -60,8 +58,6 @@ _SEQUENCE = tl.constexpr(LEVEL["sequence"])
 _CHUNK = tl.constexpr(LEVEL["chunk"])
 _NO_LEVEL = tl.constexpr(LEVEL["none"])
 _PPO = tl.constexpr(SURROGATE["ppo_clip"])
-_ADV_STD = tl.constexpr(ADV_NORM["group_std"])
-_ADV_NONE = tl.constexpr(ADV_NORM["none"])
 _SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG["seq-mean-token-mean"])
 _KL_OFF = tl.constexpr(KL["off"])
 _K1 = tl.constexpr(KL["k1"])
@@ -74,8 +70,7 @@ _K2 = tl.constexpr(KL["k2"])
 # fast numpy paths for exactly these combine functions.
 _ADD = getattr(tl.standard, "_sum_combine", None)
 _MAXF = getattr(tl.standard, "_elementwise_max", None)
-_MINF = getattr(tl.standard, "_elementwise_min", None)
-if _ADD is None or _MAXF is None or _MINF is None:  # pragma: no cover - other Triton versions
+if _ADD is None or _MAXF is None:  # pragma: no cover - other Triton versions
 
     @triton.jit
     def _ADD(a, b):
@@ -85,21 +80,17 @@ if _ADD is None or _MAXF is None or _MINF is None:  # pragma: no cover - other T
     def _MAXF(a, b):
         return tl.maximum(a, b)
 
-    @triton.jit
-    def _MINF(a, b):
-        return tl.minimum(a, b)
-
 
 
 @triton.jit
 def _policy_loss_kernel(
-    logp_ptr, old_ptr, roll_ptr, ref_ptr, ent_ptr, cid_ptr, cu_ptr, rew_ptr, gid_ptr, par_ptr,
-    glogp_ptr, gent_ptr, part_ptr, comp_ptr, sd_ptr, sq_ptr, sk_ptr, N,
-    CDT: tl.constexpr, RATIO: tl.constexpr, SURR: tl.constexpr, DUAL: tl.constexpr, ADV: tl.constexpr,
+    logp_ptr, old_ptr, roll_ptr, ref_ptr, ent_ptr, cid_ptr, cu_ptr, adv_ptr, par_ptr,
+    glogp_ptr, gent_ptr, part_ptr, comp_ptr, sd_ptr, sq_ptr, sk_ptr,
+    CDT: tl.constexpr, RATIO: tl.constexpr, SURR: tl.constexpr, DUAL: tl.constexpr,
     POS_ONLY: tl.constexpr, USE_GAMMA: tl.constexpr, MIS: tl.constexpr, TRUNC: tl.constexpr, KL: tl.constexpr,
     HAS_ENT: tl.constexpr, ENT_GRAD: tl.constexpr, AGG: tl.constexpr,
     NEED_PASS1: tl.constexpr, NEED_RANK: tl.constexpr, STORE_Q: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NPART_C: tl.constexpr,
+    BLOCK: tl.constexpr, NPART_C: tl.constexpr,
 ):
     # Small helpers are written inline: under the interpreter every call of a jitted helper
     # re-patches the language module (~1 ms), which dominated the run time.
@@ -111,51 +102,16 @@ def _policy_loss_kernel(
     clip_lo = tl.load(par_ptr + 0).to(CDT)  # 1 - clip_low
     clip_hi = tl.load(par_ptr + 1).to(CDT)  # 1 + clip_high
     dual_c = tl.load(par_ptr + 2).to(CDT)
-    adv_eps = tl.load(par_ptr + 3).to(CDT)
-    log2_gamma = tl.load(par_ptr + 4)  # float64: the discount is evaluated in float64 (spec.py)
-    m_lo = tl.load(par_ptr + 5).to(CDT)
-    m_hi = tl.load(par_ptr + 6).to(CDT)
-    kl_beta = tl.load(par_ptr + 7).to(CDT)
-    ent_coef = tl.load(par_ptr + 8).to(CDT)
-    lrc = tl.load(par_ptr + 9).to(CDT)
-    tiny = tl.load(par_ptr + 10)  # smallest normal number of CDT, float64: the discount's flush level
+    log2_gamma = tl.load(par_ptr + 3)  # float64: the discount is evaluated in float64 (spec.py)
+    m_lo = tl.load(par_ptr + 4).to(CDT)
+    m_hi = tl.load(par_ptr + 5).to(CDT)
+    kl_beta = tl.load(par_ptr + 6).to(CDT)
+    ent_coef = tl.load(par_ptr + 7).to(CDT)
+    lrc = tl.load(par_ptr + 8).to(CDT)
+    tiny = tl.load(par_ptr + 9)  # smallest normal number of CDT, float64: the discount's flush level
 
-    # group advantage of sequence s (zero-variance groups -> exactly 0), whether its group has zero
-    # variance, and whether s is its group's first member (to count groups for the metric)
-    gid_s = tl.load(gid_ptr + s)
-    rew_s = tl.load(rew_ptr + s).to(CDT)
-    cnt = tl.full([], 0.0, CDT)
-    tot = tl.full([], 0.0, CDT)
-    rmax_g = tl.full([], float("-inf"), CDT)
-    rmin_g = tl.full([], float("inf"), CDT)
-    earlier = tl.full([], 0, tl.int32)
-    for j0 in range(0, N, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        ok = j < N
-        eq = ok & (tl.load(gid_ptr + j, mask=ok, other=0) == gid_s)
-        rj = tl.load(rew_ptr + j, mask=ok, other=0).to(CDT)
-        cnt += tl.reduce(eq.to(CDT), 0, _ADD)
-        tot += tl.reduce(tl.where(eq, rj, 0.0), 0, _ADD)
-        rmax_g = tl.maximum(rmax_g, tl.reduce(tl.where(eq, rj, float("-inf")), 0, _MAXF))
-        rmin_g = tl.minimum(rmin_g, tl.reduce(tl.where(eq, rj, float("inf")), 0, _MINF))
-        earlier += tl.reduce((eq & (j < s)).to(tl.int32), 0, _ADD)
-    zero_var = rmax_g == rmin_g
-    adv_s = rew_s
-    if ADV != _ADV_NONE:
-        mean = tot / cnt
-        adv_s = rew_s - mean
-        if ADV == _ADV_STD:
-            ss = tl.full([], 0.0, CDT)
-            for j0 in range(0, N, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
-                ok = j < N
-                eq = ok & (tl.load(gid_ptr + j, mask=ok, other=0) == gid_s)
-                dj = tl.load(rew_ptr + j, mask=ok, other=0).to(CDT) - mean
-                ss += tl.reduce(tl.where(eq, dj * dj, 0.0), 0, _ADD)
-            std = tl.sqrt(ss / tl.maximum(cnt - 1, 1.0))
-            adv_s = adv_s / (std + adv_eps)
-        adv_s = tl.where(zero_var, 0.0, adv_s)
-    first = earlier == 0
+    # the sequence's advantage (given; rounded to CDT as the reference's .to(cdt))
+    adv_s = tl.load(adv_ptr + s).to(CDT)
     if POS_ONLY:
         adv_pos = tl.maximum(adv_s, 0.0)
     else:
@@ -434,5 +390,3 @@ def _policy_loss_kernel(
     tl.store(p + 10, acc_pg)
     tl.store(p + 11, acc_kl)
     tl.store(p + 12, acc_ent)
-    tl.store(p + 13, first.to(tl.float64))
-    tl.store(p + 14, (first & zero_var).to(tl.float64))

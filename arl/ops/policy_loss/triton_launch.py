@@ -24,12 +24,12 @@ _PARAM_CACHE: dict = {}
 def _params(fo: dict, has_clamp: bool, cdt: torch.dtype, device: torch.device) -> torch.Tensor:
     """The scalar options as one small float64 tensor (cached: no copy per call); the kernel rounds
     them to the compute dtype, except log2(gamma) and the compute dtype's smallest normal number."""
-    names = ("clip_low", "clip_high", "dual_clip", "adv_eps", "gamma", "mismatch_low", "mismatch_high", "kl_beta",
+    names = ("clip_low", "clip_high", "dual_clip", "gamma", "mismatch_low", "mismatch_high", "kl_beta",
              "entropy_coef", "log_ratio_clamp")
     key = tuple(fo[n] for n in names) + (has_clamp, cdt, str(device))
     t = _PARAM_CACHE.get(key)
     if t is None:
-        vals = [1.0 - fo["clip_low"], 1.0 + fo["clip_high"], fo["dual_clip"], fo["adv_eps"], math.log2(fo["gamma"]),
+        vals = [1.0 - fo["clip_low"], 1.0 + fo["clip_high"], fo["dual_clip"], math.log2(fo["gamma"]),
                 fo["mismatch_low"], fo["mismatch_high"], fo["kl_beta"], fo["entropy_coef"],
                 fo["log_ratio_clamp"] if has_clamp else math.inf, torch.finfo(cdt).tiny]
         t = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=torch.float64, device=device)
@@ -39,29 +39,28 @@ def _params(fo: dict, has_clamp: bool, cdt: torch.dtype, device: torch.device) -
     return t
 
 
-def _launch_sizes(T: int, N: int, cu: torch.Tensor, block: Optional[int], block_n: Optional[int]) -> tuple[int, int, int]:
-    """(BLOCK, BLOCK_N, num_warps).  The interpreter pays per op, not per element: one big block
-    covering the longest sequence; on a GPU 1024-token blocks over 4 warps."""
-    if block is not None or block_n is not None:  # tests force small blocks to cross block edges
-        return block or 1024, block_n or 256, 4
+def _launch_sizes(T: int, N: int, cu: torch.Tensor, block: Optional[int]) -> tuple[int, int]:
+    """(BLOCK, num_warps).  The interpreter pays per op, not per element: one big block covering the
+    longest sequence; on a GPU 1024-token blocks over 4 warps."""
+    if block is not None:  # tests force small blocks to cross block edges
+        return block, 4
     if _INTERPRET:
         longest = int((cu[1:] - cu[:-1]).max().item()) if N else 1
-        block = min(max(triton.next_power_of_2(max(longest, 1)), 16), 4096)
-        return block, min(max(triton.next_power_of_2(N), 16), 4096), 1
-    return 1024, 256, 4
+        return min(max(triton.next_power_of_2(max(longest, 1)), 16), 4096), 1
+    return 1024, 4
 
 
 def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float], need_grad: bool = True,
-                  block: Optional[int] = None, block_n: Optional[int] = None) -> KernelLaunch:
+                  block: Optional[int] = None) -> KernelLaunch:
     """One kernel launch: loss, unnormalized dL/dlogp and dL/dentropy, metrics and 1/D."""
     toks, idx = kernel_tensors(inp, cfg)
-    iopts, fopts = kernel_options(cfg, normalizer, inp.advantages is not None)
+    iopts, fopts = kernel_options(cfg, normalizer)
     io, fo = dict(zip(IOPTS, iopts)), dict(zip(FOPTS, fopts))
     logp = toks["logp"]
     entropy = toks.get("entropy")
     cdt = compute_dtype(inp)
     dev = logp.device
-    T, N = logp.numel(), idx["rewards"].numel()
+    T, N = logp.numel(), idx["advantages"].numel()
     cid = idx["chunk_ids"].to(torch.int32)
     cu = idx["cu_seqlens"].to(torch.int32)
     tok = lambda n: toks.get(n, logp)  # noqa: E731 - absent inputs are never read
@@ -84,18 +83,18 @@ def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float],
         sq = torch.empty(T, dtype=torch.float64, device=dev) if store_q else sd
     else:
         comp, sd, sk, sq = cid, parts, cid, parts
-    block, block_n, warps = _launch_sizes(T, N, cu, block, block_n)
+    block, warps = _launch_sizes(T, N, cu, block)
     _policy_loss_kernel[(N,)](
-        logp, tok("old_logp"), tok("rollout_logp"), tok("ref_logp"), tok("entropy"), cid, cu, idx["rewards"],
-        idx["group_ids"], _params(fo, bool(io["has_clamp"]), cdt, dev), glogp, gent, parts, comp, sd, sq, sk, N,
+        logp, tok("old_logp"), tok("rollout_logp"), tok("ref_logp"), tok("entropy"), cid, cu, idx["advantages"],
+        _params(fo, bool(io["has_clamp"]), cdt, dev), glogp, gent, parts, comp, sd, sq, sk,
         CDT=tl.float64 if cdt == torch.float64 else tl.float32, RATIO=ratio, SURR=io["surrogate"],
-        DUAL=bool(io["has_dual"]), ADV=io["adv_norm"], POS_ONLY=bool(io["positive_only"]), USE_GAMMA=use_gamma,
+        DUAL=bool(io["has_dual"]), POS_ONLY=bool(io["positive_only"]), USE_GAMMA=use_gamma,
         MIS=mis, TRUNC=io["mismatch_mode"] == MISMATCH_MODE["truncate"], KL=io["kl"],
         HAS_ENT=entropy is not None, ENT_GRAD=ent_grad, AGG=io["loss_agg"], NEED_PASS1=need_pass1,
-        NEED_RANK=need_rank, STORE_Q=store_q, BLOCK=block, BLOCK_N=block_n, NPART_C=NPART, num_warps=warps,
+        NEED_RANK=need_rank, STORE_Q=store_q, BLOCK=block, NPART_C=NPART, num_warps=warps,
     )
 
-    # deterministic host-side reduction of the [N, 16] partials (no device->host sync)
+    # deterministic host-side reduction of the [N, NPART] partials (no device->host sync)
     tot = parts.sum(0)
     ntok = parts[:, 1]
     n_tr = tot[1]
@@ -123,7 +122,6 @@ def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float],
         "ratio_mean": tot[6] / nf,
         "ratio_max": torch.where(n_tr > 0, parts[:, 7].max(), torch.zeros_like(n_tr)),
         "adv_nonzero_frac": tot[8] / nf,
-        "zero_var_group_frac": tot[14] / tot[13],
         "tokens_kept": tot[9],
         "pg_loss": tot[10] / nf,
         "kl_mean": tot[11] / nf if io["kl"] != KL["off"] else torch.zeros_like(n_tr),

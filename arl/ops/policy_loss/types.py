@@ -11,16 +11,12 @@ import torch
 class LossInputs:
     logp: torch.Tensor  # [T] current policy logprobs of the sampled tokens (differentiable)
     old_logp: torch.Tensor  # [T] behaviour-policy logprobs recomputed by the trainer
-    rewards: torch.Tensor  # [N] final reward per trajectory
-    group_ids: torch.Tensor  # [N] int, samples of the same task share an id
+    advantages: torch.Tensor  # [N] per-trajectory advantages (arl.algo.advantages, computed before packing)
     cu_seqlens: torch.Tensor  # [N+1] int32 packed sequence boundaries
     chunk_ids: torch.Tensor  # [T] int32, -1 = not trained (prompt, observation, tool error)
     rollout_logp: Optional[torch.Tensor] = None  # [T] logprobs reported by the rollout engine
     ref_logp: Optional[torch.Tensor] = None  # [T] frozen reference policy, for KL
     entropy: Optional[torch.Tensor] = None  # [T] per-token entropy (differentiable)
-    # [N] per-trajectory advantages over the whole step; replace the in-batch
-    # group normalization of rewards by group_ids when given
-    advantages: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -49,8 +49,7 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         i = _first(low)
         raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
     trained = cid >= 0
-    if inp.advantages is None:  # given advantages replace the rewards (validate_advantages)
-        _finite("rewards", inp.rewards)
+    _finite("advantages", inp.advantages)
     for name in ("logp", "old_logp") + _TOKEN_FLOATS:
         x = getattr(inp, name)
         if x is not None:
@@ -71,13 +70,12 @@ def _check_shapes(inp: LossInputs, cfg: LossConfig) -> tuple[int, int]:
     if T == 0:
         raise ValueError("logp: empty batch (0 tokens)")
     _need_1d("old_logp", inp.old_logp, True)
-    _need_1d("rewards", inp.rewards, True)
-    _need_1d("group_ids", inp.group_ids, False)
+    validate_advantages(inp.advantages, None, False)  # present, 1-D floating; its count is checked below
     _need_1d("cu_seqlens", inp.cu_seqlens, False)
     _need_1d("chunk_ids", inp.chunk_ids, False)
-    N = inp.rewards.numel()
+    N = inp.advantages.numel()
     if N == 0:
-        raise ValueError("rewards: empty batch (0 sequences)")
+        raise ValueError("advantages: empty batch (0 sequences)")
 
     required = {
         "rollout_logp": (cfg.mismatch_level != "none", f"mismatch_level={cfg.mismatch_level!r}"),
@@ -89,7 +87,7 @@ def _check_shapes(inp: LossInputs, cfg: LossConfig) -> tuple[int, int]:
             raise ValueError(f"{name}: required by {why}")
 
     dev = inp.logp.device
-    for name in ("old_logp", "rewards", "group_ids", "cu_seqlens", "chunk_ids") + _TOKEN_FLOATS:
+    for name in ("old_logp", "advantages", "cu_seqlens", "chunk_ids") + _TOKEN_FLOATS:
         x = getattr(inp, name)
         if x is not None and x.device != dev:
             raise ValueError(f"{name}: on device {x.device}, but logp is on {dev}")
@@ -104,10 +102,8 @@ def _check_shapes(inp: LossInputs, cfg: LossConfig) -> tuple[int, int]:
         raise ValueError(f"old_logp: shape {tuple(inp.old_logp.shape)} does not match logp {tuple(inp.logp.shape)}")
     if inp.chunk_ids.numel() != T:
         raise ValueError(f"chunk_ids: {inp.chunk_ids.numel()} entries, but logp has {T} tokens")
-    if inp.group_ids.numel() != N:
-        raise ValueError(f"group_ids: {inp.group_ids.numel()} entries, but rewards has {N} sequences")
     if inp.cu_seqlens.numel() != N + 1:
-        raise ValueError(f"cu_seqlens: {inp.cu_seqlens.numel()} entries, expected N+1 = {N + 1} (N = len(rewards))")
+        raise ValueError(f"cu_seqlens: {inp.cu_seqlens.numel()} entries, expected N+1 = {N + 1} (N = len(advantages))")
     return T, N
 
 
@@ -161,11 +157,18 @@ def _check_unclamped_ratios(inp: LossInputs, cfg: LossConfig, trained: torch.Ten
                              f"with log_ratio_clamp=None (limit {MAX_UNCLAMPED_LOG_RATIO}); set a clamp")
 
 
-def validate_advantages(advantages, rewards: torch.Tensor, check_finite: bool) -> None:
-    """Per-trajectory advantages given to policy_loss: 1-D floating [N], finite."""
+def validate_advantages(advantages, cu_seqlens, check_finite: bool) -> None:
+    """The per-trajectory advantages policy_loss requires: a 1-D floating tensor [N] (N = len(cu_seqlens)
+    - 1 when ``cu_seqlens`` is given), finite when ``check_finite``.  policy_loss runs it alone when
+    ``validate_inputs`` is off; ``validate_inputs`` runs it as part of its checks."""
+    if advantages is None:
+        raise ValueError("advantages: required, [N] per-trajectory advantages (see arl.algo.advantages)")
     if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1 or not advantages.is_floating_point():
-        raise ValueError("advantages: expected a 1-D floating tensor [N]")
-    if advantages.numel() != rewards.numel():
-        raise ValueError(f"advantages: {advantages.numel()} entries, but rewards has {rewards.numel()} sequences")
+        what = (f"shape {tuple(advantages.shape)} dtype {advantages.dtype}" if isinstance(advantages, torch.Tensor)
+                else type(advantages).__name__)
+        raise ValueError(f"advantages: expected a 1-D floating tensor [N], got {what}")
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and advantages.numel() != cu_seqlens.numel() - 1:
+        raise ValueError(f"advantages: {advantages.numel()} entries, but cu_seqlens has "
+                         f"{cu_seqlens.numel() - 1} sequences")
     if check_finite:
         _finite("advantages", advantages)

@@ -19,7 +19,8 @@ from arl import LossConfig, available_backends, policy_loss
 from arl.ops._triton import triton_available
 from arl.ops.policy_loss import METRIC_KEYS, LossInputs, reference_policy_loss
 from arl.ops.policy_loss.api import _auto
-from loss_utils import CONFIG_IDS, CONFIGS, Batch, make_batch
+from arl.algo.advantages import group_advantages
+from loss_utils import CONFIG_IDS, CONFIGS, Batch, make_batch, untrained_inside_chunk_batch
 
 GPU = torch.cuda.is_available()
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -44,10 +45,11 @@ def _on(b, backend):
 
 
 def _edge_batch():
-    """Small enough for the interpreter, with a zero-variance group and an untrained sequence."""
+    """Small enough for the interpreter, with a zero-variance group (advantages exactly 0) and an
+    untrained sequence."""
     b = make_batch(n_seq=8, max_len=48, seed=4)
-    g = b.rewards.view(-1, 4)
-    assert bool(((g == g[:, :1]).all(1)).any()), "want a zero-variance group"
+    g = b.advantages.view(-1, 4)
+    assert bool((g == 0).all(1).any()), "want a zero-variance group"
     n_tr = torch.stack([(b.chunk_ids[s:e] >= 0).sum() for s, e in zip(b.cu_seqlens[:-1], b.cu_seqlens[1:])])
     assert bool((n_tr == 0).any()), "want a sequence with no trained token"
     return b
@@ -64,21 +66,20 @@ def batch_sets():
     return {k: [_on(b, k) for b in v] for k, v in sets.items() if _AVAIL[k]()}
 
 
-def run(b, cfg, backend, normalizer=None, grad=True, advantages=None):
+def run(b, cfg, backend, normalizer=None, grad=True):
     lp = b.logp.clone().requires_grad_(grad)
     ent = b.entropy.clone().requires_grad_(grad)
     out = policy_loss(lp, b.old_logp, **b.kwargs(with_optional=False), rollout_logp=b.rollout_logp,
-                      ref_logp=b.ref_logp, entropy=ent, config=cfg, normalizer=normalizer, backend=backend,
-                      advantages=advantages)
+                      ref_logp=b.ref_logp, entropy=ent, config=cfg, normalizer=normalizer, backend=backend)
     if grad:
         out.loss.backward()
     zero = lambda g, x: g if g is not None else torch.zeros_like(x)  # noqa: E731 - None == not in graph
     return out, zero(lp.grad, lp), zero(ent.grad, ent)
 
 
-def assert_same(b, cfg, backend, normalizer=None, tol=TOL, grad_tol=None, advantages=None):
-    ref, ref_g, ref_ge = run(b, cfg, "reference", normalizer, advantages=advantages)
-    got, got_g, got_ge = run(b, cfg, backend, normalizer, advantages=advantages)
+def assert_same(b, cfg, backend, normalizer=None, tol=TOL, grad_tol=None):
+    ref, ref_g, ref_ge = run(b, cfg, "reference", normalizer)
+    got, got_g, got_ge = run(b, cfg, backend, normalizer)
     assert got.loss.shape == () and got.loss.dtype == ref.loss.dtype and got.loss.device == b.logp.device
     torch.testing.assert_close(got.loss, ref.loss, **tol)
     gt = grad_tol or tol
@@ -86,7 +87,7 @@ def assert_same(b, cfg, backend, normalizer=None, tol=TOL, grad_tol=None, advant
     torch.testing.assert_close(got_g, ref_g, **gt, msg=lambda m: f"dL/dlogp: {m}")
     torch.testing.assert_close(got_ge, ref_ge, **gt, msg=lambda m: f"dL/dentropy: {m}")
     assert set(got.metrics) == set(ref.metrics)
-    assert set(ref.metrics) == (set(METRIC_KEYS) - ({"zero_var_group_frac"} if advantages is not None else set()))
+    assert set(ref.metrics) == set(METRIC_KEYS)
     for k in ref.metrics:
         assert got.metrics[k].shape == ()
         torch.testing.assert_close(got.metrics[k], ref.metrics[k], **tol, msg=lambda m, k=k: f"metric {k}: {m}")
@@ -112,12 +113,27 @@ def test_normalizer_override(batch_sets, cfg, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("level", ["token", "chunk"])
-def test_step_advantages_input(backend, level):
-    """Given advantages replace the group normalization; zero_var_group_frac is then not reported."""
+def test_arbitrary_advantages_input(backend, level):
+    """Advantages of no group estimator (fp32, any values, as turn credit's per-chunk ones) are used as given."""
     b = _on(make_batch(n_seq=8, max_len=40, seed=12, binary_rewards=False), backend)
-    adv = torch.randn(8, generator=torch.Generator().manual_seed(0)).to(b.logp.device)
+    b.advantages = torch.randn(8, generator=torch.Generator().manual_seed(0)).to(b.logp.device)
     cfg = LossConfig(ratio_level=level, gamma=0.9, entropy_coef=0.01)
-    assert_same(b, cfg, backend, advantages=adv, normalizer=100.0)
+    assert_same(b, cfg, backend, normalizer=100.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cfg", [LossConfig(ratio_level="chunk", gamma=0.9, entropy_coef=0.01),
+                                 LossConfig(ratio_level="chunk", mismatch_level="chunk", mismatch_high=5.0, kl_beta=0.1)],
+                         ids=["vectorized", "serial"])
+def test_untrained_token_inside_a_chunk(cfg, backend):
+    """Chunk ids [0, 0, -1, 0, 1]: the -1 token does not split chunk 0 (its ratio is the mean over
+    tokens 0, 1, 3), and gets gradient exactly 0 whatever its logprobs; values and gradients are
+    the reference's (test_loss_reference.py checks the reference by hand)."""
+    b = _on(untrained_inside_chunk_batch(), backend)
+    assert_same(b, cfg, backend)
+    _, g, ge = run(b, cfg, backend)
+    assert g[2].item() == 0.0 and ge[2].item() == 0.0
+    assert bool((g[[0, 1, 3]] != 0).all())
 
 
 BF16_CFGS = [CONFIGS[-1], CONFIGS[-2], LossConfig(ratio_level="sequence", kl_beta=0.1, entropy_coef=0.01),
@@ -148,7 +164,7 @@ GRADCHECK_CFGS = [
     LossConfig(ratio_level="chunk", gamma=0.9, dual_clip=3.0, loss_agg="seq-mean-token-mean"),
     LossConfig(ratio_level="sequence", mismatch_level="token", mismatch_mode="truncate", mismatch_high=1.05),
     # TOPR detaches min(r, 1) for A < 0, which finite differences cannot see: check A >= 0 only
-    LossConfig(ratio_level="chunk", surrogate="topr", adv_norm="none", positive_only=True),
+    LossConfig(ratio_level="chunk", surrogate="topr", positive_only=True),
     LossConfig(ratio_level="chunk", loss_agg="seq-mean-token-sum-norm", kl_beta=0.1, kl_estimator="k2"),
 ]
 
@@ -207,8 +223,10 @@ def _bad_inputs(b):
         "flipped": ("chunk_ids", dict(chunk_ids=b.chunk_ids.flip(0))),
         "cu": ("cu_seqlens", dict(cu_seqlens=cu_bad)),
         "cu_short": ("cu_seqlens", dict(cu_seqlens=b.cu_seqlens[:-1])),
-        "rewards_nan": ("rewards", dict(rewards=b.rewards.clone().fill_(float("nan")))),
-        "group_ids_float": ("group_ids", dict(group_ids=b.group_ids.float())),
+        "advantages_nan": ("advantages", dict(advantages=b.advantages.clone().fill_(float("nan")))),
+        "advantages_int": ("advantages", dict(advantages=b.advantages.long())),
+        "advantages_short": ("cu_seqlens", dict(advantages=b.advantages[:-1])),
+        "advantages_none": ("advantages", dict(advantages=None)),
         "rollout": ("rollout_logp", dict(rollout_logp=None, config=LossConfig(mismatch_level="chunk"))),
         "normalizer": ("normalizer", dict(normalizer=-1.0)),
     }
@@ -280,10 +298,10 @@ def test_microbatches_with_global_normalizer_sum_to_whole(backend):
     whole, g_whole, _ = run(batch, cfg, backend, normalizer=n_tr)
     cu = batch.cu_seqlens
     total, grads = 0.0, []
-    for lo, hi in ((0, 4), (4, 8)):  # group-aligned halves keep the group statistics
+    for lo, hi in ((0, 3), (3, 8)):  # the step's advantages: any cut, groups split or not
         t0, t1 = int(cu[lo]), int(cu[hi])
         logp = batch.logp[t0:t1].clone().requires_grad_(True)
-        out = policy_loss(logp, batch.old_logp[t0:t1], rewards=batch.rewards[lo:hi], group_ids=batch.group_ids[lo:hi],
+        out = policy_loss(logp, batch.old_logp[t0:t1], advantages=batch.advantages[lo:hi],
                           cu_seqlens=(cu[lo:hi + 1] - cu[lo]).to(torch.int32), chunk_ids=batch.chunk_ids[t0:t1],
                           rollout_logp=batch.rollout_logp[t0:t1], config=cfg, normalizer=n_tr, backend=backend)
         out.loss.backward()
@@ -316,7 +334,7 @@ def test_single_token_chunks_and_long_sequence(backend):
     old = -torch.rand(T, generator=gen) * 3
     logp = old + torch.randn(T, generator=gen) * 0.5
     cu = torch.tensor([0, 1, 4097, 4100, 4101], dtype=torch.int32)
-    kw = dict(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), group_ids=torch.tensor([0, 0, 1, 1]), cu_seqlens=cu,
+    kw = dict(advantages=torch.from_numpy(group_advantages([1.0, 0.0, 1.0, 1.0], [0, 0, 1, 1])[0]), cu_seqlens=cu,
               chunk_ids=cid, rollout_logp=old + 0.01 * torch.randn(T, generator=gen))
     dev = DEVICE[backend]
     kw = {k: v.to(dev) for k, v in kw.items()}
@@ -387,17 +405,17 @@ _BLOCK_CFGS = [
 @pytest.mark.parametrize("backend", _only("triton"))
 @pytest.mark.parametrize("cfg", _BLOCK_CFGS, ids=range(len(_BLOCK_CFGS)))
 def test_triton_small_blocks_cross_block_edges(cfg, backend):
-    """Chunks, carries and the group loop spanning several blocks (a GPU uses 1024-token blocks)."""
+    """Chunks and carries spanning several blocks (a GPU uses 1024-token blocks)."""
     from arl.ops.policy_loss.triton_launch import triton_launch  # Triton is optional
 
     b = _on(make_batch(seed=5, n_seq=10, max_len=70, group_size=3), "triton")
-    inp = LossInputs(logp=b.logp.clone().requires_grad_(True), old_logp=b.old_logp, rewards=b.rewards,
-                     group_ids=b.group_ids, cu_seqlens=b.cu_seqlens, chunk_ids=b.chunk_ids,
+    inp = LossInputs(logp=b.logp.clone().requires_grad_(True), old_logp=b.old_logp, advantages=b.advantages,
+                     cu_seqlens=b.cu_seqlens, chunk_ids=b.chunk_ids,
                      rollout_logp=b.rollout_logp, ref_logp=b.ref_logp, entropy=b.entropy.clone().requires_grad_(True))
     ref = reference_policy_loss(inp, cfg)
     ref.loss.backward()
     plain = LossInputs(logp=b.logp, old_logp=b.old_logp, **b.kwargs())
-    out = triton_launch(plain, cfg, None, True, block=16, block_n=4)
+    out = triton_launch(plain, cfg, None, True, block=16)
     inv_d = out.stats[-1]
     torch.testing.assert_close(out.loss, ref.loss.detach(), **TOL)
     torch.testing.assert_close(out.grad_logp * inv_d, inp.logp.grad, **TOL)
@@ -431,7 +449,7 @@ def test_gpu_packed_agentic_batch_against_float64_reference(backend):
     """The bench layout (512 sequences, ~8 chunks each) at 256k tokens: the fp32 kernels against
     the float64 reference on CPU (the fp32 reference's own sums drift at this length)."""
     spec = importlib.util.spec_from_file_location(
-        "bench_policy_loss", pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_policy_loss.py")
+        "bench_policy_loss", pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_policy_loss.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     for cfg in (bench.CONFIGS["chunk_level"], bench.CONFIGS["token_level"]):
@@ -469,10 +487,9 @@ def test_discount_underflow_flushes_at_the_same_delta(dtype, backend):
     b = dict(logp=old + 0.1 * torch.randn(T, generator=gen, dtype=torch.float64), old_logp=old,
              rollout_logp=old + 0.01 * torch.randn(T, generator=gen, dtype=torch.float64),
              ref_logp=old + 0.1 * torch.randn(T, generator=gen, dtype=torch.float64),
-             rewards=torch.tensor([1.0, 0.0], dtype=torch.float64), group_ids=torch.tensor([0, 0]), cu_seqlens=cu,
-             chunk_ids=cid)
+             advantages=torch.from_numpy(group_advantages([1.0, 0.0], [0, 0])[0]), cu_seqlens=cu, chunk_ids=cid)
     b = {k: (v.to(dtype) if v.is_floating_point() else v).to(DEVICE[backend]) for k, v in b.items()}
-    a = float(torch.tensor(0.5, dtype=dtype) / (torch.tensor(0.5, dtype=dtype).sqrt() + 1e-6))  # |A_s|, both sequences
+    a = abs(float(b["advantages"][0]))  # |A_s|, both sequences, in the compute dtype
     flush = lambda x: 0.0 if abs(x) < tiny else x  # noqa: E731
     expect = sum(1 for d in range(L) if flush(a * flush(gamma ** d)) != 0) + 1
     assert 0 < expect - 1 < L  # the flush lands inside the sequence
@@ -521,8 +538,7 @@ def _clamp_batch(C: float, dtype) -> Batch:
     cast = lambda x: x.to(dtype)  # noqa: E731
     return Batch(logp=cast(logp), old_logp=cast(old), rollout_logp=cast(old - 0.25 * delta.clamp(-1, 1)),
                  ref_logp=cast(ref), entropy=cast(torch.linspace(0.1, 2.0, T, dtype=torch.float64)),
-                 rewards=cast(torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)),
-                 group_ids=torch.tensor([0, 0, 1, 1]), cu_seqlens=torch.arange(0, T + 1, 5, dtype=torch.int32),
+                 advantages=torch.from_numpy(group_advantages([0.0, 1.0, 0.0, 1.0], [0, 0, 1, 1])[0]), cu_seqlens=torch.arange(0, T + 1, 5, dtype=torch.int32),
                  chunk_ids=chunk)
 
 
@@ -542,34 +558,6 @@ def test_log_ratio_at_and_beyond_the_clamp(level, loop, dtype, backend):
     # gradient; sequence 2, beyond at every level, gets none
     _, g, _ = run(b.to(device="cpu"), LossConfig(ratio_level=level, log_ratio_clamp=C), "reference")
     assert bool((g[1:3] != 0).all()) and bool((g[8:10] != 0).all()) and not bool(g[11:15].any()), g
-
-
-def _near_constant_batch(dtype) -> Batch:
-    """Reward groups whose std is of the size of adv_eps (1e-6), where eps is ~60% of the
-    denominator, next to ordinary, zero-variance and one-member groups."""
-    groups = [[0.0, 0.0, 0.0, 1e-6], [1e-6, 0.0], [2.0, 2.0 + 2e-6, 2.0], [0.25], [0.5, 0.5], [0.0, 1.0, 0.0, 1.0]]
-    rewards = torch.tensor([r for g in groups for r in g], dtype=torch.float64)
-    gids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-    b = make_batch(n_seq=len(rewards), max_len=12, seed=21, dtype=torch.float64, log_ratio_scale=0.3)
-    b.rewards, b.group_ids = rewards, gids
-    return b.to(dtype=dtype)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", _dtypes())
-@pytest.mark.parametrize("adv_norm", ["group_std", "group_mean"])
-def test_near_constant_reward_groups(adv_norm, dtype, backend):
-    """Errors of the size of adv_eps in the group normalization are visible here: in fp32 on the
-    near-constant groups, and in float64 on every group."""
-    b = _on(_near_constant_batch(dtype), backend)
-    for level in LEVELS:
-        for extra in LOOPS.values():
-            cfg = LossConfig(ratio_level=level, adv_norm=adv_norm, **extra)
-            assert_same(b, cfg, backend, tol=_tol(dtype))
-    if adv_norm == "group_std":  # the batch makes eps matter: a test of the test
-        out, _, _ = run(b.to(device="cpu", dtype=torch.float64), LossConfig(adv_eps=0.0), "reference")
-        ref, _, _ = run(b.to(device="cpu", dtype=torch.float64), LossConfig(), "reference")
-        assert abs(out.loss.item() - ref.loss.item()) > 1e-2 * abs(ref.loss.item())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

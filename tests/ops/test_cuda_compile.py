@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CU_FILES = sorted((ROOT / "csrc").glob("*/*.cu"))
 NVCC = shutil.which("nvcc")
 
@@ -22,6 +22,7 @@ def _setup_module():
     return mod
 
 
+@pytest.mark.slow  # nvcc compiles each .cu file (about a minute)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("src", CU_FILES, ids=[f"{p.parent.name}/{p.name}" for p in CU_FILES])
 def test_cu_compiles_for_the_default_arches(src, tmp_path):

@@ -1,10 +1,11 @@
 """Random fuzz of every kernel backend, and of the reference itself, against the spec (hypothesis).
 
-Each example: 1-300 sequences (past 12, and past the GPU's 256-reward group block; at most 40
+Each example: 1-300 sequences (past 12, and past 256 with short sequences; at most 40
 under the Triton interpreter), lengths 0-4096 (zero-length sequences included), chunk layouts
-(agentic turns, single-token chunks, random masks, sequences with no trained token), zero-variance
-and near-constant reward groups, log-ratios up to +-30, fp32 or bf16 inputs, and a LossConfig
-drawn uniformly from the whole option space (``OPTIONS``).
+(agentic turns, single-token chunks, random masks, sequences with no trained token), advantages of
+an estimator of arl/algo/advantages.py (float64, as the trainer computes them before packing) over
+zero-variance and near-constant reward groups, log-ratios up to +-30, fp32 or bf16 inputs, and a
+LossConfig drawn uniformly from the whole option space (``OPTIONS``).
 
 Backends (every one in ``arl.available_backends()`` but the reference) against the reference, at
 tolerances relative to each value's own scale (``mag``: the same quantity with every term taken by
@@ -14,7 +15,7 @@ ratio:
   approx_kl
   dL/dentropy, ratio_mean/max, entropy_mean        |got - ref| <= 1e-5 * |ref| (terms of one sign)
   tokens_kept                                       exactly equal
-  clip/dual_clip/mismatch_masked/adv_nonzero/zero_var_group fractions   |got - ref| <= 1e-6
+  clip/dual_clip/mismatch_masked/adv_nonzero fractions   |got - ref| <= 1e-6
   bf16 inputs: loss and metrics are fp32 from the same bf16 values (the fp32 tolerances); the
   gradients come back in bf16, so two fp32 gradients 1e-5 apart may round to neighbouring bf16
   values: + 2**-7 * |ref| (one bf16 ulp) on dL/dlogp and dL/dentropy.
@@ -43,8 +44,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arl import LossConfig, available_backends, policy_loss
-from arl.ops.policy_loss import METRIC_KEYS, group_advantages
+from arl.algo.advantages import group_advantages
+from arl.ops.policy_loss import METRIC_KEYS
 from scalar_loss import scalar_policy_loss
+
+pytestmark = pytest.mark.slow  # the fuzz runs for minutes
 
 EXAMPLES = int(os.environ.get("ARL_FUZZ_EXAMPLES", "200"))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -59,7 +63,7 @@ RTOL = 1e-5  # fp32, relative to each value's own scale
 BF16_GRAD_RTOL = 2.0 ** -7  # one bf16 ulp: the gradients are rounded once from fp32 to bf16
 SPEC_RTOL = 1e-9  # float64 reference against the float64 scalar spec
 COUNTS = ("tokens_kept",)
-FRACTIONS = ("clip_frac", "dual_clip_frac", "mismatch_masked_frac", "adv_nonzero_frac", "zero_var_group_frac")
+FRACTIONS = ("clip_frac", "dual_clip_frac", "mismatch_masked_frac", "adv_nonzero_frac")
 FRACTION_ATOL = 1e-6
 
 
@@ -69,7 +73,7 @@ OPTIONS = dict(  # the whole option space; each example picks uniformly from eve
     clip_low=[0.1, 0.2],
     clip_high=[0.2, 0.28],
     dual_clip=[None, 3.0],
-    adv_norm=["group_std", "group_mean", "none"],
+    advantage=["grpo", "dr_grpo", "none", "rloo"],  # the estimator of the example's advantages (not a LossConfig key)
     gamma=[1.0, 0.95, 0.5],
     positive_only=[False, True],
     mismatch_level=["none", "token", "sequence", "chunk"],
@@ -85,8 +89,10 @@ OPTIONS = dict(  # the whole option space; each example picks uniformly from eve
 )
 
 
-def config_from(rng: np.random.Generator) -> LossConfig:
-    return LossConfig(**{k: v[int(rng.integers(len(v)))] for k, v in OPTIONS.items()})
+def config_from(rng: np.random.Generator) -> tuple[LossConfig, str]:
+    """(LossConfig, advantage estimator) drawn from OPTIONS."""
+    d = {k: v[int(rng.integers(len(v)))] for k, v in OPTIONS.items()}
+    return LossConfig(**{k: v for k, v in d.items() if k != "advantage"}), d["advantage"]
 
 
 def layout(rng: np.random.Generator, L: int, mode: str, next_id: int):
@@ -121,8 +127,8 @@ def layout(rng: np.random.Generator, L: int, mode: str, next_id: int):
 
 @st.composite
 def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False):
-    """spec=True: small float64 examples for the scalar spec.  Past 256 sequences the GPU kernels'
-    group loop takes several reward blocks; such examples keep their sequences short."""
+    """spec=True: small float64 examples for the scalar spec.  Examples past 12 sequences keep their
+    sequences short."""
     n_seq = draw(st.one_of(st.integers(1, 12), st.integers(13, min(40, max_seq)),
                            st.integers(min(257, max_seq), max_seq)))
     big = n_seq <= 12 and draw(st.booleans())
@@ -142,8 +148,8 @@ def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False):
     # left e.g. token-level dual clip without KL in 2 of 200 examples.  A failure prints it in full.
     mix = zlib.crc32(repr((n_seq, lengths, modes, seed, scale, rewards_kind, group_size, shuffle_groups, normalizer,
                            str(dtype))).encode())
-    cfg = config_from(np.random.default_rng([seed, mix]))
-    return dict(cfg=cfg, lengths=lengths, modes=modes, seed=seed, scale=scale, dtype=dtype,
+    cfg, estimator = config_from(np.random.default_rng([seed, mix]))
+    return dict(cfg=cfg, estimator=estimator, lengths=lengths, modes=modes, seed=seed, scale=scale, dtype=dtype,
                 rewards_kind=rewards_kind, group_size=group_size, shuffle_groups=shuffle_groups, normalizer=normalizer)
 
 
@@ -168,25 +174,27 @@ def build(case):
     gids = torch.arange(N) // case["group_size"]
     if case["shuffle_groups"]:
         gids = gids[torch.from_numpy(rng.permutation(N))] * 7 - 3  # non-contiguous, negative ids
-    rdt = torch.float64 if dt == torch.float64 else torch.float32
     if case["rewards_kind"] == "binary":
         rewards = torch.from_numpy((rng.random(N) > 0.5).astype(np.float64))
     elif case["rewards_kind"] == "normal":
         rewards = torch.from_numpy(rng.standard_normal(N))
-    elif case["rewards_kind"] == "near_constant":  # std ~ adv_eps: the eps term is of the advantage's size
+    elif case["rewards_kind"] == "near_constant":  # std ~ the estimator's eps (1e-6): eps is of the advantage's size
         rewards = torch.from_numpy((rng.random(N) < 0.3) * 1e-6)
     else:  # one reward per group: every group has zero variance
         per_group = torch.from_numpy(rng.standard_normal(N))
         rewards = per_group[(gids - gids.min()) % N]
-    return dict(logp=logp, old_logp=old, rollout_logp=rollout, ref_logp=ref, entropy=entropy, rewards=rewards.to(rdt),
-                group_ids=gids, cu_seqlens=cu, chunk_ids=chunk_ids)
+    adv = torch.from_numpy(group_advantages(rewards, gids, case["estimator"], 1e-6)[0])  # float64, before packing
+    return dict(logp=logp, old_logp=old, rollout_logp=rollout, ref_logp=ref, entropy=entropy, advantages=adv,
+                cu_seqlens=cu, chunk_ids=chunk_ids)
 
 
 def evaluate(b, cfg, backend, normalizer, advantages=None):
     lp = b["logp"].clone().requires_grad_(True)
     ent = b["entropy"].clone().requires_grad_(True)
     kw = {k: v for k, v in b.items() if k not in ("logp", "entropy")}
-    out = policy_loss(lp, **kw, entropy=ent, config=cfg, normalizer=normalizer, backend=backend, advantages=advantages)
+    if advantages is not None:
+        kw["advantages"] = advantages
+    out = policy_loss(lp, **kw, entropy=ent, config=cfg, normalizer=normalizer, backend=backend)
     out.loss.backward()
     zero = lambda g, x: g if g is not None else torch.zeros_like(x)  # noqa: E731 - None == not in graph
     return out, zero(lp.grad, lp), zero(ent.grad, ent)
@@ -224,7 +232,7 @@ def magnitudes(b, cfg, normalizer):
     clamp = (lambda x: x.clamp(-c, c)) if c is not None else (lambda x: x)  # noqa: E731
     tr = b64["chunk_ids"] >= 0
     dc = clamp(b64["logp"] - b64["old_logp"])[tr]
-    adv = group_advantages(b64["rewards"], b64["group_ids"], cfg)[0].abs()
+    adv = b64["advantages"].abs()
     sign = 1.0 if cfg.surrogate == "topr" or cfg.positive_only else -1.0
     zero = torch.zeros_like(adv)
     plain = _with(cfg, kl_beta=0.0, entropy_coef=0.0)
@@ -347,7 +355,7 @@ def test_fuzz_reference_matches_scalar_spec():
             return
         L = lambda x: x.tolist()  # noqa: E731
         loss, grad, metrics = scalar_policy_loss(
-            L(b["logp"]), L(b["old_logp"]), L(b["rewards"]), L(b["group_ids"]), L(b["cu_seqlens"]),
+            L(b["logp"]), L(b["old_logp"]), L(b["advantages"]), L(b["cu_seqlens"]),
             L(b["chunk_ids"]), cfg, rollout=L(b["rollout_logp"]), ref=L(b["ref_logp"]), entropy=L(b["entropy"]),
             normalizer=case["normalizer"])
         d = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # a fresh interpreter imports arl
 def test_public_imports_from_outside_the_checkout(tmp_path):
     code = ("import arl, arl.ops.policy_loss, arl.ops.logprob; from arl import policy_loss, LossConfig, LossOutput, "
             "available_backends; print(arl.ops.policy_loss.__name__)")
@@ -12,6 +13,7 @@ def test_public_imports_from_outside_the_checkout(tmp_path):
     assert out.stdout.strip() == "arl.ops.policy_loss"
 
 
+@pytest.mark.slow  # a fresh interpreter imports arl
 def test_kernels_is_not_a_top_level_module(tmp_path):
     # `kernels` belongs to a Hugging Face package that transformers imports: arl must not shadow it
     code = "import importlib.util, arl; s = importlib.util.find_spec('kernels'); print(s.origin if s else None)"
@@ -36,7 +38,7 @@ def test_cpp_policy_loss_op_matches_the_reference():
     toks, idx = kernel_tensors(inp, cfg)
     loss, grad, stats, _ = torch.ops.arl.policy_loss(
         toks["logp"], toks["old_logp"], toks.get("rollout_logp"), toks.get("ref_logp"), toks.get("entropy"),
-        idx["rewards"], idx["group_ids"], idx["cu_seqlens"], idx["chunk_ids"], *kernel_options(cfg, None), True)
+        idx["advantages"], idx["cu_seqlens"], idx["chunk_ids"], *kernel_options(cfg, None), True)
     assert grad.shape == b.logp.shape
     lp = b.logp.clone().requires_grad_(True)
     ref = reference_policy_loss(LossInputs(logp=lp, old_logp=b.old_logp, **b.kwargs()), cfg)
@@ -49,12 +51,13 @@ def test_cpp_policy_loss_op_matches_the_reference():
                                atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # runs install.sh (a whole environment where none is)
 def test_install_script_is_idempotent():
     """A second run of install.sh finds every pin satisfied and installs nothing (it only checks
     pins, rebuilds the C++ ops incrementally and imports arl)."""
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(["bash", os.path.join(root, "install.sh")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[install] installing" not in out.stdout, out.stdout

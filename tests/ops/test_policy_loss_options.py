@@ -8,9 +8,9 @@ import re
 from arl.ops.policy_loss import METRIC_KEYS
 from arl.ops.policy_loss import options as O
 
-HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "policy_loss" / "core.h"
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "policy_loss" / "core.h"
 # C++ enumerator (without its k / kI / kF / kS prefix) -> Python name, where they are not the same word
-ALIASES = {"NoLevel": "none", "AdvNone": "none", "KLOff": "off", "K1": "k1", "K2": "k2", "K3": "k3",
+ALIASES = {"NoLevel": "none", "KLOff": "off", "K1": "k1", "K2": "k2", "K3": "k3",
            "MismatchFrac": "mismatch_masked_frac"}
 
 
@@ -42,7 +42,7 @@ def _as_python(enum: dict[str, int], prefix: str) -> dict[str, int]:
 
 def test_option_codes_equal_the_cpp_enums():
     e = _enums()
-    tables = {"Level": O.LEVEL, "Surrogate": O.SURROGATE, "AdvNorm": O.ADV_NORM, "MismatchMode": O.MISMATCH_MODE,
+    tables = {"Level": O.LEVEL, "Surrogate": O.SURROGATE, "MismatchMode": O.MISMATCH_MODE,
               "LossAgg": O.LOSS_AGG, "KL": O.KL}
     for enum, table in tables.items():
         assert _as_python(e[enum], "k") == {_norm(k): v for k, v in table.items()}, enum
@@ -59,11 +59,11 @@ def test_option_and_stat_order_equal_the_cpp_enums():
 
 
 def test_kernel_options_follow_the_table():
-    cfg = O.LossConfig(ratio_level="chunk", mismatch_level="none", kl_beta=0.1, kl_estimator="k2", adv_norm="group_mean")
+    cfg = O.LossConfig(ratio_level="chunk", mismatch_level="none", kl_beta=0.1, kl_estimator="k2", positive_only=True)
     io, fo = O.kernel_options(cfg, 5.0)
     i = dict(zip(O.IOPTS, io))
-    assert (i["ratio_level"], i["mismatch_level"], i["kl"], i["adv_norm"]) == (2, 3, 2, 1)
+    assert (i["ratio_level"], i["mismatch_level"], i["kl"], i["positive_only"]) == (2, 3, 2, 1)
     assert i["has_normalizer"] == 1 and dict(zip(O.FOPTS, fo))["normalizer"] == 5.0
-    # given advantages: adv_norm "none" for the kernels, the config untouched
-    io_adv, _ = O.kernel_options(cfg, None, advantages_given=True)
-    assert dict(zip(O.IOPTS, io_adv))["adv_norm"] == O.ADV_NORM["none"] and cfg.adv_norm == "group_mean"
+    # the kernels never normalize groups: no advantage option is left in the table or the header
+    assert not any("adv" in k for k in O.IOPTS + O.FOPTS)
+    assert "AdvNorm" not in _enums() and "adv_eps" not in O.LossConfig.model_fields

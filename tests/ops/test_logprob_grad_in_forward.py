@@ -10,6 +10,7 @@ import torch
 
 from arl.ops.logprob import naive_logprobs
 from arl.ops.logprob.grad_in_forward import ConstantGrad, grad_in_forward_logprobs
+from arl.algo.advantages import group_advantages
 from arl.ops.policy_loss import LossConfig, policy_loss
 from arl.ops.policy_loss.local_grad import local_logp_grad
 
@@ -44,14 +45,15 @@ def packed_batch(seed=0, n_seq=6, group=3):
         T=T, cu=cu_t, chunk=torch.tensor(np.concatenate(chunk), dtype=torch.int32), src=src, dst=src + 1,
         targets=ids[src + 1], hidden=torch.randn(src.numel(), H, generator=g, dtype=DT),
         weight=torch.randn(V, H, generator=g, dtype=DT) * 0.5,
-        rewards=torch.tensor(rng.random(n_seq) < 0.5, dtype=torch.float32) + torch.tensor(rng.random(n_seq), dtype=torch.float32),
-        group_ids=torch.arange(n_seq) // group, ref=torch.randn(T, generator=g, dtype=DT) * 0.3 - 4.0,
+        advantages=torch.from_numpy(group_advantages(
+            torch.tensor(rng.random(n_seq) < 0.5, dtype=torch.float32) + torch.tensor(rng.random(n_seq), dtype=torch.float32),
+            torch.arange(n_seq) // group, "grpo", 1e-6)[0]), ref=torch.randn(T, generator=g, dtype=DT) * 0.3 - 4.0,
         noise=torch.randn(T, generator=g, dtype=DT))
 
 
 def loss_kwargs(b, cfg, roll, advantages=None, normalizer=None):
-    return dict(rewards=b["rewards"], group_ids=b["group_ids"], cu_seqlens=b["cu"], chunk_ids=b["chunk"],
-                rollout_logp=roll, ref_logp=b["ref"] if cfg.kl_beta > 0 else None, advantages=advantages,
+    return dict(advantages=b["advantages"] if advantages is None else advantages, cu_seqlens=b["cu"],
+                chunk_ids=b["chunk"], rollout_logp=roll, ref_logp=b["ref"] if cfg.kl_beta > 0 else None,
                 normalizer=normalizer)
 
 
@@ -104,7 +106,7 @@ CONFIGS = {
     "grpo_token": LossConfig(),
     "chunk_ratio": LossConfig(ratio_level="chunk", gamma=0.9),
     "gspo_sequence": LossConfig(ratio_level="sequence", loss_agg="seq-mean-token-mean"),
-    "dual_clip_dapo": LossConfig(clip_high=0.28, dual_clip=3.0, adv_norm="group_mean"),
+    "dual_clip_dapo": LossConfig(clip_high=0.28, dual_clip=3.0),
     "topr_chunk": LossConfig(surrogate="topr", ratio_level="chunk", positive_only=True),
     "mismatch_token_truncate": LossConfig(mismatch_level="token", mismatch_mode="truncate", mismatch_high=1.3),
     "mismatch_token_mask_chunk_ratio": LossConfig(ratio_level="chunk", mismatch_level="token", mismatch_high=1.5),
@@ -131,7 +133,7 @@ def test_values_and_gradients_match_the_spec(name):
     roll = rollout(b, temp, spread=0.25 if cfg.mismatch_level == "token" else 0.6)
     extra = dict(roll=roll)
     if "norm" in name:  # the step's normalizer and given advantages, as the trainer passes them
-        extra.update(normalizer=123.0, advantages=torch.randn(b["rewards"].numel(), generator=torch.Generator().manual_seed(1)))
+        extra.update(normalizer=123.0, advantages=torch.randn(b["advantages"].numel(), generator=torch.Generator().manual_seed(1)))
     spec = run(b, cfg, "spec", temp=temp, scale=2.0, **dict(extra))
     ours = run(b, cfg, plan_of, temp=temp, scale=2.0, **dict(extra))
     assert float(spec[3].abs().max()) > 0, "the batch should carry a gradient"
@@ -343,7 +345,7 @@ def test_entropy_holds_one_logits_block():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
     from bench_logprob import peak_bytes
 
     T, V_, H_ = 100, 4096, 8
@@ -369,3 +371,24 @@ def test_bad_scratch_rows():
     with pytest.raises(ValueError, match="scratch_rows: must be >= 1"):
         grad_in_forward_logprobs(b["hidden"], b["weight"], b["targets"], ConstantGrad(torch.zeros(b["src"].numel())),
                                  with_entropy=True, scratch_rows=0)
+
+
+@pytest.mark.parametrize("cfg", [LossConfig(ratio_level="chunk", gamma=0.9, entropy_coef=0.01),
+                                 LossConfig(ratio_level="chunk", mismatch_level="chunk", mismatch_high=5.0, kl_beta=0.1,
+                                            entropy_coef=0.01)], ids=["constant", "mismatch_kl"])
+def test_plan_untrained_token_inside_a_chunk(cfg):
+    """Chunk ids [0, 0, -1, 0, 1]: the plan's gradients are the reference's (old = logp.detach()), and
+    exactly 0 on the -1 token."""
+    from loss_utils import untrained_inside_chunk_batch
+
+    b = untrained_inside_chunk_batch(DT)
+    kw = dict(advantages=b.advantages, cu_seqlens=b.cu_seqlens, chunk_ids=b.chunk_ids, rollout_logp=b.rollout_logp,
+              ref_logp=b.ref_logp if cfg.kl_beta > 0 else None)
+    g, ge = local_logp_grad(config=cfg, with_entropy=True, dtype=DT, **kw).grad(0, b.logp.numel(), b.logp)
+    lp = b.logp.clone().requires_grad_(True)
+    ent = b.entropy.clone().requires_grad_(True)
+    out = policy_loss(lp, lp.detach(), config=cfg, entropy=ent, backend="reference", **kw)
+    g_ref, ge_ref = torch.autograd.grad(out.loss, (lp, ent))
+    torch.testing.assert_close(g, g_ref, atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(ge, ge_ref, atol=1e-12, rtol=1e-9)
+    assert g[2].item() == 0.0 and ge[2].item() == 0.0 and bool((g[[0, 1, 3]] != 0).all())
