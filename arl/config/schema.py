@@ -158,6 +158,9 @@ class RolloutConfig(Section):
     weight_sync: Literal["auto", "file", "group"] = Field(
         "auto", description="How new weights reach the engine: file (/dev/shm safetensors the engine reloads), group "
         "(broadcast from trainer rank 0), auto (group on separate GPUs, else file).")
+    sync_bucket_mb: Optional[int] = Field(
+        None, ge=0, description="Weight sync in flat per-dtype buckets of this many MiB, one broadcast or file each; "
+        "0: one per tensor; null: 256 on GPU, 0 on CPU (docs/weight_sync.md).")
     engines: Optional[int] = Field(
         None, ge=1, description="vLLM engines, each generating tasks_per_step / engines groups; null: one on CPU, one "
         "per node on GPU layouts.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer
 
 from ..env.base import STOP_STRINGS
 from .engine_args import build_engine_args
-from .weight_sync import FromGroup
+from .weight_sync import BUCKET_KEY, BUCKET_META, FromGroup, iter_buckets, plan_buckets, tensor_meta
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ class VLLMEngine(RolloutEngine):
     async def _load_from_group(self, source):
         # each worker receives every tensor over the group and reloads in place (no files, no copies
         # through the engine-core channel)
-        await self.llm.collective_rpc("arl_receive_weights", args=(source.meta,))
+        await self.llm.collective_rpc("arl_receive_weights", args=(source.meta, source.buckets))
         await self.llm.reset_prefix_cache()
 
     async def close(self):
@@ -341,15 +342,30 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
 
 
-def write_sync_weights(state_dict: Mapping, weights_dir: str | os.PathLike) -> Path:
-    """Trainer side of CPU weight sync: dump an HF-named state dict as one safetensors file
-    (use a directory under /dev/shm so nothing touches disk).  Returns the directory."""
+def write_sync_weights(state_dict: Mapping, weights_dir: str | os.PathLike, bucket_bytes: int = 0) -> Path:
+    """Trainer side of CPU weight sync: dump an HF-named state dict into ``weights_dir`` (use a
+    directory under /dev/shm so nothing touches disk).  Returns the directory.
+
+    ``bucket_bytes`` > 0: the buckets of ``plan_buckets`` (``rollout.sync_bucket_mb``), one
+    safetensors file each, holding one flat tensor with the bucket's plan in the file's metadata
+    (read back as views by ``arl.rollout.weight_sync``); one bucket in memory at a time.  0: one
+    safetensors file of every tensor."""
 
     d = Path(weights_dir)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", copy=False).contiguous() for k, v in state_dict.items()
                if isinstance(v, torch.Tensor)}
-    tmp = d / "model.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, d / "model.safetensors")  # a reader never sees a half-written file
+    for old in d.glob("*.safetensors"):  # a rewritten directory keeps no stale bucket
+        old.unlink()
+    if bucket_bytes <= 0:
+        files = iter([("model.safetensors", tensors, None)])
+    else:
+        buckets = iter_buckets(tensors, plan_buckets(tensor_meta(tensors), bucket_bytes), "cpu")
+        files = ((f"bucket-{i:05d}.safetensors", {BUCKET_KEY: flat}, {BUCKET_META: json.dumps(entries)})
+                 for i, (flat, entries) in enumerate(buckets))
+    for name, data, metadata in files:
+        tmp = d / (name + ".tmp")
+        save_file(data, str(tmp), metadata=metadata)
+        os.replace(tmp, d / name)  # a reader never sees a half-written file
+        del data  # before the next bucket is packed
     return d

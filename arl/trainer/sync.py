@@ -3,7 +3,8 @@
 ``file`` (the CPU default): trainer rank 0 writes the weights to shared memory (a directory per
 version) and orders each engine to reload them.  ``group`` (the GPU default): trainer rank 0 broadcasts every tensor over a
 process group straight into the engines' workers (arl/rollout/weight_sync.py), the first sync
-having them join it.  Either way the order carries the new policy version and the IPA start
+having them join it.  Both can move flat buckets of ``rollout.sync_bucket_mb`` (one file or one
+broadcast each; by default on GPU only: docs/weight_sync.md).  Either way the order carries the new policy version and the IPA start
 chooser's state (it advances with the trainer's steps).  Colocated (``layout.colocate``) the file
 path is the default: NCCL cannot pair trainer rank 0 and an engine worker on one GPU.
 """
@@ -19,11 +20,24 @@ from ..config import TrainConfig
 from ..model.tied import is_tied, untied_state
 from ..rollout.colocate import trainer_turn_ends
 from ..rollout.engine import write_sync_weights
-from ..rollout.weight_sync import FromGroup, make_group, send, sender_backend, tensor_meta
+from ..rollout.weight_sync import FromGroup, make_group, plan_buckets, send, send_buckets, sender_backend, tensor_meta
 from ..rollout.worker import engine_workers
 from . import faults
 from .link import RolloutLink
 from .policy import PolicyTrainer
+
+
+GPU_BUCKET_MB = 256
+
+
+def sync_bucket_mb(cfg: TrainConfig, device) -> int:
+    """``rollout.sync_bucket_mb``, or when unset: buckets of ``GPU_BUCKET_MB`` on GPU (fewer NCCL
+    calls; not measured yet), one per tensor on CPU (packing copies, and it measured slower on
+    gloo and /dev/shm: docs/weight_sync.md)."""
+    mb = cfg.rollout.sync_bucket_mb
+    if mb is not None:
+        return int(mb)
+    return GPU_BUCKET_MB if str(device).startswith("cuda") else 0
 
 
 class WeightSender:
@@ -39,6 +53,7 @@ class WeightSender:
         # tied embeddings: the head is the embedding, which the engines load under both names
         # (arl/rollout/weight_sync.py), so it is not sent twice
         self.tied = is_tied(trainer.module)
+        self.bucket_bytes = sync_bucket_mb(cfg, trainer.device) << 20  # 0: one broadcast / file entry per tensor
 
     def __call__(self, version: int, chooser_state: Optional[dict]) -> None:
         """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
@@ -53,7 +68,7 @@ class WeightSender:
             # written newer weights (staleness > 0, a resumed run's held batches), and must load
             # the version the order names.  Orders older than staleness + 1 versions are taken
             # (the batch the trainer just trained on needed one of them), so their files go
-            d = write_sync_weights(state, self.weights_dir / f"v{version}")
+            d = write_sync_weights(state, self.weights_dir / f"v{version}", self.bucket_bytes)
             for old in self.weights_dir.glob("v*"):
                 if old.name[1:].isdigit() and int(old.name[1:]) < version - self.cfg.rollout.staleness - 1:
                     shutil.rmtree(old, ignore_errors=True)
@@ -64,9 +79,15 @@ class WeightSender:
             n, backend = 1 + self.link.engines * engine_workers(self.cfg), sender_backend(self.tr.device)
             self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend))  # rank 0 is the source
             self.group = make_group(self.addr[0], self.addr[1], 0, n, backend)
-        self.link.broadcast(("weights", FromGroup(tensor_meta(state)), version, chooser_state))
+        meta = tensor_meta(state)
+        plan = plan_buckets(meta, self.bucket_bytes) if self.bucket_bytes > 0 else None
+        self.link.broadcast(("weights", FromGroup(meta, plan), version, chooser_state))
         faults.reached("sync")
-        send(self.group, state, self.tr.device)  # returns once every engine has received every tensor
+        # returns once every engine has received every tensor
+        if plan is None:
+            send(self.group, state, self.tr.device)
+        else:
+            send_buckets(self.group, state, plan, self.tr.device)
 
     def close(self) -> None:
         shutil.rmtree(self.weights_dir, ignore_errors=True)
