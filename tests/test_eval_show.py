@@ -51,7 +51,7 @@ def test_transcripts_show_turns_calls_observations_and_reward(tiny_tokenizer, ar
 
     show(rows, 2)
     out = capsys.readouterr().out
-    assert out.count("--- task") == 2 and "[assistant turn 1, call calculator]" in out and "reward 1," in out
+    assert out.count("--- task") == 2 and "call calculator]" in out and "reward 1," in out
     assert "[observation]" in out and "How many Japanese yen" in out
 
     # a run's evaluation writes the same rows, transcripts included

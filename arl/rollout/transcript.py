@@ -8,7 +8,7 @@ from ..data.trajectory import Trajectory
 
 def transcript(fmt, t: Trajectory) -> dict:
     """``t`` as a JSON-able dict: ``prompt`` (the rendered prompt text), ``turns`` (one entry per
-    segment in order: ``{"role": "assistant", "turn": k, "text", "call", "tool_error"}`` for model
+    segment in order: ``{"role": "assistant", "turn": k, "text", "tokens", "call", "tool_error"}`` for model
     turn k, ``{"role": "observation", "text"}`` for what the template and the env put after it),
     and the episode's ``reward``, ``fault``, ``fault_reason`` and ``truncated``."""
     toks, chunks = list(t.tokens), list(t.chunk_ids)
@@ -17,18 +17,18 @@ def transcript(fmt, t: Trajectory) -> dict:
         j = i
         while j < len(toks) and chunks[j] == chunks[i]:
             j += 1
-        segs.append((int(chunks[i]), fmt.decode(toks[i:j])))
+        segs.append((int(chunks[i]), fmt.decode(toks[i:j]), j - i))
         i = j
     m = t.metadata
     info, calls = m.get("turn_info", []), m.get("calls", [])
     prompt = segs.pop(0)[1] if segs and segs[0][0] == -1 else ""
     turns = []
-    for chunk, text in segs:
+    for chunk, text, n_tok in segs:
         if chunk < 0:
             turns.append({"role": "observation", "text": text})
             continue
         ti = info[chunk] if chunk < len(info) else {}
-        turns.append({"role": "assistant", "turn": chunk, "text": text, "call": ti.get("tool"),
+        turns.append({"role": "assistant", "turn": chunk, "text": text, "tokens": n_tok, "call": ti.get("tool"),
                       "tool_error": bool(ti.get("tool_error"))})
     return {"prompt": prompt, "turns": turns, "reward": float(t.reward), "fault": m.get("fault", "none"),
             "fault_reason": m.get("fault_reason"), "truncated": m.get("truncated"), "calls": calls}
@@ -52,7 +52,7 @@ def format_transcript(row: dict, prompt_tail: int = 240, width: int = 600) -> st
         if s["role"] == "assistant":
             what = f"call {s['call']}" + (" (error)" if s["tool_error"] else "") if s["call"] else \
                 ("tool error" if s["tool_error"] else "no call")
-            out.append(f"[assistant turn {s['turn']}, {what}] {_clip(s['text'], width)!r}")
+            out.append(f"[assistant turn {s['turn']}, {s.get('tokens', '?')} tokens, {what}] {_clip(s['text'], width)!r}")
         else:
             out.append(f"[observation] {_clip(s['text'], width)!r}")
     return "\n".join(out)
