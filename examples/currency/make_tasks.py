@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from .tools import calculator, rate
+from .tools import _RATES, CURRENCIES, calculator, rate
 
 SYSTEM = ("You are a careful assistant. Look up the exchange rate with get_rate, multiply with the "
           "calculator, then give the final answer as a number.")
@@ -30,13 +30,20 @@ KINDS = [
 ]
 
 
-def problem(rng: random.Random) -> dict:
+PAIRS = [(b, q) for b in CURRENCIES for q in CURRENCIES if b != q and ((b, q) in _RATES or (q, b) in _RATES)]
+
+
+def problem(rng: random.Random, any_pair: bool = False) -> dict:
+    """A random task; ``any_pair``: its wording with a currency pair drawn from all known ones."""
     k = rng.randrange(len(KINDS))
     text, base, quote = KINDS[k]
     a = rng.randint(100, 9999)
+    if any_pair:
+        base, quote = rng.choice(PAIRS)
+        text = text.replace(KINDS[k][1], "{base}").replace(KINDS[k][2], "{quote}")
     r = rate(base, quote)
     expr = f"{a} * {r}"
-    return {"prompt": text.format(a=a), "answer": calculator(expr), "kind": k,
+    return {"prompt": text.format(a=a, base=base, quote=quote), "answer": calculator(expr), "kind": k,
             "calls": [{"name": "get_rate", "arguments": {"base": base, "quote": quote}},
                       {"name": "calculator", "arguments": {"expression": expr}}]}
 
@@ -63,6 +70,10 @@ def main(argv=None) -> None:
     ap.add_argument("--demos", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--demo-kinds", default="0", help="comma-separated KINDS indices the demonstrations show")
+    # the demonstrated category has one currency pair: its demonstrations teach a constant get_rate
+    # call (docs/user_task_finding.md); these show its wording with every known pair instead
+    ap.add_argument("--demos-any-pair", default="demos_any_pair.jsonl",
+                    help="also write demonstrations of the same categories with any currency pair here ('' : none)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,6 +85,11 @@ def main(argv=None) -> None:
         r = problem(rng)
         if r["kind"] in kinds:
             demos.append(r)
+    arng, any_pair = random.Random(a.seed + 2), []  # own stream: the other files do not change
+    while len(any_pair) < (a.demos if a.demos_any_pair else 0):
+        r = problem(arng, any_pair=True)
+        if r["kind"] in kinds:
+            any_pair.append(r)
     seen = {r["prompt"] for r in train + demos}
     erng, held = random.Random(a.seed + 1), []
     while len(held) < a.eval:
@@ -90,7 +106,10 @@ def main(argv=None) -> None:
     write("train.jsonl", train)
     write("eval.jsonl", held)
     write("demos.jsonl", [demonstration(r) for r in demos])
-    print(f"wrote {len(train)} train, {len(held)} held-out tasks and {len(demos)} demonstrations to {out}")
+    if a.demos_any_pair:
+        write(a.demos_any_pair, [demonstration(r) for r in any_pair])
+    print(f"wrote {len(train)} train, {len(held)} held-out tasks and {len(demos)} demonstrations "
+          f"(+ {len(any_pair)} with any pair) to {out}")
 
 
 if __name__ == "__main__":
