@@ -6,7 +6,8 @@ Each episode gets one kind, the first thing that went wrong, in this order: a fa
 all; a turn that used the whole ``rollout.max_turn_tokens`` (cut off); a bad ``get_rate`` call (an
 error, or the wrong pair); the calculator skipped; a bad calculator call (an error, or a result
 that is not the answer); the turn limit hit before an answer; an answer whose number is not the
-calculator's.  Also per category (``kind`` in the data): successes / episodes.
+calculator's.  Also the first get_rate pair of the categories the demonstrations do not show
+(1-5), and per category (``kind`` in the data): successes / episodes.
 """
 from __future__ import annotations
 
@@ -74,15 +75,21 @@ def main(argv=None) -> None:
     for path in a.transcripts:
         rows = [json.loads(x) for x in open(path)]
         counts, per_kind = collections.Counter(), collections.defaultdict(lambda: [0, 0])
+        pairs = collections.Counter()  # the first get_rate call of the non-demonstrated categories
         for r in rows:
             tr = r["transcript"]
             row = next(h for h in held if h["prompt"] in tr["prompt"])
             kind = classify(tr, row, a.max_turn_tokens, count_tokens)
             counts[kind] += 1
+            if row["kind"] != 0:
+                first = next((c for c in r["transcript"].get("calls", []) if c["tool"] == "get_rate"), None)
+                pairs["none" if first is None else "error" if first["error"] else
+                      "{base}/{quote}".format(**first["args"]) if set(first["args"] or {}) == {"base", "quote"} else "other"] += 1
             per_kind[row["kind"]][0] += kind == "success"
             per_kind[row["kind"]][1] += 1
         print(f"{path}: {counts['success']}/{len(rows)} succeed")
         print("  " + ", ".join(f"{k}: {counts[k]}" for k in KINDS if counts[k]))
+        print("  first get_rate pair, categories 1-5: " + ", ".join(f"{k}: {n}" for k, n in pairs.most_common()))
         print("  per category (successes/episodes): " + ", ".join(f"{k}: {s}/{n}" for k, (s, n) in sorted(per_kind.items())))
 
 
