@@ -26,7 +26,7 @@ def calculator(expression: str) -> str:
     """Exact arithmetic, rounded to the cent.
 
     Args:
-        expression: e.g. "4279 * 0.9213"
+        expression: the amount times the rate, e.g. "<amount> * <rate>"
     """
     if len(expression) > 200:
         raise ValueError("expression too long")
