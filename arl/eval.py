@@ -1,11 +1,12 @@
-"""Evaluation only: ``python -m arl.eval --model DIR [--config X.yaml] [--tasks N] [--out FILE] [key=value ...]``.
+"""Evaluation only: ``python -m arl.eval --model DIR [--config X.yaml] [--tasks N] [--show N] [--out FILE] [key=value ...]``.
 
 Greedy held-out success of the HF model in DIR (a run's ``hf/`` or ``checkpoints/step<N>/hf``, or
 any HF directory with its tokenizer) on the config's environment, and one row per task: seed,
 reward, success, model turns, tool calls and errors, fault.  It runs the training run's own engine
 (``arl.rollout.worker.run_engine``) and episode code (``evaluate_tasks``, the held-out evaluation
 behind ``success/heldout``), so a run's number and this one agree for the same weights and config.
-``--out`` writes the rows as JSONL (``.jsonl``) or the summary and the rows as JSON (``.json``).
+``--out`` writes the rows as JSONL (``.jsonl``) or the summary and the rows as JSON (``.json``), each
+with its transcript; ``--show N`` prints the first N transcripts (arl/rollout/transcript.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from transformers import AutoTokenizer
 from .config import ConfigError, TrainConfig, load_config
 from .rollout.episode import ChatFormat
 from .rollout.engine_args import check_engine_kwargs
+from .rollout.transcript import format_transcript
 from .rollout.worker import evaluate_tasks, run_engine, task_set
 
 OUT_SUFFIXES = (".jsonl", ".json")
@@ -35,6 +37,8 @@ def parse_args(argv=None):
     ap.add_argument("--config", default=None, help="YAML config of the run (default: the built-in tiny CPU run)")
     ap.add_argument("--tasks", type=int, default=None, help="held-out tasks to run (default: env.eval_tasks)")
     ap.add_argument("--out", default=None, help="write the per-task rows: FILE.jsonl (rows) or FILE.json (summary + rows)")
+    ap.add_argument("--show", type=int, default=0, metavar="N",
+                    help="print the transcripts of the first N tasks (each turn's text, tool calls, observations, reward)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. env.max_turns=4")
     return ap.parse_args(argv)
 
@@ -62,14 +66,17 @@ def resolve(args) -> tuple:
     if n < 1:
         raise ValueError(f"--tasks: must be >= 1, got {n}" if args.tasks is not None else
                          "--tasks: env.eval_tasks is 0 in the config; give --tasks N")
+    if args.show < 0:
+        raise ValueError(f"--show: must be >= 0, got {args.show}")
     out = Path(args.out) if args.out else None
     if out is not None and out.suffix not in OUT_SUFFIXES:
         raise ValueError(f"--out: {args.out} must end in .jsonl or .json")
     return cfg, model_dir, n, out
 
 
-async def evaluate_model(cfg: TrainConfig, model_dir: str, n: int, engine=None) -> list:
-    """The ``n`` held-out rows of the model in ``model_dir``.  Without ``engine`` one is started
+async def evaluate_model(cfg: TrainConfig, model_dir: str, n: int, engine=None, transcripts: bool = False) -> list:
+    """The ``n`` held-out rows of the model in ``model_dir`` (``transcripts``: each with its
+    ``transcript``).  Without ``engine`` one is started
     and shut down here before returning (vLLM's own finalizer at interpreter exit would print a
     traceback)."""
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
@@ -77,7 +84,7 @@ async def evaluate_model(cfg: TrainConfig, model_dir: str, n: int, engine=None) 
     if own:
         engine = run_engine(cfg, model_dir)
     try:
-        return await evaluate_tasks(engine, fmt, cfg, n, task_set(cfg))
+        return await evaluate_tasks(engine, fmt, cfg, n, task_set(cfg), transcripts=transcripts)
     finally:
         if own:
             await engine.close()
@@ -105,6 +112,12 @@ def render(rows: list, summary: dict, model_dir: str, cfg: TrainConfig, console:
                   f"(mean reward {summary['reward_mean']:.3g}, faults {summary['faults']})")
 
 
+def show(rows: list, k: int, file=None) -> None:
+    """The transcripts of the first ``k`` rows, as plain text."""
+    for r in rows[:k]:
+        print(format_transcript(r), file=file or sys.stdout)
+
+
 def write_out(path: Path, rows: list, summary: dict, model_dir: str, config: Optional[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".jsonl":
@@ -124,8 +137,9 @@ def main(argv=None) -> int:
     # vLLM logs to stdout at INFO by default: keep stdout for the table (a user's setting wins)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    rows = asyncio.run(evaluate_model(cfg, model_dir, n))
+    rows = asyncio.run(evaluate_model(cfg, model_dir, n, transcripts=bool(args.show or out)))
     summary = summarize(rows)
+    show(rows, args.show)
     render(rows, summary, model_dir, cfg)
     if out is not None:
         write_out(out, rows, summary, model_dir, args.config)

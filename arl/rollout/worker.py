@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import queue as queue_mod
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -39,6 +41,7 @@ from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .engine_args import build_engine_args, check_engine_kwargs
 from .episode import ChatFormat, EpisodeConfig, run_episode
+from .transcript import transcript
 from .expert import StartChooser, expert_start_hook
 from .manager import RolloutManager, fill_batch
 
@@ -129,9 +132,11 @@ def eval_record(task: int, t: Trajectory) -> dict:
             "truncated": m.get("truncated")}
 
 
-async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None) -> list:
+async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None,
+                         transcripts: bool = False) -> list:
     """Greedy episodes on the ``n`` held-out tasks (seeds ``EVAL_SEED_BASE + i``; with a dataset,
-    its held-out rows, at most ``tasks.n_eval``), ``eval_record`` rows in task order."""
+    its held-out rows, at most ``tasks.n_eval``), ``eval_record`` rows in task order
+    (``transcripts``: each with its ``transcript``, arl/rollout/transcript.py)."""
     factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
     sem = asyncio.Semaphore(cfg.env.pool_size)
     n = n if tasks is None else min(n, tasks.n_eval)  # a dataset has n_eval held-out rows
@@ -144,14 +149,26 @@ async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, task
                 t = await run_episode(engine, env, fmt, seed, ep_cfg, task=tasks.row(seed) if tasks else None)
             finally:
                 await env.close()
-            return eval_record(i, t)
+            rec = eval_record(i, t)
+            if transcripts:
+                rec["transcript"] = transcript(fmt, t)
+            return rec
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None) -> float:
-    """Greedy success rate on the ``n`` held-out tasks (the run's ``success/heldout``)."""
-    res = await evaluate_tasks(engine, fmt, cfg, n, tasks)
+async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None,
+                   save_to: Optional[str] = None) -> float:
+    """Greedy success rate on the ``n`` held-out tasks (the run's ``success/heldout``).
+    ``save_to``: also write every episode's row and transcript there (JSONL)."""
+    res = await evaluate_tasks(engine, fmt, cfg, n, tasks, transcripts=save_to is not None)
+    if save_to is not None:
+        try:
+            os.makedirs(os.path.dirname(save_to), exist_ok=True)
+            with open(save_to, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in res)
+        except OSError as e:  # a full disk must not stop the run: say so once per evaluation
+            print(f"arl: held-out transcripts not written to {save_to}: {e}", file=sys.stderr)
     return float(np.mean([r["success"] for r in res])) if res else float("nan")
 
 
@@ -295,5 +312,7 @@ class RolloutWorker:
         self.synced.set()
 
     async def _evaluate(self, version: int, n: int) -> None:
-        acc = await evaluate(self.engine, self.fmt, self.cfg, n, self.tasks)
+        path = os.path.join(self.cfg.output_dir, "transcripts", f"heldout_step{version}.jsonl") \
+            if self.index == 0 else None  # one engine writes (the others evaluate the same tasks)
+        acc = await evaluate(self.engine, self.fmt, self.cfg, n, self.tasks, save_to=path)
         await asyncio.get_running_loop().run_in_executor(None, self.batches.put, ("eval", version, acc))
