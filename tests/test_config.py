@@ -11,6 +11,7 @@ from arl.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+CONFIGS += sorted(glob.glob(os.path.join(ROOT, "examples", "*", "*.yaml")))  # the examples' recipes too
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
