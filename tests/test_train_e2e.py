@@ -67,6 +67,8 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
         assert r["rollout/staleness_max"] <= 1 and "success/heldout" in r
         assert r["rollout/tokens_per_s"] > r["rollout/gen_tokens_per_s"] > 0 and 0 <= r["rollout/engine_idle_frac"] <= 1
         assert r["train/kl_mean"] >= 0 and r["stab/kl_skipped"] == 0  # the KL term ran and fed the controller
+        assert r["time/sync_s"] > 0 and r["mem/trainer_rss_peak_gib"] >= r["mem/trainer_peak_over_base_gib"] > 0
+        assert r["mem/params_trainable"] == r["mem/params"] > 0  # full fine-tuning (ZeRO-3: the whole counts)
     assert recs[1]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # step 1's policy is the reference
     assert recs[2]["train/kl_mean"] > 0 and recs[1]["stab/kl_beta"] != 0.05  # ... step 2's moved away
     assert (out / "reference" / "config.json").exists()  # the SFT model, kept for --resume

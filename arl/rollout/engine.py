@@ -78,6 +78,7 @@ class RolloutEngine(abc.ABC):
         self._busy_s = 0.0
         self._clock0 = time.perf_counter()
         self.num_calls = 0
+        self.last_load_s: float | None = None  # seconds the last weight update took (engine side of the sync)
 
     # --- backend hooks ---
     @abc.abstractmethod
@@ -145,7 +146,9 @@ class RolloutEngine(abc.ABC):
         self._open.clear()
         try:
             await self._idle.wait()
+            t = time.perf_counter()
             await load(weights)
+            self.last_load_s = time.perf_counter() - t
             self.version = self.version + 1 if version is None else int(version)
         finally:
             self._open.set()
@@ -183,7 +186,7 @@ class RolloutEngine(abc.ABC):
         busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
         wall = now - self._clock0
         stats = {"wall_s": wall, "busy_s": busy, "idle_frac": 1.0 - busy / wall if wall > 0 else 0.0,
-                 "calls": self.num_calls}
+                 "calls": self.num_calls, "load_s": self.last_load_s}
         if reset:
             self._clock0, self._busy_s, self.num_calls = now, 0.0, 0
             if self._busy_since is not None:

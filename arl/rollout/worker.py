@@ -177,7 +177,10 @@ def rollout_rate(engine, batch) -> dict:
     arrived): all tokens and model-turn tokens per second, and the fraction of that time the engine
     had no call in flight (evaluations count as busy).  Several engines' rates add up."""
     st = engine.idle_stats(reset=True)
-    return {**rollout_rates(batch.trajectories, max(st["wall_s"], 1e-9)), "rollout/engine_idle_frac": st["idle_frac"]}
+    out = {**rollout_rates(batch.trajectories, max(st["wall_s"], 1e-9)), "rollout/engine_idle_frac": st["idle_frac"]}
+    if st.get("load_s") is not None:  # the engine's last weight load (the engine side of the weight sync)
+        out["rollout/weights_load_s_max"] = st["load_s"]
+    return out
 
 
 def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid: Optional[int] = None,

@@ -81,6 +81,13 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
         shutdown()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports ``ru_maxrss`` in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def engine_mismatch(mbs, old) -> dict:
     """``logp_abs_diff_vs_rollout``: mean |trainer logprob - engine logprob| over the trained tokens
     of this rank, before the update.  Precision mismatch plus the drift of stale samples; at
@@ -130,6 +137,7 @@ class TrainerRank:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.t0, self.wall_offset = time.perf_counter(), 0.0  # reset once the model is loaded
+        self.rss_base = peak_rss_bytes()  # before the model: the process's libraries (mem/ records subtract it)
         self.steps = cfg.trainer.steps
         self.evals = set()  # policy versions evaluated on the held-out tasks
         if cfg.env.eval_tasks:
@@ -223,12 +231,15 @@ class TrainerRank:
         out_of_time = broadcast_from_rank0(max_wall is not None and self.wall() > max_wall, self.rank)
         if out_of_time and self.cfg.env.eval_tasks:
             self.evals.add(version)  # the policy the run ends with is evaluated too
+        t_sync = time.perf_counter()
         self.sync_weights(version)
+        sync_s = time.perf_counter() - t_sync
         decision = None
         if self.rank == 0:
             step_s = time.perf_counter() - ts
             tokens = float(sum(mb.num_tokens for mb in mbs))
-            rec = {"time/step_s": step_s, "time/wait_rollout_s": wait_s,
+            rec = {"time/step_s": step_s, "time/wait_rollout_s": wait_s, "time/sync_s": sync_s,
+                   **self.memory_record(),
                    "perf/train_tokens_per_s": tokens * self.world / max(step_s - wait_s, 1e-9),
                    **{f"train/{k}": v for k, v in m.items()}, **extra}
             decision = self.stab.after_step(version, rec, self.success)
@@ -245,6 +256,16 @@ class TrainerRank:
         if checkpoint_due(version, self.cfg.trainer.checkpoint_every, self.steps, out_of_time, action):
             self.checkpoint(version)
         return action, out_of_time
+
+    def memory_record(self) -> dict:
+        """This trainer rank's memory: its peak resident set so far (weights, gradients, optimizer
+        state, activations, and the libraries), the same less the resident set before the model was
+        loaded, and the parameter counts behind it."""
+        peak = peak_rss_bytes()
+        params = list(self.tr.module.parameters())
+        return {"mem/trainer_rss_peak_gib": peak / 2**30, "mem/trainer_peak_over_base_gib": (peak - self.rss_base) / 2**30,
+                "mem/params": float(sum(getattr(p, "ds_numel", p.numel()) for p in params)),
+                "mem/params_trainable": float(sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad))}
 
     def next_batch(self, step: int):
         """This rank's micro-batches of the step, the step's loss config, and (rank 0) the batch's
