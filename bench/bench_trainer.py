@@ -333,13 +333,13 @@ def instrumented(tr, timer: PhaseTimer):
     """Timers around the functions an rl_step calls: the packed forward (grad-enabled calls),
     the logprob head and the loss, DeepSpeed's backward and optimizer step, the old-logp pass."""
     import arl.model.packed as P
-    import arl.trainer.policy as TP
+    import arl.trainer.objectives as OB
 
     return patched(
         (P, "packed_hidden_states", timer.wrap("forward", P.packed_hidden_states, grad_only=True)),
         (P, "_head_logprobs", timer.wrap("head+loss", P._head_logprobs, grad_only=True)),
-        (TP, "policy_loss", timer.wrap("head+loss", TP.policy_loss)),
-        (TP, "ipa_mixed_loss", timer.wrap("head+loss", TP.ipa_mixed_loss)),
+        (OB, "policy_loss", timer.wrap("head+loss", OB.policy_loss)),
+        (OB, "ipa_mixed_loss", timer.wrap("head+loss", OB.ipa_mixed_loss)),
         (tr.engine, "backward", timer.wrap("backward", tr.engine.backward)),
         (tr.engine, "step", timer.wrap("optimizer", tr.engine.step)),
         (tr, "old_logprobs", timer.wrap("old_logp_pass", tr.old_logprobs)),

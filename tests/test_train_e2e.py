@@ -130,8 +130,9 @@ def _final_weights(out: Path) -> dict:
 # keys that measure time (wall clock, rates over it, the engine's idle share) or scheduling (how often
 # generation waited at the staleness gate, counted over the rollout process's life): they differ
 # between any two runs, interrupted or not; every other key is compared bitwise
+# measurements of the machine, not of the run's state: clocks and the trainer's resident memory
 _CLOCK = ("wall_s", "time/", "perf/", "rollout/tokens_per_s", "rollout/gen_tokens_per_s", "rollout/engine_idle_frac",
-          "rollout/gate_waits")
+          "rollout/gate_waits", "rollout/weights_load_s", "mem/trainer_")
 
 
 def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(tmp_path):
