@@ -80,6 +80,12 @@ def make_objective(name: str, backend: str, critic=None) -> "Objective":
     return OBJECTIVES[name](backend, critic)
 
 
+def _pg_head_grad(mb, loss_cfg: LossConfig, ref, scale: float, device):
+    """The plain policy loss's head-gradient plan for one micro-batch."""
+    adv, kw = pg_inputs(mb, device)
+    return local_logp_grad(config=loss_cfg, ref_logp=ref, with_entropy=True, advantages=adv, scale=scale, **kw)
+
+
 @register_objective("policy_gradient")
 class Objective:
     """The policy loss over the step's advantages; the base every objective extends."""
@@ -100,8 +106,7 @@ class Objective:
         ordinary backward) unless it overrides this too."""
         if type(self).loss is not Objective.loss:
             return None
-        adv, kw = pg_inputs(mb, device)
-        return local_logp_grad(config=loss_cfg, ref_logp=ref, with_entropy=True, advantages=adv, scale=scale, **kw)
+        return _pg_head_grad(mb, loss_cfg, ref, scale, device)
 
     def check_old(self, old_logps, old_values) -> None:
         if old_values is not None:
@@ -144,7 +149,7 @@ class IPAObjective(Objective):
 
     def head_grad(self, mb, loss_cfg, ref, scale, device):
         if mb.ipa is None:  # the plain policy loss: its plan
-            return Objective.head_grad(Objective(self.backend), mb, loss_cfg, ref, scale, device)
+            return _pg_head_grad(mb, loss_cfg, ref, scale, device)
         return None  # no local-gradient plan for the mixed loss
 
     def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
