@@ -51,7 +51,7 @@ from .data import load_demonstrations
 from .env import check_env, env_class, env_kwargs
 from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
-from .procs import exit_process, free_port
+from .procs import RunFailed, adopt_orphans, exit_process, free_port, kill_orphans
 from .rollout.colocate import ready_file, wait_ready
 from .rollout.engine_args import check_engine_kwargs
 from .rollout.episode import ChatFormat
@@ -121,6 +121,8 @@ def _write_config(cfg: TrainConfig) -> Path:
 
 
 # ---------------------------------------------------------------- one machine: spawn
+ROLLOUT_DEATH_GRACE_S = 60.0  # a failing rollout's report reaches the trainers well within this
+
 def launch(cfg: TrainConfig, resume: bool = False) -> Path:
     """Run SFT + RL with ``cfg`` on this machine; returns the run directory (metrics.jsonl,
     checkpoints, hf/)."""
@@ -128,6 +130,7 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
         raise ValueError("layout.device: 'cuda' configs with separate rollout and trainer GPUs run one process per "
                          "GPU: launch them with torchrun or deepspeed (see README), not plain python")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    adopt_orphans()
     model_dir = model_dir_for(cfg)
     run_dir = _write_config(cfg)
     demos = sft_demos(cfg, model_dir)
@@ -146,14 +149,52 @@ def launch(cfg: TrainConfig, resume: bool = False) -> Path:
         if cfg.layout.colocate:  # the engines start (and go to sleep) before the trainers take the device
             wait_ready(ready, alive=lambda: all(r.is_alive() for r in rolls))
         sync_addr = ("127.0.0.1", free_port())  # used with rollout.weight_sync: group
-        mp.start_processes(_spawned_trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(), model_dir, demos,
-                                               batches, orders, resume, me, sync_addr),
-                           nprocs=cfg.trainer.world_size, join=True, start_method="spawn")
+        trainers = mp.start_processes(_spawned_trainer_rank, args=(cfg.trainer.world_size, free_port(), cfg.model_dump(),
+                                                                   model_dir, demos, batches, orders, resume, me, sync_addr),
+                                      nprocs=cfg.trainer.world_size, join=False, start_method="spawn")
+        _join_watching(trainers, rolls)
     finally:
         _reap(rolls)
+        kill_orphans(keep=_resource_tracker_pids())
         for f in ready:
             f.unlink(missing_ok=True)
     return run_dir
+
+
+def _join_watching(trainers, rolls, grace_s: float = ROLLOUT_DEATH_GRACE_S) -> None:
+    """Wait for the trainer ranks (raising as ``mp.spawn`` does when one fails) while watching the
+    rollout processes: one that dies without a clean exit (killed, OOM) sends nothing, and the
+    trainers would wait for its batches forever.  They get ``grace_s`` to end on their own (a rollout
+    that reported its error lets them save), then are stopped with one line naming the process."""
+    dead_since = None
+    while not _join_once(trainers):
+        dead = [r for r in rolls if r.exitcode not in (None, 0)]
+        if not dead:
+            continue
+        dead_since = dead_since or time.monotonic()
+        if time.monotonic() - dead_since >= grace_s:
+            for p in trainers.processes:
+                if p.is_alive():
+                    p.terminate()
+            r = dead[0]
+            how = f"signal {-r.exitcode}" if r.exitcode < 0 else f"exit code {r.exitcode}"
+            raise RunFailed(f"rollout process {r.name} (pid {r.pid}) died with {how}; the trainer ranks were "
+                               f"stopped {grace_s:.0f} s later (resume from the last checkpoint with --resume)")
+
+
+def _join_once(trainers) -> bool:
+    """One second of ``trainers.join``; a rank killed by a signal (OOM) is one line, not a traceback."""
+    try:
+        return trainers.join(timeout=1.0)
+    except mp.ProcessExitedException as e:
+        raise RunFailed(f"trainer {e} (resume from the last checkpoint with --resume)") from None
+
+
+def _resource_tracker_pids() -> set:
+    """multiprocessing's resource tracker: it ends by itself and cleans up after the others."""
+    from multiprocessing import resource_tracker
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
 
 
 def _reap(procs) -> None:

@@ -11,6 +11,10 @@ from contextlib import closing
 import psutil
 
 
+class RunFailed(RuntimeError):
+    """A run that cannot go on, for a reason one line says (``arl.train`` prints it, exit 1)."""
+
+
 def free_port() -> int:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
@@ -52,3 +56,24 @@ def exit_process(code: int = 0) -> None:
         except Exception:  # a closed or broken stream: nothing more to save
             pass
     os._exit(code)
+
+
+def adopt_orphans() -> None:
+    """Linux: make this process the reaper of its descendants' orphans.  A rollout process killed
+    from outside (OOM, SIGKILL) cannot take its vLLM engine-core process with it; that process is
+    then re-parented here instead of to init, and ``kill_orphans`` can end it."""
+    if sys.platform.startswith("linux"):
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def kill_orphans(keep=()) -> None:
+    """Kill every remaining descendant of this process, except the pids in ``keep``."""
+    for c in psutil.Process().children(recursive=True):
+        if c.pid in keep:
+            continue
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+

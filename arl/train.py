@@ -27,7 +27,7 @@ from .config.reference import select, table
 from .launch import launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 from .model.resolve import arch_mismatches, resolve_model
-from .procs import exit_process
+from .procs import RunFailed, exit_process
 from .rollout.engine_args import render_engine_args
 from .rollout.worker import engine_args
 
@@ -112,7 +112,11 @@ def main(argv=None) -> int:
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
         run_dir = launch_distributed(cfg, resume=args.resume)
     else:
-        run_dir = launch(cfg, resume=args.resume)
+        try:
+            run_dir = launch(cfg, resume=args.resume)
+        except RunFailed as e:
+            print(f"arl.train: run failed: {e}", file=sys.stderr)
+            return 1
     if run_dir is not None:
         print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
     return 0
