@@ -220,4 +220,8 @@ if [ "$PEER" = 1 ]; then
   "$PY" -c "import trl, verl.trainer.ppo.core_algos" || die "--peer: trl or verl does not import (see above)"
   say "peers ready: python bench/bench_peer.py --quick"
 fi
+# Every pin still holds at the end: a later step (the extras above, a dependency of one) that moved a
+# pinned package is reported here rather than found as an import error in a run.
+mapfile -t moved < <(check missing "${PINS[@]}")
+[ ${#moved[@]} -eq 0 ] || die "pins not satisfied after the install: ${moved[*]} (rerun bash install.sh to restore them)"
 if [ "$OWN" = 1 ] && [ "${VIRTUAL_ENV:-}" != "$PREFIX" ]; then say "activate it: source $VENV/bin/activate"; fi
