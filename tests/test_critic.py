@@ -104,6 +104,11 @@ def test_value_points_sit_before_each_packed_chunk():
             r = c["rewards"][c["seq"] == j].tolist()
             if r:
                 assert r[:-1] == [0.0] * (len(r) - 1) and r[-1] == trajs[i].reward
+                # diagnostics: turn indices count up from the first packed chunk; every point carries
+                # its episode's whole return
+                turns = c["turn"][c["seq"] == j].tolist()
+                assert turns == list(range(turns[0], turns[0] + len(turns)))
+                assert c["episode_return"][c["seq"] == j].tolist() == [trajs[i].reward] * len(r)
             else:
                 assert i == 3  # the MASKED placeholder trains nothing
     assert total > 0 and all(mb.critic["normalizer"] == total for mb in packed.all_micro_batches() if not mb.is_empty)
@@ -119,6 +124,7 @@ def test_turn_credit_process_reward_and_step_advantage_enter_the_critic():
     for j, i in enumerate(mb.traj_indices.tolist()):
         r = mb.critic["rewards"][mb.critic["seq"] == j].tolist()
         assert r[:-1] == pytest.approx([0.1] * (len(r) - 1)) and r[-1] == pytest.approx(0.1 + trajs[i].reward)
+        assert mb.critic["episode_return"][mb.critic["seq"] == j].tolist() == pytest.approx([sum(r)] * len(r))
     # the base chunk advantages are turn credit's step part only (the trajectory advantage is left out)
     from arl.stabilizers.turn_credit import turn_advantages
 
@@ -128,9 +134,13 @@ def test_turn_credit_process_reward_and_step_advantage_enter_the_critic():
 
 
 class _MB:
-    def __init__(self, pos, seg, seq, rewards, normalizer):
+    def __init__(self, pos, seg, seq, rewards, normalizer, turn=None, episode_return=None):
+        turn = turn if turn is not None else [0] * len(pos)
+        episode_return = episode_return if episode_return is not None else [0.0] * len(pos)
         self.critic = {"pos": torch.tensor(pos), "seg": torch.tensor(seg), "seq": torch.tensor(seq),
-                       "rewards": torch.tensor(rewards, dtype=torch.float64), "normalizer": normalizer}
+                       "rewards": torch.tensor(rewards, dtype=torch.float64), "normalizer": normalizer,
+                       "turn": torch.tensor(turn, dtype=torch.int64),
+                       "episode_return": torch.tensor(episode_return, dtype=torch.float64)}
         self.index, self.rank = 0, 0
 
 
@@ -309,3 +319,32 @@ def test_dry_run_plan_shows_the_critic_memory():
     assert "old pass" not in text
     white = plan(load_config("configs/tiny_cpu.yaml", ["algo.advantage=gae", "critic.whiten=true"])).render()
     assert "critic.whiten: the no-grad old pass runs every step" in white
+
+
+def test_calibration_by_turn_and_advantage_outcome_correlation_by_hand():
+    """Mean value vs mean return per turn index (turns past the last bucket share it) and Pearson's r
+    of the chunks' GAE advantages with their episodes' returns, over the step's micro-batches."""
+    from arl.trainer.critic import CALIB_TURNS
+
+    cfg = CriticConfig(gamma=1.0, lam=1.0, clip=None)
+    cr = Critic(cfg)
+    # episode A: turns 0, 1 (return 1); episode B: turns 0 and CALIB_TURNS + 2 (return 0)
+    mb1 = _MB([0, 1], [0, 1], [0, 0], [0.0, 1.0], 4.0, turn=[0, 1], episode_return=[1.0, 1.0])
+    mb2 = _MB([0, 1], [0, 1], [0, 0], [0.0, 0.0], 4.0, turn=[0, CALIB_TURNS + 2], episode_return=[0.0, 0.0])
+    olds = [torch.tensor([0.5, 0.25], dtype=torch.float64), torch.tensor([0.5, 0.75], dtype=torch.float64)]
+    for mb, ov in zip((mb1, mb2), olds):
+        cr.micro_batch(ov.clone(), ov, mb, torch.zeros(2, dtype=torch.float64))
+    m = cr.step_metrics(torch.device("cpu"))
+    # lambda = gamma = 1: G = reward-to-go = [1, 1] and [0, 0]; A = G - V_old
+    assert m["value/calib/turn0_pred"] == pytest.approx(0.5) and m["value/calib/turn0_return"] == pytest.approx(0.5)
+    assert m["value/calib/turn1_pred"] == pytest.approx(0.25) and m["value/calib/turn1_return"] == pytest.approx(1.0)
+    last = f"value/calib/turn{CALIB_TURNS - 1}"
+    assert m[last + "_pred"] == pytest.approx(0.75) and m[last + "_return"] == pytest.approx(0.0)
+    assert not any(k.startswith("value/calib/turn2") for k in m)  # no chunk at turn 2: no figure
+    a = np.array([0.5, 0.75, -0.5, -0.75])
+    o = np.array([1.0, 1.0, 0.0, 0.0])
+    assert m["value/adv_outcome_corr"] == pytest.approx(np.corrcoef(a, o)[0, 1])
+    # one episode only: the returns do not vary, so no correlation figure (not a NaN)
+    cr.micro_batch(olds[0].clone(), olds[0], mb1, torch.zeros(2, dtype=torch.float64))
+    assert "value/adv_outcome_corr" not in cr.step_metrics(torch.device("cpu"))
+

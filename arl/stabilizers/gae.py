@@ -66,8 +66,10 @@ def critic_points(mb, trajs: Sequence[Trajectory], chunk_rew: Sequence[np.ndarra
     """The micro-batch's value points, one per trained chunk, in ``chunk_segments``' order:
     ``pos`` [P] the token before the chunk's first token (its hidden state has read exactly the
     context the chunk acts in), ``seg`` [P] the chunk's loss segment, ``seq`` [P] its sequence in the
-    micro-batch, ``rewards`` [P] r_k (a cut-off tail's rewards on the last packed chunk)."""
-    pos, seg, seq, rew = [], [], [], []
+    micro-batch, ``rewards`` [P] r_k (a cut-off tail's rewards on the last packed chunk); for the
+    critic's diagnostics, ``turn`` [P] the chunk's turn index k and ``episode_return`` [P] its
+    trajectory's whole return (outcome plus process rewards)."""
+    pos, seg, seq, rew, turn, ret = [], [], [], [], [], []
     s = 0
     for j, i in enumerate(mb.traj_indices.tolist()):
         a = int(mb.cu_seqlens[j])
@@ -84,7 +86,10 @@ def critic_points(mb, trajs: Sequence[Trajectory], chunk_rew: Sequence[np.ndarra
             seg.append(s)
             seq.append(j)
             rew.append(float(r[k:].sum()) if n == len(present) - 1 else float(r[k]))
+            turn.append(int(k))
+            ret.append(float(r.sum()))
             s += 1
     return {"pos": torch.tensor(pos, dtype=torch.int64), "seg": torch.tensor(seg, dtype=torch.int64),
             "seq": torch.tensor(seq, dtype=torch.int64), "rewards": torch.tensor(rew, dtype=torch.float64),
+            "turn": torch.tensor(turn, dtype=torch.int64), "episode_return": torch.tensor(ret, dtype=torch.float64),
             "normalizer": 1.0}

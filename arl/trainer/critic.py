@@ -31,6 +31,12 @@ takes them; the value target stays G = A + V_old.  The step's mean and variance 
 old value before the first micro-batch's loss, so whitening always runs the old pass.  Why: with
 raw advantages a head that lags the returns makes nearly every chunk's advantage positive, and one
 that overshoots makes nearly every one negative; whitened, the step always pushes both ways.
+
+Whether the critic learns (``step_metrics``): ``value/explained_var`` (1 - Var(G - V) / Var(G)),
+calibration by turn index (``value/calib/turn{k}_pred`` vs ``_return``: the mean value and mean
+return of the step's chunks at turn k; a head that only learned the average return is flat over k
+while returns are not), and ``value/adv_outcome_corr``, Pearson's r between a chunk's GAE advantage
+and its episode's return (near 0: the advantages do not tell winning episodes from losing ones).
 """
 from __future__ import annotations
 
@@ -71,9 +77,11 @@ def param_groups(model: torch.nn.Module, lr: float, lr_mult: float) -> list:
             {"params": [p for p in trainable if id(p) in head], "lr": lr * lr_mult}]
 
 
-# the per-step sums behind the value metrics, in this order (all-reduced once per step)
-_SUMS = ("n", "v", "ret", "ret2", "res", "res2", "loss", "clipped")
+# the per-step sums behind the value metrics, in this order (all-reduced once per step); "a", "o":
+# the chunk's GAE advantage (whitened when on) and its episode's return, for their correlation
+_SUMS = ("n", "v", "ret", "ret2", "res", "res2", "loss", "clipped", "a", "a2", "o", "o2", "ao")
 WHITEN_EPS = 1e-8
+CALIB_TURNS = 8  # calibration by turn index: turns 0..6 each, the last bucket holds turn 7 and later
 
 
 class Critic:
@@ -81,8 +89,12 @@ class Critic:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        self._restart()
         self.white = None  # (mean, 1/std) of the step's raw GAE advantages, when whitening
+
+    def _restart(self) -> None:
+        self.sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        self.calib = torch.zeros(3, CALIB_TURNS, dtype=torch.float64)  # per turn bucket: count, sum V, sum G
 
     def begin_step(self, mbs, old_values, device) -> dict:
         """Before a step's first loss: with ``whiten``, the mean and variance of the step's raw GAE
@@ -157,17 +169,27 @@ class Critic:
             sq = torch.maximum(sq, sqc)
         per = 0.5 * sq
         loss = per.sum() / c["normalizer"]
-        vd, r = v.detach().double(), ret.double()
-        res = r - vd
-        self.sums += torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), vd.sum().cpu(), r.sum().cpu(),
-                                  (r * r).sum().cpu(), res.sum().cpu(), (res * res).sum().cpu(),
-                                  per.detach().double().sum().cpu(), clipped.double().sum().cpu()])
+        self._record(v.detach().double().cpu(), ret.double().cpu(), per.detach().double().cpu(), clipped.cpu(),
+                     adv.double().cpu(), c)
         return seg_adv, loss
+
+    def _record(self, vd, r, per, clipped, adv, c) -> None:
+        """Add one micro-batch's points to the step's sums (value fit, calibration, correlation)."""
+        res = r - vd
+        o = c["episode_return"].double()
+        self.sums += torch.stack([torch.tensor(float(vd.numel()), dtype=torch.float64), vd.sum(), r.sum(),
+                                  (r * r).sum(), res.sum(), (res * res).sum(), per.sum(), clipped.double().sum(),
+                                  adv.sum(), (adv * adv).sum(), o.sum(), (o * o).sum(), (adv * o).sum()])
+        b = c["turn"].clamp(max=CALIB_TURNS - 1)
+        for row, x in enumerate((torch.ones_like(vd), vd, r)):
+            self.calib[row].index_add_(0, b, x)
 
     def step_metrics(self, device) -> dict:
         """``value/*`` over the whole step (every rank; a collective), then the sums restart."""
-        s = dict(zip(_SUMS, all_sum(self.sums, device).tolist()))
-        self.sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        both = all_sum(torch.cat([self.sums, self.calib.flatten()]), device)
+        s = dict(zip(_SUMS, both[:len(_SUMS)].tolist()))
+        calib = both[len(_SUMS):].view(3, CALIB_TURNS).tolist()
+        self._restart()
         n = s["n"]
         if n == 0:
             return {}
@@ -177,5 +199,13 @@ class Critic:
         var_res = s["res2"] / n - (s["res"] / n) ** 2
         if var_ret > 1e-12:  # returns that all agree explain nothing: no figure rather than a NaN
             out["value/explained_var"] = 1.0 - var_res / var_ret
+        var_a = s["a2"] / n - (s["a"] / n) ** 2
+        var_o = s["o2"] / n - (s["o"] / n) ** 2
+        if var_a > 1e-12 and var_o > 1e-12:  # Pearson's r; undefined when either side is constant
+            out["value/adv_outcome_corr"] = (s["ao"] / n - s["a"] / n * s["o"] / n) / (var_a * var_o) ** 0.5
+        for k, (cnt, sv, sg) in enumerate(zip(*calib)):
+            if cnt > 0:  # mean predicted value and mean return of the chunks at turn k
+                out[f"value/calib/turn{k}_pred"] = sv / cnt
+                out[f"value/calib/turn{k}_return"] = sg / cnt
         return out
 
