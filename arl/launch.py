@@ -49,6 +49,7 @@ from transformers import AutoTokenizer
 from .config import TrainConfig
 from .data import load_demonstrations
 from .env import check_env, env_class, env_kwargs
+from .env.tool_parsers import PARSERS
 from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
 from .procs import exit_process, free_port
@@ -78,6 +79,12 @@ def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
     return sft_demonstrations(cfg, ChatFormat(AutoTokenizer.from_pretrained(model_dir)))
 
 
+def _parser_model_dir(cfg: TrainConfig) -> Optional[str]:
+    """The model directory when the tool-call format is vLLM's (its parsers read the tokenizer)."""
+    name = cfg.env.tool_parser or cfg.env.kwargs.get("parser")
+    return model_dir_for(cfg) if isinstance(name, str) and name not in PARSERS else None
+
+
 def preflight(cfg: TrainConfig) -> list:
     """What ``--dry-run`` checks, and every launcher before it starts a process: the task dataset
     loads, the environment (with its reward function and tools) is made and resets its first task,
@@ -94,7 +101,8 @@ def preflight(cfg: TrainConfig) -> list:
         raise ValueError(f"env.dataset: environment {cfg.env.name!r} plays tasks from data; give env.dataset")
     if tasks is not None:
         lines.append(f"tasks OK: {tasks.describe()}")
-    check_env(cfg.env.name, env_kwargs(cfg.env), task=tasks.train_row(0) if tasks is not None else None)
+    check_env(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
+              task=tasks.train_row(0) if tasks is not None else None)
     lines.append(f"env OK: {cfg.env.name} (made with its kwargs, first task reset)")
     source = sft_source(cfg)
     if source == "dataset":

@@ -61,6 +61,9 @@ class Environment(abc.ABC):
     tools: list | None = None
     #: strings that end one model turn (kept in its text); ``()``: the end-of-sequence token only
     stop: tuple = STOP_STRINGS
+    #: special tokens the env reads in a turn's text (a tool-call format marked by them, e.g.
+    #: Mistral's ``[TOOL_CALLS]``); every other special token is left out of the text
+    keep_tokens: tuple = ()
 
     @abc.abstractmethod
     async def reset(self, seed: int) -> str | list:

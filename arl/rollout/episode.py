@@ -117,10 +117,22 @@ class ChatFormat:
     def encode(self, text: str) -> list:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, keep_tokens: tuple = ()) -> str:
         """The env sees the decode of exactly the trained ids (not the engine's streamed text,
-        which holds back an unfinished UTF-8 tail)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        which holds back an unfinished UTF-8 tail), without special tokens but ``keep_tokens``."""
+        ids = list(ids)
+        keep = {i for i in self.tokenizer.convert_tokens_to_ids(list(keep_tokens)) if i is not None}
+        if not keep.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        out, run = [], []
+        for i in ids + [None]:
+            if i is None or i in keep:
+                out.append(self.tokenizer.decode(run, skip_special_tokens=True))
+                out.append(self.tokenizer.convert_ids_to_tokens(i) if i is not None else "")
+                run = []
+            else:
+                run.append(i)
+        return "".join(out)
 
     def render_prompt(self, system: str, task, tools=None) -> str:
         """The prompt text: ``task`` (a str: the first user message; or chat messages) after
@@ -154,11 +166,11 @@ class ChatFormat:
         return self.encode(text + after)
 
 
-def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "", parser: str = "hermes",
+def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "", parser="hermes",
                   group_id: int = 0) -> Trajectory:
     """A demonstration chat as the rollout would have played it (SFT data): ``messages`` in
     OpenAI shape -- system/user messages, then assistant messages (``content`` and/or
-    ``tool_calls``, written in ``parser``'s native text) each followed by its tool messages, the last
+    ``tool_calls``, written in ``parser``'s native text: a name or a ``ToolParser``) each followed by its tool messages, the last
     one the final answer.  Assistant turns are chunks 0..K-1, each closed by EOS as a model closes
     its turn; the prompt and the tool messages are -1.  One-line ValueError naming the message."""
     if not isinstance(messages, list) or not messages:
@@ -169,7 +181,7 @@ def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "",
     if messages[-1].get("role") != "assistant":
         raise ValueError(f"demonstration: messages[{len(messages) - 1}] must be the final assistant answer, "
                          f"got role {messages[-1].get('role')!r}")
-    fmt_calls = get_parser(parser).format_calls
+    fmt_calls = (get_parser(parser) if isinstance(parser, str) else parser).format_calls
     tokens = list(fmt.prompt_ids(system, messages[:first], tools=tools) if tools
                   else fmt.prompt_ids(system, messages[:first]))
     chunks, turns, i = [-1] * len(tokens), [], first
@@ -318,7 +330,7 @@ class Episode:
         self.logp += list(sample.logprobs)
         self.turns.append((start, len(self.tokens)))
         self.versions.append(sample.version)
-        text = self.fmt.decode(sample.token_ids)
+        text = self.fmt.decode(sample.token_ids, tuple(getattr(self.env, "keep_tokens", ())))
         t0 = time.perf_counter()
         try:
             if self.cfg.step_timeout_s is not None:

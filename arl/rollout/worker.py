@@ -92,8 +92,9 @@ def episode_config(cfg: TrainConfig, greedy: bool = False) -> EpisodeConfig:
     return EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling)
 
 
-def env_factory(cfg: TrainConfig) -> Callable:
-    name, kwargs = cfg.env.name, env_kwargs(cfg.env)
+def env_factory(cfg: TrainConfig, model_dir: Optional[str] = None) -> Callable:
+    """Makes the run's environment (``model_dir``: the tokenizer of a vLLM tool-call parser)."""
+    name, kwargs = cfg.env.name, env_kwargs(cfg.env, model_dir)
     return lambda: make_env(name, **kwargs)
 
 
@@ -137,7 +138,7 @@ async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, task
     """Greedy episodes on the ``n`` held-out tasks (seeds ``EVAL_SEED_BASE + i``; with a dataset,
     its held-out rows, at most ``tasks.n_eval``), ``eval_record`` rows in task order
     (``transcripts``: each with its ``transcript``, arl/rollout/transcript.py)."""
-    factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
+    factory, ep_cfg = env_factory(cfg, fmt.tokenizer.name_or_path), episode_config(cfg, greedy=True)
     sem = asyncio.Semaphore(cfg.env.pool_size)
     n = n if tasks is None else min(n, tasks.n_eval)  # a dataset has n_eval held-out rows
 
@@ -232,7 +233,7 @@ class RolloutWorker:
             self.engine.idle_stats(reset=True)  # rates count from here, not from the engine's start
             chooser = self.hooks.start_chooser
             self.manager = RolloutManager(
-                self.engine, env_factory(cfg), self.fmt, tasks=tasks, config=r,
+                self.engine, env_factory(cfg, self.model_dir), self.fmt, tasks=tasks, config=r,
                 groups_per_step=r.tasks_per_step // n_engines, pool_size=cfg.env.pool_size,
                 episode=episode_config(cfg), seed=cfg.seed, task_row=self.tasks.row if self.tasks else None,
                 start_for=expert_start_hook(cfg, self.fmt, chooser) if chooser is not None else None,
