@@ -49,6 +49,7 @@ from transformers import AutoTokenizer
 from .config import TrainConfig
 from .data import load_demonstrations
 from .env import check_env, env_class, env_kwargs
+from .env.door import check_door
 from .env.tool_parsers import PARSERS
 from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
@@ -104,12 +105,17 @@ def preflight(cfg: TrainConfig) -> list:
     check_env(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
               task=tasks.train_row(0) if tasks is not None else None)
     lines.append(f"env OK: {cfg.env.name} (made with its kwargs, first task reset)")
-    source = sft_source(cfg)
+    source, demos = sft_source(cfg), None
     if source == "dataset":
-        n = len(load_demonstrations(cfg.sft.dataset, key="sft.dataset"))
-        lines.append(f"sft OK: {n} demonstrations in {cfg.sft.dataset}")
+        demos = load_demonstrations(cfg.sft.dataset, key="sft.dataset")
+        lines.append(f"sft OK: {len(demos)} demonstrations in {cfg.sft.dataset}")
     elif source == "expert":
         lines.append(f"sft OK: demonstrations from the {cfg.env.name!r} expert")
+    # the user's demonstrations and reward function, tried once (a bug here must not look like a
+    # model that never succeeds)
+    lines += check_door(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
+                        tasks.train_row(0) if tasks is not None else None,
+                        tasks.origin(0) if tasks is not None else "seed 0", demos, str(cfg.sft.dataset))
     return lines
 
 

@@ -38,7 +38,8 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     # "fault": Fault, "tool": str|None, "tool_error": bool, "args", "calls": [per-call dicts],
-    # "reward_components": {name: float} (when done), "counts": {name: number} (summed per episode) ...
+    # "reward_components": {name: float} (when done), "counts": {name: number} (summed per episode),
+    # "reward_exception": "KeyError: 'answer'" (the reward function raised: logged, counted) ...
     info: dict = field(default_factory=dict)
 
     @property

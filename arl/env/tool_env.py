@@ -153,7 +153,7 @@ class ToolEnv(Environment):
             total, comps = await score(self.reward_fn, self.task, record)
         except Exception as e:  # the user's reward: retry or filter the episode, never train on it
             why = f"reward_fn: {type(e).__name__}: {e}"
-            info.update(fault=Fault.RECOVERABLE, fault_reason=why)
+            info.update(fault=Fault.RECOVERABLE, fault_reason=why, reward_exception=f"{type(e).__name__}: {e}")
             return StepResult(why, 0.0, True, info)
         info["reward_components"] = comps
         return StepResult("", total, True, info)

@@ -348,6 +348,8 @@ class Episode:
         self.meta["turn_info"].append(_turn_info(info, res.observation))
         self._add_counts(info.get("counts"))
         fault = res.fault
+        if info.get("reward_exception"):
+            self.meta["reward_exception"] = str(info["reward_exception"])
         if fault is Fault.UNRECOVERABLE:
             return self._fail(fault, res.observation)
         if fault is Fault.RECOVERABLE:
