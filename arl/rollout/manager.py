@@ -271,9 +271,10 @@ class RolloutManager:
             last = trajs[-1].metadata["reward_exception"]
             raise RuntimeError(f"reward_fn raised on every episode of step {self.step - 1} ({failed} of {failed}; "
                                f"last: {last}); fix env.reward_fn (python -m arl.train --dry-run runs it once)")
+        trajs = self._apply_filter_cap(trajs)  # first: the metrics count what the cap kept
         metrics = dict(self._metrics(trajs), **{"fault/reward_exception": sum(t.metadata.get("reward_exceptions", 0)
                                                                                for t in trajs)})
-        return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), metrics)
+        return RolloutBatch(self.step - 1, trajs, metrics)
 
     # --- generation side ---
     async def _produce(self) -> None:
