@@ -65,6 +65,9 @@ class Environment(abc.ABC):
     #: special tokens the env reads in a turn's text (a tool-call format marked by them, e.g.
     #: Mistral's ``[TOOL_CALLS]``); every other special token is left out of the text
     keep_tokens: tuple = ()
+    #: the chat role observations are rendered in: ``tool`` (tool results) or ``user`` (a text
+    #: game, a user simulator: the model reads them as the user's next turn)
+    observation_role: str = "tool"
 
     @abc.abstractmethod
     async def reset(self, seed: int) -> str | list:

@@ -36,6 +36,7 @@ from arl.env.tool_parsers import get_parser
 from .engine import RolloutEngine, Sample, SamplingConfig
 
 _SENTINEL = "\x00ARL_SPLIT\x00"
+OBSERVATION_ROLES = ("tool", "user")  # who answers a model turn: a tool, or the user (a game, a simulator)
 _PROBE_TOOL = {"type": "function", "function": {"name": "arl_probe_tool_7f3a", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
 
@@ -79,17 +80,19 @@ class ChatFormat:
         self._supports_tools = None
         self._observation_pieces(1)  # a template that cannot render tool messages fails here
 
-    def _observation_pieces(self, k: int) -> tuple:
-        """What the template puts between an assistant message's content and the first of k tool
-        messages, between consecutive ones, and after the last (through the next assistant header),
-        found by rendering a conversation around sentinels (any template that renders a "tool" role)."""
-        if k not in self._pieces:
+    def _observation_pieces(self, k: int, role: str = "tool") -> tuple:
+        """What the template puts between an assistant message's content and the first of k
+        ``role`` messages (tool results, or a game's / user simulator's ``user`` turn), between
+        consecutive ones, and after the last (through the next assistant header), found by
+        rendering a conversation around sentinels (any template that renders that role)."""
+        if (k, role) not in self._pieces:
             marks = [f"{_SENTINEL}{i}{_SENTINEL}" for i in range(k + 1)]
             msgs = ([{"role": "user", "content": "u"}, {"role": "assistant", "content": marks[0]}]
-                    + [{"role": "tool", "content": m} for m in marks[1:]])
+                    + [{"role": role, "content": m} for m in marks[1:]])
             text = _render(self.tokenizer, msgs, add_generation_prompt=True)
             if any(text.count(m) != 1 for m in marks):
-                raise ValueError("chat template: cannot tell where tool messages go (does it render the 'tool' role?)")
+                raise ValueError(f"chat template: cannot tell where {role} messages go (does it render the "
+                                 f"{role!r} role after an assistant message?)")
             rest = text.split(marks[0], 1)[1]
             pieces = []
             for m in marks[1:]:
@@ -97,9 +100,9 @@ class ChatFormat:
                 pieces.append(piece)
             between = pieces[0]
             eos = self.tokenizer.eos_token or ""
-            self._pieces[k] = (between, pieces[1:], rest,
-                               between[len(eos):] if eos and between.startswith(eos) else between)
-        return self._pieces[k]
+            self._pieces[k, role] = (between, pieces[1:], rest,
+                                     between[len(eos):] if eos and between.startswith(eos) else between)
+        return self._pieces[k, role]
 
     @property
     def supports_tools(self) -> bool:
@@ -154,12 +157,14 @@ class ChatFormat:
     def prompt_ids(self, system: str, task, tools=None) -> list:
         return self.encode(self.render_prompt(system, task, tools))
 
-    def observation_ids(self, observation, turn_ended_with_eos: bool = False) -> list:
-        """The masked ids after a model turn: one tool message (a str) or one per call (a list)."""
+    def observation_ids(self, observation, turn_ended_with_eos: bool = False, role: str = "tool") -> list:
+        """The masked ids after a model turn: one ``role`` message (a str) or one per call (a list)."""
         obs = [observation] if isinstance(observation, str) else list(observation)
         if not obs or not all(isinstance(o, str) for o in obs):
             raise ValueError(f"observation: expected a str or a non-empty list of str, got {observation!r:.80}")
-        between, seps, after, between_after_eos = self._observation_pieces(len(obs))
+        if role not in OBSERVATION_ROLES:
+            raise ValueError(f"observation role: expected one of {OBSERVATION_ROLES}, got {role!r}")
+        between, seps, after, between_after_eos = self._observation_pieces(len(obs), role)
         text = between_after_eos if turn_ended_with_eos else between
         for i, o in enumerate(obs):
             text += (seps[i - 1] if i else "") + o
@@ -363,7 +368,7 @@ class Episode:
         if len(self.turns) >= self.max_turns:
             return self._end(0.0, truncated="max_turns")
         ended_eos = bool(sample.token_ids) and sample.token_ids[-1] == self.fmt.eos_token_id
-        obs_ids = self.fmt.observation_ids(res.observation, ended_eos)
+        obs_ids = self.fmt.observation_ids(res.observation, ended_eos, getattr(self.env, "observation_role", "tool"))
         if len(self.tokens) + len(obs_ids) >= self.cfg.max_total_tokens:
             return self._end(0.0, truncated="max_total_tokens")
         self._append(obs_ids, -1)
