@@ -82,3 +82,29 @@ def test_what_the_adapter_cannot_carry_fails_in_one_line(monkeypatch):
         make_env("gym", env_id=GUESS)
     assert "gym needs the gymnasium package, which is not installed" in str(e.value)
     assert "bash install.sh --gym" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # a whole training run (vLLM engine, trainer rank): ~3.5 min on 2 CPU cores
+def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
+    """examples/gym/config.yaml as shipped but on the tests' tiny model: 3 RL steps, held-out
+    evaluations before and after, the game's answers in the user role of the transcripts."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "arl.train", "--config", str(root / "examples" / "gym" / "config.yaml"),
+           f"model.name_or_path={tiny_model_dir}", "model.arch=null", f"output_dir={out}", "trainer.steps=3",
+           "env.eval_tasks=4", "trainer.eval_every=3", "rollout.tasks_per_step=2", "rollout.group_size=4",
+           "env.pool_size=8", "logging.progress=false", "logging.tensorboard=false"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(recs) == [0, 1, 2, 3] and "success/heldout" in recs[0] and "success/heldout" in recs[3]
+    assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
+    row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
+    obs = [t["text"] for t in row["transcript"]["turns"] if t["role"] == "observation"]
+    assert obs and all("user" in o and "tool" not in o for o in obs)

@@ -57,6 +57,10 @@ def test_llama3_json_calls_through_the_registry(llama_tok):
     two = '<|python_tag|>{"name": "get_rate", "parameters": {"src": "EUR"}}; {"name": "get_rate", "parameters": {"src": "USD"}}'
     assert calls(p.parse(two)) == [("get_rate", {"src": "EUR"}), ("get_rate", {"src": "USD"})]
     assert p.parse("The rate is 1.1.").calls == [] and p.parse("The rate is 1.1.").content == "The rate is 1.1."
+    bad = p.parse("Let me see. <|python_tag|>get_rate(src=EUR)")  # the format's marker, no call vLLM reads
+    assert bad.content == "Let me see." and len(bad.calls) == 1
+    assert bad.calls[0].error == ("error: a <|python_tag|> tool call the llama3_json format cannot read; write it "
+                                  "as the format shows")
     # the template writes a demonstration's calls; the parser reads them back
     turn = p.format_calls("", [{"name": "get_rate", "arguments": {"src": "EUR"}},
                                {"type": "function", "function": {"name": "get_rate", "arguments": '{"src": "USD"}'}}])
@@ -72,6 +76,8 @@ def test_mistral_calls_through_the_registry_keep_their_special_tokens(mistral_to
     assert turn == '[TOOL_CALLS]get_rate[ARGS]{"src": "EUR"}' and calls(p.parse(turn)) == [("get_rate", {"src": "EUR"})]
     bad = p.parse('[TOOL_CALLS]get_rate[ARGS]["EUR"]')  # arguments not an object: an error for the model
     assert bad.calls and bad.calls[0].error and "JSON object" in bad.calls[0].error
+    bad = p.parse('Let me see. [TOOL_CALLS]get_rate{src: EUR')  # unreadable: an error too, not the final answer
+    assert len(bad.calls) == 1 and bad.calls[0].error.startswith("error: ")
     # [TOOL_CALLS] and [ARGS] are special tokens: the text the env reads keeps them (and only them)
     assert p.keep_tokens() == ("[ARGS]", "[TOOL_CALLS]")
     ids = mistral_tok.encode(two + "</s>", add_special_tokens=False)

@@ -6,8 +6,9 @@ look their marker token up in its vocabulary and refuse a tokenizer without it: 
 template writes another format fails when the env is made, i.e. at ``--dry-run``).  Each call it
 finds becomes an arl ``ParsedCall`` (name + JSON-object arguments; several per turn where the
 format allows); arguments that are not a JSON object are an ``error: ...`` for the model.  A turn
-vLLM cannot read is no call at all: it is the final answer (vLLM's own rule -- arl's ``hermes``
-parser instead answers malformed calls with an error message).
+that holds the format's call marker (``<tool_call>``, ``[TOOL_CALLS]``) but no call vLLM can read
+is one malformed call (an ``error: ...`` observation, the episode goes on); a turn without calls
+is the final answer.
 
 Demonstrations are written in the format by the model's own chat template (an assistant message
 with ``tool_calls``); a template that does not render tool calls cannot write them (one-line error).
@@ -92,11 +93,25 @@ class VLLMToolParser(ToolParser):
         try:
             got = self._parser.extract_tool_calls(text, self._request())
         except Exception:  # vLLM's parser failed on model text: as vLLM serves it, no call
-            return ParsedCalls([], text.strip())
-        if not got.tools_called:
-            return ParsedCalls([], (got.content if got.content is not None else text).strip())
+            got = None
+        if got is None or not got.tools_called:
+            marker = self._marker()
+            if marker and marker in text:  # the model meant a call vLLM cannot read: tell it, go on
+                return ParsedCalls([ParsedCall(None, None, f"error: a {marker} tool call the {self.name} format "
+                                               "cannot read; write it as the format shows", text)],
+                                   text[:text.find(marker)].strip())
+            return ParsedCalls([], (got.content if got is not None and got.content is not None else text).strip())
         return ParsedCalls([self._call(c.function.name, c.function.arguments) for c in got.tool_calls],
                            (got.content or "").strip())
+
+    def _marker(self) -> Optional[str]:
+        """The text that opens a call in this format (``<tool_call>``, ``[TOOL_CALLS]``), if vLLM's
+        parser names one."""
+        for attr in ("tool_call_start_token", "bot_token"):
+            v = getattr(self._parser, attr, None)
+            if isinstance(v, str) and v:
+                return v
+        return None
 
     @staticmethod
     def _call(name: Optional[str], arguments: Any) -> ParsedCall:
