@@ -86,6 +86,17 @@ def _parser_model_dir(cfg: TrainConfig) -> Optional[str]:
     return model_dir_for(cfg) if isinstance(name, str) and name not in PARSERS else None
 
 
+def _local_tokenizer(cfg: TrainConfig):
+    """The model's tokenizer when the model is on this machine (not the tiny model: its template
+    writes no tool calls), else None: the dry run may plan a model that is not converted yet."""
+    if cfg.model.name_or_path == "tiny":
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(cfg.model.name_or_path))
+    except Exception:  # not here (the dry run warns about that itself) or not loadable
+        return None
+
+
 def preflight(cfg: TrainConfig) -> list:
     """What ``--dry-run`` checks, and every launcher before it starts a process: the task dataset
     loads, the environment (with its reward function and tools) is made and resets its first task,
@@ -115,7 +126,8 @@ def preflight(cfg: TrainConfig) -> list:
     # model that never succeeds)
     lines += check_door(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
                         tasks.train_row(0) if tasks is not None else None,
-                        tasks.origin(0) if tasks is not None else "seed 0", demos, str(cfg.sft.dataset))
+                        tasks.origin(0) if tasks is not None else "seed 0", demos, str(cfg.sft.dataset),
+                        tokenizer=_local_tokenizer(cfg))
     return lines
 
 

@@ -134,3 +134,23 @@ def test_dry_run_fails_a_format_the_model_does_not_write(name, msg, tiny_model_d
                  f"env.tool_parser={name}"]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and "\n" not in err, err
+
+
+def test_dry_run_catches_a_parser_that_cannot_read_the_templates_calls(llama_tok, mistral_tok, fxplug):
+    """A Llama-style model left on the default hermes parser would have every call count as its
+    final answer: the check reads back the call the chat template writes, and names the formats
+    that do read it."""
+    from arl.env.door import check_door, format_mismatch
+
+    wrong = format_mismatch(make_parser("hermes"), llama_tok)
+    assert wrong.startswith("env.tool_parser 'hermes' cannot read the tool calls this model's chat template writes "
+                            "('{\"name\": \"arl_probe\", \"parameters\": {\"n\": 1}}'); formats that read them: ")
+    assert "llama3_json" in wrong.split("read them: ")[1].split(", ") and "\n" not in wrong
+    assert format_mismatch(make_parser("llama3_json", llama_tok), llama_tok) is None
+    assert format_mismatch(make_parser("mistral", mistral_tok), mistral_tok) is None
+    no_calls = byte_tokenizer(MISTRAL_SPECIAL, "<s>", "</s>", None)
+    no_calls.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    assert format_mismatch(make_parser("hermes"), no_calls) is None  # arl's prompt teaches the format then
+    with pytest.raises(ValueError, match="^env.tool_parser 'hermes' cannot read"):
+        check_door("tools", {"tools": ["fxplug:get_rate"], "reward_fn": "fxplug:reward"}, None, "-", None, "-",
+                   tokenizer=llama_tok)

@@ -1,7 +1,9 @@
-"""What ``--dry-run`` checks about the user's own pieces beyond "the env is made and resets":
-the demonstrations call only declared tools, with arguments valid against each tool's schema, and
-the reward function runs once -- on the first demonstration (or, without demonstrations, on an
-episode that answered nothing) -- without raising.  Each failure is one line naming the row."""
+"""What ``--dry-run`` checks about the user's own pieces beyond "the env is made and resets": the
+env's tool-call parser reads the calls the model's chat template writes (a Llama model on the
+default ``hermes`` would otherwise have every call count as its final answer), the demonstrations
+call only declared tools, with arguments valid against each tool's schema, and the reward function
+(an env's ``reward_fn``, as the tools env has) runs once -- on the first demonstration (or, without
+demonstrations, on an episode that answered nothing) -- without raising.  Each failure is one line."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +12,11 @@ from typing import Dict, List, Mapping, Optional
 
 from .registry import make_env
 from .reward import EpisodeRecord, score
+from .tool_parsers import PARSERS, ToolParser
 from .tools import Tool, tool_from_schema
+from .vllm_parsers import make_parser, template_call_turn, vllm_parser_names
+
+_PROBE = [{"name": "arl_probe", "arguments": {"n": 1}}]
 
 
 def _declared(env) -> Dict[str, Tool]:
@@ -37,6 +43,31 @@ def check_demo_calls(env, demos: List[list], where: str) -> None:
                 problem = tool.check_arguments(call["arguments"])
                 if problem:
                     raise ValueError(f"sft.dataset: {at}: {problem}")
+
+
+def format_mismatch(parser: ToolParser, tokenizer) -> Optional[str]:
+    """None when ``parser`` reads back the call the model's chat template writes (or the template
+    writes no calls: arl's prompt then teaches the format); else one line naming the formats that do."""
+    try:
+        turn = template_call_turn(tokenizer, "", _PROBE)
+    except ValueError:
+        return None
+
+    def reads(p: ToolParser) -> bool:
+        return [(c.name, c.arguments) for c in p.parse(turn).calls] == [("arl_probe", {"n": 1})]
+
+    if reads(parser):
+        return None
+    readers = []
+    for name in sorted(set(PARSERS) | set(vllm_parser_names())):
+        try:
+            if reads(make_parser(name, tokenizer)):
+                readers.append(name)
+        except Exception:  # a format that does not fit this tokenizer
+            continue
+    return (f"env.tool_parser {parser.name!r} cannot read the tool calls this model's chat template writes "
+            f"({turn[:80]!r}); " + (f"formats that read them: {', '.join(readers)}" if readers
+                                     else "no arl or vLLM format reads them"))
 
 
 def demo_record(messages: List[Mapping]) -> EpisodeRecord:
@@ -74,9 +105,17 @@ def check_reward_once(env, task: Optional[dict], task_where: str, demo: Optional
 
 
 def check_door(name: str, kwargs: dict, task: Optional[dict], task_where: str, demos: Optional[List[list]],
-               demo_where: str) -> List[str]:
-    """The checks above on the configured env; the dry run's report lines."""
+               demo_where: str, tokenizer=None) -> List[str]:
+    """The checks above on the configured env (``tokenizer``: the model's, when it is on this
+    machine: its chat template's call format is checked against the env's parser); the dry run's
+    report lines."""
     env = make_env(name, **kwargs)
+    parser = getattr(env, "parser", None)
+    if tokenizer is not None and isinstance(parser, ToolParser):
+        wrong = format_mismatch(parser, tokenizer)
+        if wrong:
+            asyncio.run(env.close())
+            raise ValueError(wrong)
 
     async def start():
         if task is not None and "task" in inspect.signature(env.reset).parameters:

@@ -31,6 +31,35 @@ from .tool_parsers import PARSERS, ParsedCall, ParsedCalls, ToolParser, call_nam
 _SENTINEL = "\x00ARL_CALLS\x00"
 
 
+def template_call_turn(tokenizer, content: str, calls: Sequence[Mapping]) -> str:
+    """What ``tokenizer``'s chat template writes for an assistant message with ``content`` and
+    ``calls`` (the text between the assistant header and the end of turn); one-line ValueError when
+    the template does not render tool calls."""
+    tool_calls = []
+    for i, c in enumerate(calls):
+        name, args = call_name_and_arguments(c)
+        tool_calls.append({"id": f"call{i:07d}", "type": "function",  # ids: Mistral's templates want 9 chars
+                           "function": {"name": name, "arguments": args}})
+    user = [{"role": "user", "content": "u"}]
+    probe = user + [{"role": "assistant", "content": content + _SENTINEL, "tool_calls": tool_calls}]
+    try:
+        # without tools: templates place them by the position of the last user message
+        head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception as e:
+        raise ValueError(f"the chat template cannot render tool calls ({type(e).__name__}: {e})") from None
+    if not full.startswith(head.rstrip()) or _SENTINEL not in full:
+        raise ValueError("the chat template does not render an assistant message as prompt + turn")
+    turn = full[len(head):] if full.startswith(head) else full[len(head.rstrip()):]
+    turn = turn.replace(_SENTINEL, "").rstrip()
+    eos = tokenizer.eos_token or ""
+    if eos and turn.endswith(eos):
+        turn = turn[:-len(eos)]
+    if any(c["function"]["name"] not in turn for c in tool_calls):
+        raise ValueError("the chat template does not render tool calls")
+    return turn.strip() if not content else turn
+
+
 def vllm_parser_names() -> List[str]:
     """The names vLLM's ``ToolParserManager`` knows (imports vLLM: a few seconds)."""
     from vllm.tool_parsers import ToolParserManager
@@ -135,35 +164,11 @@ class VLLMToolParser(ToolParser):
         return ParsedCall(name, args, None, text)
 
     def format_calls(self, content: str, calls: Sequence[Mapping]) -> str:
-        """The turn as the model's chat template writes an assistant message with ``tool_calls``
-        (the text between the assistant header and the end-of-turn token)."""
-        tool_calls = []
-        for i, c in enumerate(calls):
-            name, args = call_name_and_arguments(c)
-            tool_calls.append({"id": f"call{i:07d}", "type": "function",  # ids: Mistral's templates want 9 chars
-                               "function": {"name": name, "arguments": args}})
-        user = [{"role": "user", "content": "u"}]
-        probe = user + [{"role": "assistant", "content": content + _SENTINEL, "tool_calls": tool_calls}]
+        """The turn as the model's chat template writes an assistant message with ``tool_calls``."""
         try:
-            # without tools: templates place them by the position of the last user message
-            head = self.tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-            full = self.tokenizer.apply_chat_template(probe, tokenize=False)
-        except Exception as e:
-            raise ValueError(f"tool_parser {self.name!r}: the chat template cannot render tool calls "
-                             f"({type(e).__name__}: {e})") from None
-        if not full.startswith(head.rstrip()) or _SENTINEL not in full:
-            raise ValueError(f"tool_parser {self.name!r}: the chat template does not render an assistant message "
-                             "as prompt + turn; cannot write demonstrations in this format")
-        turn = full[len(head):] if full.startswith(head) else full[len(head.rstrip()):]
-        turn = turn.replace(_SENTINEL, "")
-        eos = self.tokenizer.eos_token or ""
-        turn = turn.rstrip()
-        if eos and turn.endswith(eos):
-            turn = turn[:-len(eos)]
-        if any(c["function"]["name"] not in turn for c in tool_calls):
-            raise ValueError(f"tool_parser {self.name!r}: the chat template does not render tool calls; "
-                             "cannot write demonstrations in this format")
-        return turn.strip() if not content else turn
+            return template_call_turn(self.tokenizer, content, calls)
+        except ValueError as e:
+            raise ValueError(f"tool_parser {self.name!r}: {e}; cannot write demonstrations in this format") from None
 
     def keep_tokens(self) -> tuple:
         """Special tokens the format writes (Mistral's ``[TOOL_CALLS]``): the turn's text must keep
