@@ -126,7 +126,7 @@ def check_door(name: str, kwargs: dict, task: Optional[dict], task_where: str, d
         lines = []
         if demos:
             check_demo_calls(env, demos, demo_where)
-            lines.append(f"sft OK: the demonstrations call only declared tools, with valid arguments")
+            lines.append("sft OK: the demonstrations call only declared tools, with valid arguments")
         said = check_reward_once(env, task, task_where, demos[0] if demos else None, demo_where)
         return lines + ([said] if said else [])
     finally:
