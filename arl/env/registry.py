@@ -41,12 +41,22 @@ def env_class(name: str) -> Type[Environment]:
     return cls
 
 
-def env_kwargs(cfg: EnvConfig) -> dict:
+def env_kwargs(cfg: EnvConfig, model_dir: str | None = None) -> dict:
     """The constructor arguments of the configured environment: ``env.kwargs``, plus the config's
-    ``env.max_turns`` (the one turn limit) and ``env.reward_fn`` for a constructor that takes them.
-    One-line ValueError for a limit or reward given twice, or a reward the environment cannot take."""
+    ``env.max_turns`` (the one turn limit), ``env.reward_fn`` and ``env.tool_parser`` (as ``parser``)
+    for a constructor that takes them, and ``model_dir`` as ``tokenizer`` for one that takes a
+    tokenizer (vLLM's tool parsers read it).  One-line ValueError for a limit, reward or parser
+    given twice, or one the environment cannot take."""
     kwargs = dict(cfg.kwargs)
     params = inspect.signature(env_class(cfg.name)).parameters
+    if cfg.tool_parser is not None:
+        if "parser" in kwargs:
+            raise ValueError("env.kwargs.parser and env.tool_parser: give the tool-call format once (env.tool_parser)")
+        if "parser" not in params:
+            raise ValueError(f"env.tool_parser: environment {cfg.name!r} takes no tool-call parser")
+        kwargs["parser"] = cfg.tool_parser
+    if model_dir is not None and "tokenizer" in params and "tokenizer" not in kwargs:
+        kwargs["tokenizer"] = model_dir
     if "max_turns" in kwargs:
         raise ValueError("env.kwargs.max_turns: set env.max_turns instead (the one turn limit)")
     if "max_turns" in params:

@@ -6,7 +6,8 @@
       reward_fn: "my_pkg.reward:score"    # fn(task=row, episode=EpisodeRecord)
       kwargs:
         tools: ["my_pkg.tools:search", "my_pkg.tools:calculator"]
-        parser: hermes                    # how the model writes its calls (arl/env/tool_parsers.py)
+      tool_parser: hermes                 # how the model writes its calls: arl's hermes or any vLLM
+                                          # parser name (llama3_json, mistral, ...; arl/env/tool_parsers.py)
 
 A task row starts the chat: ``messages`` (system/user messages) or ``prompt`` (the user message,
 after ``system_prompt`` when given; a row's own system message wins).  The tools' OpenAI schemas
@@ -26,8 +27,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 from .base import Environment, Fault, StepResult
 from .registry import register_env
 from .reward import EpisodeRecord, load_reward_fn, score
-from .tool_parsers import ParsedCall, get_parser
+from .tool_parsers import ParsedCall
 from .tools import Tool, load_tools
+from .vllm_parsers import make_parser
 
 _ROLES = ("system", "user", "assistant")
 
@@ -63,7 +65,7 @@ class ToolEnv(Environment):
 
     def __init__(self, tools: Sequence[Union[str, Callable, Tool]] = (), reward_fn: Union[str, Callable, None] = None,
                  parser: str = "hermes", tool_timeout_s: float = 10.0, system_prompt: Optional[str] = None,
-                 max_calls_per_turn: int = 8):
+                 max_calls_per_turn: int = 8, tokenizer: Any = None):
         if reward_fn is None:
             raise ValueError("env.reward_fn: required by the tools env (an import path 'pkg.mod:fn', "
                              "called as fn(task=row, episode=record))")
@@ -76,10 +78,12 @@ class ToolEnv(Environment):
                           else reward_fn)
         if not callable(self.reward_fn):
             raise ValueError(f"env.reward_fn: not callable ({type(reward_fn).__name__})")
-        try:
-            self.parser = get_parser(parser)
+        try:  # tokenizer: the model's (a directory), for vLLM's parsers; arl's own need none
+            self.parser = make_parser(parser, tokenizer)
         except ValueError as e:
-            raise ValueError(f"env.kwargs.{e}") from None
+            raise ValueError(f"env.{'' if str(e).startswith('tool_parser') else 'tool_'}{e}") from None
+        self.parser.tools = self.tools or []
+        self.keep_tokens = self.parser.keep_tokens() if hasattr(self.parser, "keep_tokens") else ()
         if not tool_timeout_s > 0:
             raise ValueError(f"env.kwargs.tool_timeout_s: must be > 0, got {tool_timeout_s}")
         if max_calls_per_turn < 1:
@@ -149,7 +153,7 @@ class ToolEnv(Environment):
             total, comps = await score(self.reward_fn, self.task, record)
         except Exception as e:  # the user's reward: retry or filter the episode, never train on it
             why = f"reward_fn: {type(e).__name__}: {e}"
-            info.update(fault=Fault.RECOVERABLE, fault_reason=why)
+            info.update(fault=Fault.RECOVERABLE, fault_reason=why, reward_exception=f"{type(e).__name__}: {e}")
             return StepResult(why, 0.0, True, info)
         info["reward_components"] = comps
         return StepResult("", total, True, info)

@@ -17,7 +17,9 @@ when the chat template cannot render tools itself.
     </tool_call>
 
 Whitespace around the JSON is free; ``arguments`` may be a JSON-encoded string (decoded).
-Register another format with ``@register_parser("name")`` on a ``ToolParser`` subclass.
+Register another format with ``@register_parser("name")`` on a ``ToolParser`` subclass.  
+``make_parser`` (arl/env/vllm_parsers.py) also takes the names of vLLM's tool-parser registry
+(``llama3_json``, ``mistral``, ``qwen3_xml``, ``pythonic`` ...); arl's own ``hermes`` wins there.
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def register_parser(name: str) -> Callable[[Type[ToolParser]], Type[ToolParser]]
 
 
 def get_parser(name: str) -> ToolParser:
+    """arl's own parser ``name`` (``make_parser`` in arl/env/vllm_parsers.py also knows vLLM's)."""
     if name not in PARSERS:
         raise ValueError(f"parser: unknown {name!r}; choose from {sorted(PARSERS)}")
     return PARSERS[name]()

@@ -36,6 +36,7 @@ from arl.env.tool_parsers import get_parser
 from .engine import RolloutEngine, Sample, SamplingConfig
 
 _SENTINEL = "\x00ARL_SPLIT\x00"
+OBSERVATION_ROLES = ("tool", "user")  # who answers a model turn: a tool, or the user (a game, a simulator)
 _PROBE_TOOL = {"type": "function", "function": {"name": "arl_probe_tool_7f3a", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
 
@@ -79,17 +80,19 @@ class ChatFormat:
         self._supports_tools = None
         self._observation_pieces(1)  # a template that cannot render tool messages fails here
 
-    def _observation_pieces(self, k: int) -> tuple:
-        """What the template puts between an assistant message's content and the first of k tool
-        messages, between consecutive ones, and after the last (through the next assistant header),
-        found by rendering a conversation around sentinels (any template that renders a "tool" role)."""
-        if k not in self._pieces:
+    def _observation_pieces(self, k: int, role: str = "tool") -> tuple:
+        """What the template puts between an assistant message's content and the first of k
+        ``role`` messages (tool results, or a game's / user simulator's ``user`` turn), between
+        consecutive ones, and after the last (through the next assistant header), found by
+        rendering a conversation around sentinels (any template that renders that role)."""
+        if (k, role) not in self._pieces:
             marks = [f"{_SENTINEL}{i}{_SENTINEL}" for i in range(k + 1)]
             msgs = ([{"role": "user", "content": "u"}, {"role": "assistant", "content": marks[0]}]
-                    + [{"role": "tool", "content": m} for m in marks[1:]])
+                    + [{"role": role, "content": m} for m in marks[1:]])
             text = _render(self.tokenizer, msgs, add_generation_prompt=True)
             if any(text.count(m) != 1 for m in marks):
-                raise ValueError("chat template: cannot tell where tool messages go (does it render the 'tool' role?)")
+                raise ValueError(f"chat template: cannot tell where {role} messages go (does it render the "
+                                 f"{role!r} role after an assistant message?)")
             rest = text.split(marks[0], 1)[1]
             pieces = []
             for m in marks[1:]:
@@ -97,9 +100,9 @@ class ChatFormat:
                 pieces.append(piece)
             between = pieces[0]
             eos = self.tokenizer.eos_token or ""
-            self._pieces[k] = (between, pieces[1:], rest,
-                               between[len(eos):] if eos and between.startswith(eos) else between)
-        return self._pieces[k]
+            self._pieces[k, role] = (between, pieces[1:], rest,
+                                     between[len(eos):] if eos and between.startswith(eos) else between)
+        return self._pieces[k, role]
 
     @property
     def supports_tools(self) -> bool:
@@ -117,10 +120,22 @@ class ChatFormat:
     def encode(self, text: str) -> list:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, keep_tokens: tuple = ()) -> str:
         """The env sees the decode of exactly the trained ids (not the engine's streamed text,
-        which holds back an unfinished UTF-8 tail)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        which holds back an unfinished UTF-8 tail), without special tokens but ``keep_tokens``."""
+        ids = list(ids)
+        keep = {i for i in self.tokenizer.convert_tokens_to_ids(list(keep_tokens)) if i is not None}
+        if not keep.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        out, run = [], []
+        for i in ids + [None]:
+            if i is None or i in keep:
+                out.append(self.tokenizer.decode(run, skip_special_tokens=True))
+                out.append(self.tokenizer.convert_ids_to_tokens(i) if i is not None else "")
+                run = []
+            else:
+                run.append(i)
+        return "".join(out)
 
     def render_prompt(self, system: str, task, tools=None) -> str:
         """The prompt text: ``task`` (a str: the first user message; or chat messages) after
@@ -142,23 +157,25 @@ class ChatFormat:
     def prompt_ids(self, system: str, task, tools=None) -> list:
         return self.encode(self.render_prompt(system, task, tools))
 
-    def observation_ids(self, observation, turn_ended_with_eos: bool = False) -> list:
-        """The masked ids after a model turn: one tool message (a str) or one per call (a list)."""
+    def observation_ids(self, observation, turn_ended_with_eos: bool = False, role: str = "tool") -> list:
+        """The masked ids after a model turn: one ``role`` message (a str) or one per call (a list)."""
         obs = [observation] if isinstance(observation, str) else list(observation)
         if not obs or not all(isinstance(o, str) for o in obs):
             raise ValueError(f"observation: expected a str or a non-empty list of str, got {observation!r:.80}")
-        between, seps, after, between_after_eos = self._observation_pieces(len(obs))
+        if role not in OBSERVATION_ROLES:
+            raise ValueError(f"observation role: expected one of {OBSERVATION_ROLES}, got {role!r}")
+        between, seps, after, between_after_eos = self._observation_pieces(len(obs), role)
         text = between_after_eos if turn_ended_with_eos else between
         for i, o in enumerate(obs):
             text += (seps[i - 1] if i else "") + o
         return self.encode(text + after)
 
 
-def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "", parser: str = "hermes",
+def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "", parser="hermes",
                   group_id: int = 0) -> Trajectory:
     """A demonstration chat as the rollout would have played it (SFT data): ``messages`` in
     OpenAI shape -- system/user messages, then assistant messages (``content`` and/or
-    ``tool_calls``, written in ``parser``'s native text) each followed by its tool messages, the last
+    ``tool_calls``, written in ``parser``'s native text: a name or a ``ToolParser``) each followed by its tool messages, the last
     one the final answer.  Assistant turns are chunks 0..K-1, each closed by EOS as a model closes
     its turn; the prompt and the tool messages are -1.  One-line ValueError naming the message."""
     if not isinstance(messages, list) or not messages:
@@ -169,7 +186,7 @@ def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "",
     if messages[-1].get("role") != "assistant":
         raise ValueError(f"demonstration: messages[{len(messages) - 1}] must be the final assistant answer, "
                          f"got role {messages[-1].get('role')!r}")
-    fmt_calls = get_parser(parser).format_calls
+    fmt_calls = (get_parser(parser) if isinstance(parser, str) else parser).format_calls
     tokens = list(fmt.prompt_ids(system, messages[:first], tools=tools) if tools
                   else fmt.prompt_ids(system, messages[:first]))
     chunks, turns, i = [-1] * len(tokens), [], first
@@ -318,7 +335,7 @@ class Episode:
         self.logp += list(sample.logprobs)
         self.turns.append((start, len(self.tokens)))
         self.versions.append(sample.version)
-        text = self.fmt.decode(sample.token_ids)
+        text = self.fmt.decode(sample.token_ids, tuple(getattr(self.env, "keep_tokens", ())))
         t0 = time.perf_counter()
         try:
             if self.cfg.step_timeout_s is not None:
@@ -336,6 +353,8 @@ class Episode:
         self.meta["turn_info"].append(_turn_info(info, res.observation))
         self._add_counts(info.get("counts"))
         fault = res.fault
+        if info.get("reward_exception"):
+            self.meta["reward_exception"] = str(info["reward_exception"])
         if fault is Fault.UNRECOVERABLE:
             return self._fail(fault, res.observation)
         if fault is Fault.RECOVERABLE:
@@ -349,7 +368,7 @@ class Episode:
         if len(self.turns) >= self.max_turns:
             return self._end(0.0, truncated="max_turns")
         ended_eos = bool(sample.token_ids) and sample.token_ids[-1] == self.fmt.eos_token_id
-        obs_ids = self.fmt.observation_ids(res.observation, ended_eos)
+        obs_ids = self.fmt.observation_ids(res.observation, ended_eos, getattr(self.env, "observation_role", "tool"))
         if len(self.tokens) + len(obs_ids) >= self.cfg.max_total_tokens:
             return self._end(0.0, truncated="max_total_tokens")
         self._append(obs_ids, -1)

@@ -23,10 +23,10 @@ FAULT_KEYS = ("recoverable_rate", "unrecoverable_rate", "unsolvable_frac", "late
               "tool_timeout_s")
 
 
-def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool) -> dict:
+def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool, model_dir: Optional[str] = None) -> dict:
     """``env.kwargs`` without the fault keys (``unsolvable_frac`` kept when it defines the task)."""
     keep = ("unsolvable_frac",) if keep_task_definition else ()
-    return {k: v for k, v in env_kwargs(cfg.env).items() if k not in FAULT_KEYS or k in keep}
+    return {k: v for k, v in env_kwargs(cfg.env, model_dir).items() if k not in FAULT_KEYS or k in keep}
 
 
 def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000,
@@ -34,7 +34,8 @@ def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_0
     """Up to ``n`` successful expert demonstrations (tasks from ``seed_base`` on), rendered exactly as
     the rollout renders a model's turns: the SFT warm start's data.  ``env_kwargs``: the env's
     arguments instead of the demonstrator's (``demo_kwargs``), e.g. the run's own tasks."""
-    kwargs = (env_class(cfg.env.name).demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False))
+    kwargs = (env_class(cfg.env.name).demo_kwargs(expert_env_kwargs(cfg, keep_task_definition=False,
+                                                                    model_dir=fmt.tokenizer.name_or_path))
               if env_kwargs is None else env_kwargs)
     env = make_env(cfg.env.name, **kwargs)
     ep_cfg = EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=cfg.rollout.max_total_tokens)
@@ -70,8 +71,8 @@ def dataset_demos(cfg: TrainConfig, fmt: ChatFormat) -> list:
     """The first ``sft.episodes`` demonstrations of ``sft.dataset``, rendered with the configured
     environment's system prompt, tools and call format, exactly as its episodes are: the SFT
     warm start's data when the user brings demonstrations."""
-    env = make_env(cfg.env.name, **env_kwargs(cfg.env))
-    parser = getattr(getattr(env, "parser", None), "name", None) or "hermes"
+    env = make_env(cfg.env.name, **env_kwargs(cfg.env, fmt.tokenizer.name_or_path))
+    parser = getattr(env, "parser", None) or "hermes"
     out = []
     for i, messages in enumerate(load_demonstrations(cfg.sft.dataset)[:cfg.sft.episodes]):
         try:
@@ -115,7 +116,7 @@ def expert_start_hook(cfg: TrainConfig, fmt: ChatFormat, chooser: StartChooser) 
     """``start_for(seed)`` for ``RolloutManager``: the expert plays task ``seed`` and the group starts
     at the chunk ``chooser`` picks (several anchors: one of them, by task seed); None when the env
     has no demonstrator for the task, the expert failed, or it needs more turns than an episode may."""
-    kwargs = expert_env_kwargs(cfg, keep_task_definition=True)
+    kwargs = expert_env_kwargs(cfg, keep_task_definition=True, model_dir=fmt.tokenizer.name_or_path)
     max_turns = cfg.env.max_turns
 
     async def start_for(seed: int):

@@ -29,6 +29,7 @@ import asyncio
 import itertools
 import math
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
@@ -92,13 +93,16 @@ class EnvPool:
             await e.close()
 
 
+REWARD_EXCEPTIONS_SHOWN = 3  # reward exceptions printed per manager; all are counted
+
+
 class RolloutManager:
     def __init__(self, engine: RolloutEngine, env_factory: Callable[[], Environment], tokenizer_or_format,
                  tasks: Iterable[int] | None = None, config: RolloutConfig | None = None, *,
                  groups_per_step: Optional[int] = None, pool_size: int = 32, episode: Optional[EpisodeConfig] = None,
                  seed: Optional[int] = None, start_for: Callable | None = None, imitate_once_per_group: bool = True,
                  task_row: Callable[[int], dict] | None = None, first_step: Optional[int] = None,
-                 in_order: bool = False):
+                 in_order: bool = False, task_origin: Callable[[int], str] | None = None):
         """``config``: the ``rollout`` section (group size, staleness, retries, filter cap).
         ``groups_per_step``: groups in one batch (default ``config.tasks_per_step``; an engine's share
         when several engines split a batch).  ``pool_size``: live environments = episodes (and tool
@@ -113,7 +117,7 @@ class RolloutManager:
         them).  ``in_order``: a reproducible run (``trainer.deterministic``): batch k is groups
         [k*G, (k+1)*G) whatever finishes first, and new weights wait until the started groups are
         done, so every group samples from its start version alone."""
-        self.engine, self.task_row = engine, task_row
+        self.engine, self.task_row, self.task_origin = engine, task_row, task_origin  # origin: seed -> "file line n"
         self.start_for, self.imitate_once = start_for, imitate_once_per_group
         self.cfg = config if config is not None else RolloutConfig()
         self.groups_per_step = int(groups_per_step if groups_per_step is not None else self.cfg.tasks_per_step)
@@ -262,7 +266,15 @@ class RolloutManager:
             self._groups.remove(g)
         self._cond.notify_all()
         trajs = [t for g in sorted(picked, key=lambda g: g.gid) for t in g.trajectories]
-        return RolloutBatch(self.step - 1, self._apply_filter_cap(trajs), self._metrics(trajs))
+        failed = sum(bool(t.metadata.get("reward_exception")) for t in trajs)
+        if trajs and failed == len(trajs):  # nothing to learn from: stop, saying why
+            last = trajs[-1].metadata["reward_exception"]
+            raise RuntimeError(f"reward_fn raised on every episode of step {self.step - 1} ({failed} of {failed}; "
+                               f"last: {last}); fix env.reward_fn (python -m arl.train --dry-run runs it once)")
+        trajs = self._apply_filter_cap(trajs)  # first: the metrics count what the cap kept
+        metrics = dict(self._metrics(trajs), **{"fault/reward_exception": sum(t.metadata.get("reward_exceptions", 0)
+                                                                               for t in trajs)})
+        return RolloutBatch(self.step - 1, trajs, metrics)
 
     # --- generation side ---
     async def _produce(self) -> None:
@@ -307,7 +319,7 @@ class RolloutManager:
             self._cond.notify_all()
 
     async def _run_one(self, g: _Group, index: int) -> Trajectory:
-        n = self.cfg.group_size
+        n, raised = self.cfg.group_size, 0
         for attempt in range(self.cfg.retries + 1):
             sample = index + attempt * n  # new fault/latency draws on a retry, same task
             sample_seed = None if self.seed is None else derive_sample_seed(self.seed, g.seed, sample)
@@ -323,6 +335,10 @@ class RolloutManager:
             t.metadata.update(attempts=attempt + 1, start_version=g.start_version)
             if not t.turns:
                 t.policy_version = g.start_version
+            raised += bool(t.metadata.get("reward_exception"))
+            t.metadata["reward_exceptions"] = raised  # attempts whose reward function raised
+            if t.metadata.get("reward_exception"):
+                self._reward_exception(g.seed, t.metadata["reward_exception"])
             fault = Fault(t.metadata["fault"])
             if fault is Fault.UNRECOVERABLE:
                 self.counters["unrecoverable"] += 1
@@ -336,6 +352,14 @@ class RolloutManager:
                 self.counters["retries"] += 1
         t.status = TrajectoryStatus.FILTERED
         return t
+
+    def _reward_exception(self, task_seed: int, what: str) -> None:
+        """The reward function raised: said on stderr the first times (a reward bug must not look
+        like a model that never succeeds), counted always (``fault/reward_exception``)."""
+        self.counters["reward_exception"] += 1
+        if self.counters["reward_exception"] <= REWARD_EXCEPTIONS_SHOWN:
+            origin = self.task_origin(task_seed) if self.task_origin is not None else f"task seed {task_seed}"
+            print(f"arl: reward_fn raised {what} ({origin})", file=sys.stderr, flush=True)
 
     # --- mask & filter cap, metrics ---
     def _apply_filter_cap(self, trajs: list) -> list:

@@ -43,7 +43,7 @@ from .engine_args import build_engine_args, check_engine_kwargs
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .transcript import transcript
 from .expert import StartChooser, expert_start_hook
-from .manager import RolloutManager, fill_batch
+from .manager import REWARD_EXCEPTIONS_SHOWN, RolloutManager, fill_batch
 
 
 @dataclass
@@ -92,8 +92,9 @@ def episode_config(cfg: TrainConfig, greedy: bool = False) -> EpisodeConfig:
     return EpisodeConfig(max_turns=cfg.env.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling)
 
 
-def env_factory(cfg: TrainConfig) -> Callable:
-    name, kwargs = cfg.env.name, env_kwargs(cfg.env)
+def env_factory(cfg: TrainConfig, model_dir: Optional[str] = None) -> Callable:
+    """Makes the run's environment (``model_dir``: the tokenizer of a vLLM tool-call parser)."""
+    name, kwargs = cfg.env.name, env_kwargs(cfg.env, model_dir)
     return lambda: make_env(name, **kwargs)
 
 
@@ -129,7 +130,8 @@ def eval_record(task: int, t: Trajectory) -> dict:
     return {"task": task, "seed": EVAL_SEED_BASE + task, "reward": float(t.reward),
             "success": bool(t.reward > 0 and fault == "none"), "turns": len(t.turns),
             "tool_calls": int(m.get("tool_calls", 0)), "tool_errors": int(m.get("tool_errors", 0)), "fault": fault,
-            "truncated": m.get("truncated")}
+            "fault_reason": m.get("fault_reason") if fault != "none" else None, "truncated": m.get("truncated"),
+            "reward_exception": m.get("reward_exception")}
 
 
 async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None,
@@ -137,7 +139,7 @@ async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, task
     """Greedy episodes on the ``n`` held-out tasks (seeds ``EVAL_SEED_BASE + i``; with a dataset,
     its held-out rows, at most ``tasks.n_eval``), ``eval_record`` rows in task order
     (``transcripts``: each with its ``transcript``, arl/rollout/transcript.py)."""
-    factory, ep_cfg = env_factory(cfg), episode_config(cfg, greedy=True)
+    factory, ep_cfg = env_factory(cfg, fmt.tokenizer.name_or_path), episode_config(cfg, greedy=True)
     sem = asyncio.Semaphore(cfg.env.pool_size)
     n = n if tasks is None else min(n, tasks.n_eval)  # a dataset has n_eval held-out rows
 
@@ -154,7 +156,16 @@ async def evaluate_tasks(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, task
                 rec["transcript"] = transcript(fmt, t)
             return rec
 
-    return list(await asyncio.gather(*(one(i) for i in range(n))))
+    rows = list(await asyncio.gather(*(one(i) for i in range(n))))
+    raised = [r for r in rows if r["reward_exception"]]
+    for r in raised[:REWARD_EXCEPTIONS_SHOWN]:  # a reward bug must not read as a model that never succeeds
+        where = tasks.origin(r["seed"]) if tasks is not None else f"task seed {r['seed']}"
+        print(f"arl: reward_fn raised {r['reward_exception']} ({where})", file=sys.stderr)
+    if rows and len(raised) == len(rows):
+        raise RuntimeError(f"reward_fn raised on every held-out episode ({len(rows)} of {len(rows)}; last: "
+                           f"{raised[-1]['reward_exception']}); fix env.reward_fn (python -m arl.train --dry-run "
+                           "runs it once)")
+    return rows
 
 
 async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Optional[TaskSet] = None,
@@ -232,9 +243,10 @@ class RolloutWorker:
             self.engine.idle_stats(reset=True)  # rates count from here, not from the engine's start
             chooser = self.hooks.start_chooser
             self.manager = RolloutManager(
-                self.engine, env_factory(cfg), self.fmt, tasks=tasks, config=r,
+                self.engine, env_factory(cfg, self.model_dir), self.fmt, tasks=tasks, config=r,
                 groups_per_step=r.tasks_per_step // n_engines, pool_size=cfg.env.pool_size,
                 episode=episode_config(cfg), seed=cfg.seed, task_row=self.tasks.row if self.tasks else None,
+                task_origin=self.tasks.origin if self.tasks else None,
                 start_for=expert_start_hook(cfg, self.fmt, chooser) if chooser is not None else None,
                 imitate_once_per_group=cfg.stabilizers.ipa.imitate_once_per_group, first_step=first,
                 in_order=cfg.trainer.deterministic)
