@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 
+from .cluster.placement import placement
 from .config import ConfigError, dump_config, load_config
 from .config.reference import select, table
 from .launch import launch, launch_distributed, preflight, under_launcher
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         layout = plan(cfg)
+        placed = placement(cfg)  # a placement that cannot fit the cluster fails here, one line
     except (ConfigError, ValueError) as e:
         print(f"arl.train: config error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
         print(model_line)
         print("\n".join(checks))
         print(layout.render())
+        print(placed.render())
         print(render_engine_args(engine_args(cfg)))
         return 0
     if cfg.model.name_or_path != "tiny":

@@ -62,7 +62,8 @@ def engine_kwargs(cfg: TrainConfig) -> dict:
     kw = {}
     if cfg.layout.device == "cuda":
         tp = cfg.rollout.tensor_parallel
-        kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
+        gpus = (cfg.ray.gpus_per_engine if cfg.launcher == "ray" else None) or cfg.layout.rollout_gpus
+        kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, gpus // tp),
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
     return {**kw, **cfg.rollout.engine_kwargs}
 
