@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 
+from .cluster.launcher import launch_ray
 from .cluster.placement import placement
 from .config import ConfigError, dump_config, load_config
 from .config.reference import select, table
@@ -114,6 +115,12 @@ def main(argv=None) -> int:
         print("\n".join(f"arl.train: {line}" for line in checks), flush=True)
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
         run_dir = launch_distributed(cfg, resume=args.resume)
+    elif cfg.launcher == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
+        try:
+            run_dir = launch_ray(cfg, resume=args.resume)
+        except (RuntimeError, ValueError) as e:  # the failing actor's own traceback is in the log above
+            print(f"arl.train: {e}", file=sys.stderr)
+            return 1
     else:
         run_dir = launch(cfg, resume=args.resume)
     if run_dir is not None:

@@ -37,6 +37,7 @@ from ..data.trajectory import Trajectory
 from ..env import env_kwargs, make_env
 from ..metrics import rollout_rates
 from ..procs import die_with_parent
+from .channel import Channel
 from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .engine_args import build_engine_args, check_engine_kwargs
@@ -184,7 +185,7 @@ def rollout_rate(engine, batch) -> dict:
     return out
 
 
-def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid: Optional[int] = None,
+def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Channel, parent_pid: Optional[int] = None,
                     engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None) -> None:
     """Entry point of engine ``engine``'s rollout process (spawned, or a torchrun rank).
     ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher."""

@@ -17,11 +17,12 @@ from collections import deque
 from typing import Callable, List, Sequence
 
 from ..data.batch import merge_batches
+from ..rollout.channel import Channel
 
 class RolloutLink:
     """The queues of trainer rank 0 (``orders``: one queue per engine)."""
 
-    def __init__(self, batches, orders: Sequence, on_eval: Callable[[int, float], None]):
+    def __init__(self, batches: Channel, orders: Sequence[Channel], on_eval: Callable[[int, float], None]):
         if not orders:
             raise ValueError("RolloutLink: needs at least one engine's orders queue")
         self.batches, self.orders, self.on_eval = batches, list(orders), on_eval
