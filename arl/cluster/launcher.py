@@ -1,8 +1,8 @@
 """``launcher: ray``: the run's trainer ranks and rollout engines as Ray actors in placement groups
 (arl/cluster/placement.py), the batches and orders through Ray queues; docs/ray.md.
 
-* Cluster: ``ray.address`` null starts a local one (loopback only, no dashboard, token auth with a
-  token made for this run) and stops it at the end, on an error too; else joins that cluster.
+* Cluster: ``ray.address`` null starts a local one (no dashboard, token auth with a token made for
+  this run, never written to disk) and stops it at the end, on an error too; else joins that cluster.
 * Trainer ranks: one actor per bundle of the trainers' group, each running ``trainer_rank`` with
   its own ``torch.distributed`` group; rank 0's actor picks MASTER_ADDR/MASTER_PORT (and the
   weight-sync port) on its node and the others are handed them.
@@ -66,10 +66,10 @@ def start_ray(cfg: TrainConfig, cpus: int):
         _refresh_auth_if_imported()
         import ray
 
-        ray.init(num_cpus=cpus, num_gpus=0, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 object_store_memory=512 * 2**20, namespace="arl", configure_logging=False)
-        print(f"arl.train: ray: local cluster started ({cpus} CPUs, loopback only, token auth, no dashboard)",
-              flush=True)
+        # Ray binds its services to the node's address, not loopback: the token is what keeps others out
+        ray.init(num_cpus=cpus, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
+                 namespace="arl", configure_logging=False)
+        print(f"arl.train: ray: local cluster started ({cpus} CPUs, token auth, no dashboard)", flush=True)
         return ray
     import ray
 
