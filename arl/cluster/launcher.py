@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -50,10 +51,45 @@ class TrainerActor:
 
 
 class EngineActor:
-    """One rollout engine: the rollout process's loop, in this actor."""
+    """One rollout engine: the rollout process's loop, in this actor.  Ray restarts it when it dies
+    (``ray.engine_restarts``) and runs ``run`` again; the new one tells trainer rank 0, which sends
+    it where to start and the current weights (arl/trainer/restarts.py)."""
 
     def run(self, cfg_dict: dict, model_dir: str, batches, orders, engine: int, hooks) -> None:
-        rollout_process(cfg_dict, model_dir, batches, orders, None, engine, hooks, None)
+        import ray
+
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not restarted:
+            batches = _kill_hook(batches, engine)
+        rollout_process(cfg_dict, model_dir, batches, orders, None, engine, hooks, None, restarted)
+
+
+KILL_ENGINE_ENV = "ARL_TEST_KILL_ENGINE"  # test-only, "<engine>:<n>": that engine dies after its n-th batch
+
+
+class _KillAfter:
+    """Test hook: the batches channel of an engine that SIGKILLs its own process right after handing
+    over its ``n``-th batch (a first incarnation only: the restarted engine lives)."""
+
+    def __init__(self, channel, n: int):
+        self.channel, self.n = channel, n
+
+    def put(self, item) -> None:
+        self.channel.put(item)
+        if item[0] == "batch":
+            self.n -= 1
+            if self.n == 0:
+                print(f"arl.train: test hook: engine {item[1]} kills itself ({KILL_ENGINE_ENV})", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def get(self, block: bool = True, timeout=None):
+        return self.channel.get(block, timeout)
+
+
+def _kill_hook(batches, engine: int):
+    spec = os.environ.get(KILL_ENGINE_ENV, "")
+    e, _, n = spec.partition(":")
+    return _KillAfter(batches, int(n)) if spec and int(e) == engine else batches
 
 
 def start_ray(cfg: TrainConfig, cpus: int):
@@ -116,6 +152,9 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     if cfg.layout.device != "cpu":
         raise ValueError("launcher: ray runs the CPU layout only so far (GPU layouts: --dry-run prints their "
                          "placement; run them with launcher: local, docs/ray.md)")
+    if cfg.ray.engine_restarts and cfg.rollout.sync_mode(cfg.layout.device) != "file":
+        raise ValueError("ray.engine_restarts > 0 needs rollout.weight_sync: file (a restarted engine cannot rejoin "
+                         "the weight-sync group yet); set ray.engine_restarts=0")
     if cfg.ray.address is not None:  # before the model is built: an unreachable cluster fails at once
         _check_reachable(cfg.ray.address, cfg.ray.connect_timeout_s)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -124,16 +163,20 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     demos = sft_demos(cfg, model_dir)
     placed = placement(cfg)  # the local cluster's shape, sized to fit
     ray = start_ray(cfg, cpus=placed.nodes[0].cpus)
+    actors: list = []
     try:
         if cfg.ray.address is not None:
             placement(cfg, cluster_of(ray), source=cfg.ray.address)  # one line if the cluster is too small
-        _run(ray, cfg, placed, model_dir, demos, resume)
+        _run(ray, cfg, placed, model_dir, demos, resume, actors)
     finally:
-        ray.shutdown()  # a local cluster stops with it; on a joined one our actors and groups go
+        for a in actors:  # at once: workers left to notice a stopped cluster linger for tens of seconds
+            ray.kill(a)
+        ray.shutdown()  # a local cluster stops with it; on a joined one our groups go
     return run_dir
 
 
-def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: bool) -> None:
+def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: bool, actors: list) -> None:
+    """Places the groups and actors (appended to ``actors``, for the caller to kill) and runs them."""
     from ray.util.placement_group import placement_group
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
@@ -151,12 +194,15 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     orders = [Queue(actor_options={"num_cpus": 0}) for _ in placed.engines]
     cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
     Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
+    restarts = cfg.ray.engine_restarts  # the interrupted run() is run again on the restarted actor
     engines = [Engine.options(num_cpus=b.cpus, num_gpus=b.gpus, name=f"arl-{b.name.replace(' ', '-')}",
+                              max_restarts=restarts, max_task_retries=restarts,
                               scheduling_strategy=InGroup(placement_group=pg, placement_group_bundle_index=0)).remote()
                for b, pg in zip(placed.engines, engine_pgs)]
     ranks = [Trainer.options(num_cpus=b.cpus, num_gpus=b.gpus,
                              scheduling_strategy=InGroup(placement_group=trainers_pg, placement_group_bundle_index=i))
              .remote() for i, b in enumerate(placed.trainers)]
+    actors += engines + ranks
     running = {a.run.remote(cfg_dict, model_dir, batches, orders[e], e, hooks): f"engine {e}"
                for e, a in enumerate(engines)}
     master = ray.get(ranks[0].master.remote())

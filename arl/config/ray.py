@@ -39,6 +39,9 @@ class RayConfig(_Section):
         "null: layout.rollout_gpus, else rollout.tensor_parallel.")
     cpus_per_trainer: int = Field(1, ge=1, description="Logical CPUs reserved with each trainer rank's bundle.")
     cpus_per_engine: int = Field(1, ge=1, description="Logical CPUs reserved with each rollout engine's bundle.")
+    engine_restarts: int = Field(
+        2, ge=0, description="Times Ray restarts a rollout engine actor that died (it gets the current weights; "
+        "rollout.weight_sync: file only); 0: an engine that dies ends the run.")
 
 
 LAUNCHER_DESCRIPTION = (

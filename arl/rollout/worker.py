@@ -186,17 +186,23 @@ def rollout_rate(engine, batch) -> dict:
 
 
 def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Channel, parent_pid: Optional[int] = None,
-                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None) -> None:
-    """Entry point of engine ``engine``'s rollout process (spawned, or a torchrun rank).
-    ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher."""
+                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None,
+                    restarted: bool = False) -> None:
+    """Entry point of engine ``engine``'s rollout process (spawned, a torchrun rank, a Ray actor).
+    ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher.
+    ``restarted``: a Ray restart of a dead engine: it says so on ``batches`` and ignores the orders
+    meant for its former self until the trainer's ``("start", step)`` (arl/trainer/restarts.py)."""
     if parent_pid is not None:
         die_with_parent(parent_pid, take_children=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = TrainConfig.model_validate(cfg_dict)
+    if restarted:  # trainer rank 0 answers with ("start", next batch) and the current weights
+        batches.put(("restarted", engine))
     try:
-        asyncio.run(RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks(), ready_file).run())
+        worker = RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks(), ready_file, restarted)
+        asyncio.run(worker.run())
         batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
     except BaseException as e:  # tell the trainer instead of leaving it waiting
         where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
@@ -206,7 +212,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Ch
 
 class RolloutWorker:
     def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks,
-                 ready_file: Optional[str] = None):
+                 ready_file: Optional[str] = None, restarted: bool = False):
         self.cfg, self.model_dir, self.batches, self.orders, self.index = cfg, model_dir, batches, orders, index
         self.hooks, self.ready_file = hooks, ready_file
         self.engine = self.fmt = self.manager = self.tasks = self.schedule = None
@@ -214,6 +220,7 @@ class RolloutWorker:
         self.closing = threading.Event()  # the order-taking thread returns once this is set
         self.evals: set = set()
         self.first_step: Optional[int] = None  # None: the version of the first weights
+        self.restarted = restarted  # until the trainer's "start": orders to the engine that died
 
     async def run(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
@@ -289,6 +296,8 @@ class RolloutWorker:
             if msg is None:
                 return
             kind = msg[0]
+            if self.restarted and kind not in ("start", "stop"):
+                continue
             if kind == "stop":
                 self.stop.set()
                 return
@@ -296,7 +305,7 @@ class RolloutWorker:
                 _, host, port, world, backend = msg
                 await self.engine.join_weight_sync(host, port, world, backend)
             elif kind == "start":
-                self.first_step = int(msg[1])
+                self.first_step, self.restarted = int(msg[1]), False
             elif kind == "weights":
                 await self._load_weights(*msg[1:])
             elif kind == "eval":
