@@ -128,3 +128,36 @@ def test_killed_engine_is_restarted_with_the_current_weights(tmp_path):
         assert recs[s]["rollout/num_trajectories"] == 8
         assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-4, recs[s]
     assert all("success/heldout" in recs[s] for s in (3, 4))
+
+
+@pytest.mark.slow  # a Ray cluster, trainer ranks and an engine that fails at start
+def test_actor_failure_is_one_line_and_ray_stops(tmp_path):
+    """vLLM refuses a context longer than the model's (as in tests/test_train_e2e.py): the run ends
+    with one line naming the failed actor and the cause, instead of waiting for a batch."""
+    out = tmp_path / "bad"
+    cmd = [sys.executable, "-m", "arl.train", "--config", TINY, f"output_dir={out}", *SMALL, "launcher=ray",
+           "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("arl.train: ray: ") and " failed: " in last and "max_model_len" in last, last
+
+
+def test_actor_errors_reach_the_driver_as_one_line():
+    from arl.cluster.launcher import ActorFailed, _reported
+
+    def bad():
+        load_config(TINY, ["trainer.steps=-1"])
+
+    with pytest.raises(ActorFailed) as e:
+        _reported(bad)
+    assert "\n" not in str(e.value) and str(e.value).startswith("ConfigError: ") and "trainer.steps" in str(e.value)
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)  # crosses Ray, unlike pydantic's errors
+
+    class Wrapped(Exception):
+        cause = e.value
+
+    assert _first_line(Wrapped()) == str(e.value)

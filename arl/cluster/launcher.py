@@ -47,7 +47,8 @@ class TrainerActor:
         cuda = cfg_dict["layout"]["device"] == "cuda"  # Ray shows each rank its own GPU as device 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if cuda else str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=str(port))
-        trainer_rank(rank, world, None, cfg_dict, model_dir, demos, batches, orders, resume, None, (host, sync_port))
+        _reported(trainer_rank, rank, world, None, cfg_dict, model_dir, demos, batches, orders, resume, None,
+                  (host, sync_port))
 
 
 class EngineActor:
@@ -61,7 +62,19 @@ class EngineActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if not restarted:
             batches = _kill_hook(batches, engine)
-        rollout_process(cfg_dict, model_dir, batches, orders, None, engine, hooks, None, restarted)
+        _reported(rollout_process, cfg_dict, model_dir, batches, orders, None, engine, hooks, None, restarted)
+
+
+class ActorFailed(RuntimeError):
+    """An actor's error as one line of text: the exception itself may not pickle (pydantic's do
+    not), and Ray would then report only that."""
+
+
+def _reported(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        raise ActorFailed(" ".join(f"{type(e).__name__}: {e}".split())[:2000]) from None
 
 
 KILL_ENGINE_ENV = "ARL_TEST_KILL_ENGINE"  # test-only, "<engine>:<n>": that engine dies after its n-th batch
@@ -233,6 +246,8 @@ def _wait(ray, running: dict) -> None:
 
 def _first_line(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
+    if isinstance(cause, ActorFailed):
+        return str(cause)
     if isinstance(cause, BaseException):
         text = f"{type(cause).__name__}: {cause}"
     else:
