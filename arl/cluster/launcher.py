@@ -194,9 +194,9 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
 
-    trainers_pg = placement_group([b.resources() for b in placed.trainers], strategy="PACK", name="arl-trainers")
-    engine_pgs = [placement_group([b.resources()], strategy="STRICT_PACK", name=f"arl-{b.name.replace(' ', '-')}")
-                  for b in placed.engines]
+    # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
+    trainers_pg = placement_group([b.resources() for b in placed.trainers], strategy="PACK")
+    engine_pgs = [placement_group([b.resources()], strategy="STRICT_PACK") for b in placed.engines]
     try:
         ray.get([pg.ready() for pg in [trainers_pg, *engine_pgs]], timeout=cfg.ray.connect_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -208,8 +208,7 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
     Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
     restarts = cfg.ray.engine_restarts  # the interrupted run() is run again on the restarted actor
-    engines = [Engine.options(num_cpus=b.cpus, num_gpus=b.gpus, name=f"arl-{b.name.replace(' ', '-')}",
-                              max_restarts=restarts, max_task_retries=restarts,
+    engines = [Engine.options(num_cpus=b.cpus, num_gpus=b.gpus, max_restarts=restarts, max_task_retries=restarts,
                               scheduling_strategy=InGroup(placement_group=pg, placement_group_bundle_index=0)).remote()
                for b, pg in zip(placed.engines, engine_pgs)]
     ranks = [Trainer.options(num_cpus=b.cpus, num_gpus=b.gpus,
