@@ -116,7 +116,7 @@ class Plan:
 
     def render(self) -> str:
         lines = [f"model parameters: {self.params / 1e9:.3f} B"]
-        lines.append("processes:")
+        lines.append("processes:" if self.processes else "processes: Ray actors, as placed below (launcher: ray)")
         for p in self.processes:
             lines.append(f"  node {p.node}  {p.role:<16} {p.device}")
         lines.append(f"schedule: {self.schedule}")
@@ -141,7 +141,9 @@ def plan(cfg: TrainConfig) -> Plan:
     dp = cfg.trainer.world_size
     lay = cfg.layout
     pl = Plan(params=P, schedule=SCHEDULE_LINES[schedule_name(cfg)])
-    if lay.device == "cpu":
+    if cfg.launcher == "ray":
+        pass  # the placement (arl/cluster/placement.py) says where each actor runs
+    elif lay.device == "cpu":
         for r in range(dp):
             pl.processes.append(Process(f"trainer rank {r}", 0, "cpu (gloo)"))
         for e in range(cfg.num_engines()):

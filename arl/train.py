@@ -22,6 +22,8 @@ import argparse
 import os
 import sys
 
+from .cluster.launcher import launch_ray
+from .cluster.placement import placement
 from .config import ConfigError, dump_config, load_config
 from .config.reference import select, table
 from .launch import launch, launch_distributed, preflight, under_launcher
@@ -78,6 +80,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         layout = plan(cfg)
+        placed = placement(cfg)  # a placement that cannot fit the cluster fails here, one line
     except (ConfigError, ValueError) as e:
         print(f"arl.train: config error: {e}", file=sys.stderr)
         return 2
@@ -99,6 +102,7 @@ def main(argv=None) -> int:
         print(model_line)
         print("\n".join(checks))
         print(layout.render())
+        print(placed.render())
         print(render_engine_args(engine_args(cfg)))
         return 0
     if cfg.model.name_or_path != "tiny":
@@ -111,6 +115,12 @@ def main(argv=None) -> int:
         print("\n".join(f"arl.train: {line}" for line in checks), flush=True)
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
         run_dir = launch_distributed(cfg, resume=args.resume)
+    elif cfg.launcher == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
+        try:
+            run_dir = launch_ray(cfg, resume=args.resume)
+        except (RuntimeError, ValueError) as e:  # the failing actor's own traceback is in the log above
+            print(f"arl.train: {e}", file=sys.stderr)
+            return 1
     else:
         try:
             run_dir = launch(cfg, resume=args.resume)

@@ -16,6 +16,7 @@ LAYERS = [
     ("stabilizers", "rollout"),
     ("trainer",),
     ("launch", "layout", "plot"),
+    ("cluster",),
     ("train", "eval"),
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
+from .ray import LAUNCHER_DESCRIPTION, LauncherName, RayConfig, check_ray
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
 
@@ -340,6 +341,8 @@ class TrainConfig(Section):
         StabilizerConfig(), description="Stabilizers, each off by default but the stall guard.")
     critic: CriticConfig = Field(
         CriticConfig(), description="Turn-level value head and GAE advantages over chunks (on with algo.advantage: gae).")
+    launcher: LauncherName = Field("local", description=LAUNCHER_DESCRIPTION)
+    ray: RayConfig = Field(RayConfig(), description="Ray cluster and placement (launcher: ray, and --dry-run's placement).")
 
     @model_validator(mode="before")
     @classmethod
@@ -362,6 +365,7 @@ class TrainConfig(Section):
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         check_turn_credit_loss(self.stabilizers, self.loss)
         check_algo(self.algo, self.critic, self.stabilizers, self.loss)
+        check_ray(self)
         lay = self.layout
         if lay.device == "cuda" and lay.colocate:
             if not lay.rollout_gpus == lay.trainer_gpus == lay.gpus_per_node:
@@ -375,7 +379,7 @@ class TrainConfig(Section):
             if self.rollout.weight_sync == "group":
                 raise ValueError("rollout.weight_sync: 'group' pairs trainer rank 0 and an engine worker in one NCCL "
                                  "group, which NCCL refuses on one GPU; use 'file' (or 'auto') with layout.colocate")
-        if lay.device == "cuda":
+        if lay.device == "cuda" and self.launcher == "local":  # Ray places by bundles (arl/cluster/placement.py)
             if not lay.colocate and lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:
                 raise ValueError(
                     f"layout.rollout_gpus + layout.trainer_gpus = {lay.rollout_gpus + lay.trainer_gpus} "
@@ -408,5 +412,5 @@ class TrainConfig(Section):
     def num_engines(self) -> int:
         """Rollout engines of this layout (see ``rollout.engines``)."""
         if self.layout.device == "cuda":
-            return self.layout.nodes
+            return self.layout.nodes if self.launcher == "local" else self.rollout.engines or self.layout.nodes
         return self.rollout.engines or 1

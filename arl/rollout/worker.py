@@ -37,6 +37,7 @@ from ..data.trajectory import Trajectory
 from ..env import env_kwargs, make_env
 from ..metrics import rollout_rates
 from ..procs import die_with_parent
+from .channel import Channel
 from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .engine_args import build_engine_args, check_engine_kwargs
@@ -62,7 +63,8 @@ def engine_kwargs(cfg: TrainConfig) -> dict:
     kw = {}
     if cfg.layout.device == "cuda":
         tp = cfg.rollout.tensor_parallel
-        kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, cfg.layout.rollout_gpus // tp),
+        gpus = (cfg.ray.gpus_per_engine if cfg.launcher == "ray" else None) or cfg.layout.rollout_gpus
+        kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, gpus // tp),
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
     return {**kw, **cfg.rollout.engine_kwargs}
 
@@ -194,18 +196,24 @@ def rollout_rate(engine, batch) -> dict:
     return out
 
 
-def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid: Optional[int] = None,
-                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None) -> None:
-    """Entry point of engine ``engine``'s rollout process (spawned, or a torchrun rank).
-    ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher."""
+def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Channel, parent_pid: Optional[int] = None,
+                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None,
+                    restarted: bool = False) -> None:
+    """Entry point of engine ``engine``'s rollout process (spawned, a torchrun rank, a Ray actor).
+    ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher.
+    ``restarted``: a Ray restart of a dead engine: it says so on ``batches`` and ignores the orders
+    meant for its former self until the trainer's ``("start", step)`` (arl/trainer/restarts.py)."""
     if parent_pid is not None:
         die_with_parent(parent_pid, take_children=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = TrainConfig.model_validate(cfg_dict)
+    if restarted:  # trainer rank 0 answers with ("start", next batch) and the current weights
+        batches.put(("restarted", engine))
     try:
-        asyncio.run(RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks(), ready_file).run())
+        worker = RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks(), ready_file, restarted)
+        asyncio.run(worker.run())
         batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
     except BaseException as e:  # tell the trainer instead of leaving it waiting
         where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
@@ -215,7 +223,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches, orders, parent_pid:
 
 class RolloutWorker:
     def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks,
-                 ready_file: Optional[str] = None):
+                 ready_file: Optional[str] = None, restarted: bool = False):
         self.cfg, self.model_dir, self.batches, self.orders, self.index = cfg, model_dir, batches, orders, index
         self.hooks, self.ready_file = hooks, ready_file
         self.engine = self.fmt = self.manager = self.tasks = self.schedule = None
@@ -223,6 +231,7 @@ class RolloutWorker:
         self.closing = threading.Event()  # the order-taking thread returns once this is set
         self.evals: set = set()
         self.first_step: Optional[int] = None  # None: the version of the first weights
+        self.restarted = restarted  # until the trainer's "start": orders to the engine that died
 
     async def run(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
@@ -299,6 +308,8 @@ class RolloutWorker:
             if msg is None:
                 return
             kind = msg[0]
+            if self.restarted and kind not in ("start", "stop"):
+                continue
             if kind == "stop":
                 self.stop.set()
                 return
@@ -306,7 +317,7 @@ class RolloutWorker:
                 _, host, port, world, backend = msg
                 await self.engine.join_weight_sync(host, port, world, backend)
             elif kind == "start":
-                self.first_step = int(msg[1])
+                self.first_step, self.restarted = int(msg[1]), False
             elif kind == "weights":
                 await self._load_weights(*msg[1:])
             elif kind == "eval":

@@ -7,27 +7,33 @@ takes the ``k``-th batch of every engine and merges them (``merge_batches``).  O
 weights and the end of the run go to every engine; held-out evaluation to engine 0 only.
 
 Messages on ``batches``: ``("batch", e, batch)``, ``("eval", version, success)``,
-``("error", text)``, ``("stopped", e)``.
+``("error", text)``, ``("stopped", e)``, ``("restarted", e)`` (Ray restarted engine ``e``: its
+next batch is ``next_index(e)``; ``on_restart`` brings it up to date, arl/trainer/restarts.py).
 """
 from __future__ import annotations
 
 import queue as queue_mod
 import time
 from collections import deque
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..data.batch import merge_batches
+from ..rollout.channel import Channel
 
 class RolloutLink:
     """The queues of trainer rank 0 (``orders``: one queue per engine)."""
 
-    def __init__(self, batches, orders: Sequence, on_eval: Callable[[int, float], None]):
+    def __init__(self, batches: Channel, orders: Sequence[Channel], on_eval: Callable[[int, float], None],
+                 on_restart: Optional[Callable[[int], None]] = None):
         if not orders:
             raise ValueError("RolloutLink: needs at least one engine's orders queue")
         self.batches, self.orders, self.on_eval = batches, list(orders), on_eval
         self._pending: List[deque] = [deque() for _ in self.orders]
         self._stopped: set = set()
         self._ready: deque = deque()  # merged batches received ahead of their step (checkpoint, resume)
+        self.on_restart = on_restart
+        self.first_index = 0  # the engines' first batch ("start": a resumed run's)
+        self.received = [0] * len(self.orders)  # batches received from each engine
 
     @property
     def engines(self) -> int:
@@ -44,10 +50,13 @@ class RolloutLink:
         kind = msg[0]
         if kind == "batch":
             self._pending[msg[1]].append(msg[2])
+            self.received[msg[1]] += 1
         elif kind == "eval":
             self.on_eval(msg[1], msg[2])
         elif kind == "stopped":
             self._stopped.add(msg[1])
+        elif kind == "restarted" and self.on_restart is not None:
+            self.on_restart(msg[1])
         elif kind == "error":
             raise RuntimeError(f"rollout process failed: {msg[1]}")
         else:
@@ -63,6 +72,15 @@ class RolloutLink:
         while len(self._ready) < n:
             self._ready.append(self._receive())
         return list(self._ready)[:n]
+
+    def start(self, step: int) -> None:
+        """The engines make batch ``step`` first (a resumed run: the checkpoint holds those before)."""
+        self.first_index = step
+        self.broadcast(("start", step))
+
+    def next_index(self, engine: int) -> int:
+        """The index of the next batch engine ``engine`` owes: a restarted engine starts there."""
+        return self.first_index + self.received[engine]
 
     def preload(self, batches: Sequence) -> None:
         """Batches a resumed run's checkpoint held: the next steps take them first."""

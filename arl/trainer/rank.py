@@ -38,6 +38,7 @@ from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint
 from .dist import (all_mean, barrier, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env,
                    shutdown)
 from .link import RolloutLink
+from .restarts import resync_engine
 from .models import dtype_of, load_policy, reference_model
 from .policy import PolicyTrainer
 from .sft import run_sft
@@ -157,7 +158,8 @@ class TrainerRank:
                                    total_steps=self.steps, resume_step=resume_step, wandb=lg.wandb,
                                    run_config=cfg.model_dump(mode="json"))
             self.log = OrderedLog(logger, self.evals)
-            self.link = RolloutLink(self.batches, self.orders, on_eval=self.log.eval_result)
+            self.link = RolloutLink(self.batches, self.orders, on_eval=self.log.eval_result,
+                                    on_restart=lambda e: resync_engine(e, self.link, self.sync, self.log, self.cfg))
         model = load_policy(cfg, self.model_dir)
         self.t0 = time.perf_counter()  # the run's clock (SFT included) starts with the model loaded
         sft_metrics = {}
@@ -182,7 +184,7 @@ class TrainerRank:
             if rank == 0:  # the rollouts that were in flight come first; the engines start after them
                 held = load_rollouts(self.ckpt_dir / checkpoint_tag(resume_step))
                 self.link.preload(held)
-                self.link.broadcast(("start", resume_step + len(held)))
+                self.link.start(resume_step + len(held))
         self.sync = WeightSender(cfg, self.tr, rank, self.link, sync_addr)
         self.sync_weights(self.start_step)
         if rank == 0 and resume_step is None and (sft_metrics or 0 in self.evals):

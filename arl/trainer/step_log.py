@@ -17,6 +17,15 @@ class OrderedLog:
         self.evals[version] = success
         self.flush()
 
+    def unanswered(self, upto: int) -> list:
+        """Evaluated versions up to ``upto`` (those ordered so far) with no result yet."""
+        return sorted(v for v in self.eval_versions if v <= upto and v not in self.evals)
+
+    def drop_eval(self, version: int) -> None:
+        """Version ``version``'s evaluation will not come: its record is written without it."""
+        self.eval_versions.discard(version)
+        self.flush()
+
     def waiting(self) -> bool:
         return any(s in self.eval_versions and s not in self.evals for s, _, _ in self.pending)
 

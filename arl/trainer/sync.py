@@ -50,6 +50,7 @@ class WeightSender:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
         self.group = None
+        self.last: Optional[tuple] = None  # file mode: (directory, version, chooser state) of the last sync
         # tied embeddings: the head is the embedding, which the engines load under both names
         # (arl/rollout/weight_sync.py), so it is not sent twice
         self.tied = is_tied(trainer.module)
@@ -73,6 +74,7 @@ class WeightSender:
                 if old.name[1:].isdigit() and int(old.name[1:]) < version - self.cfg.rollout.staleness - 1:
                     shutil.rmtree(old, ignore_errors=True)
             faults.reached("sync")  # test-only kill point (arl/trainer/faults.py)
+            self.last = (str(d), version, chooser_state)
             self.link.broadcast(("weights", str(d), version, chooser_state))
             return
         if self.group is None:  # first sync: the engines' workers join, then every sync is broadcasts

@@ -1,0 +1,254 @@
+"""``launcher: ray``: the run's trainer ranks and rollout engines as Ray actors in placement groups
+(arl/cluster/placement.py), the batches and orders through Ray queues; docs/ray.md.
+
+* Cluster: ``ray.address`` null starts a local one (no dashboard, token auth with a token made for
+  this run, never written to disk) and stops it at the end, on an error too; else joins that cluster.
+* Trainer ranks: one actor per bundle of the trainers' group, each running ``trainer_rank`` with
+  its own ``torch.distributed`` group; rank 0's actor picks MASTER_ADDR/MASTER_PORT (and the
+  weight-sync port) on its node and the others are handed them.
+* Engines: one actor per engine's group running ``rollout_process`` (the same loop as the other
+  launchers).  ``batches`` and every ``orders`` are ``ray.util.queue.Queue`` actors: the items
+  travel through Ray (authenticated), no socket of arl's own accepts pickles.
+
+For now the CPU layout only (what the tests run); GPU layouts plan with ``--dry-run`` (docs/ray.md).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..config import TrainConfig
+from ..launch import _write_config, model_dir_for, rollout_hooks, sft_demos
+from ..procs import free_port
+from ..rollout.worker import rollout_process
+from ..trainer.rank import trainer_rank
+from .placement import Node, placement
+
+AFTER_TRAINERS_S = 60.0  # how long the engines get to stop on their own once the trainers are done
+
+
+class TrainerActor:
+    """One trainer rank (wrapped with ``ray.remote`` at launch: ray is imported only then)."""
+
+    def master(self) -> tuple:
+        """Rank 0: (host, rendezvous port, weight-sync port) on this actor's node."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port(), free_port()
+
+    def run(self, rank: int, world: int, master: tuple, cfg_dict: dict, model_dir: str, demos: list, batches,
+            orders, resume: bool) -> None:
+        host, port, sync_port = master
+        cuda = cfg_dict["layout"]["device"] == "cuda"  # Ray shows each rank its own GPU as device 0
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if cuda else str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=str(port))
+        _reported(trainer_rank, rank, world, None, cfg_dict, model_dir, demos, batches, orders, resume, None,
+                  (host, sync_port))
+
+
+class EngineActor:
+    """One rollout engine: the rollout process's loop, in this actor.  Ray restarts it when it dies
+    (``ray.engine_restarts``) and runs ``run`` again; the new one tells trainer rank 0, which sends
+    it where to start and the current weights (arl/trainer/restarts.py)."""
+
+    def run(self, cfg_dict: dict, model_dir: str, batches, orders, engine: int, hooks) -> None:
+        import ray
+
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if not restarted:
+            batches = _kill_hook(batches, engine)
+        _reported(rollout_process, cfg_dict, model_dir, batches, orders, None, engine, hooks, None, restarted)
+
+
+class ActorFailed(RuntimeError):
+    """An actor's error as one line of text: the exception itself may not pickle (pydantic's do
+    not), and Ray would then report only that."""
+
+
+def _reported(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        raise ActorFailed(" ".join(f"{type(e).__name__}: {e}".split())[:2000]) from None
+
+
+KILL_ENGINE_ENV = "ARL_TEST_KILL_ENGINE"  # test-only, "<engine>:<n>": that engine dies after its n-th batch
+
+
+class _KillAfter:
+    """Test hook: the batches channel of an engine that SIGKILLs its own process right after handing
+    over its ``n``-th batch (a first incarnation only: the restarted engine lives)."""
+
+    def __init__(self, channel, n: int):
+        self.channel, self.n = channel, n
+
+    def put(self, item) -> None:
+        self.channel.put(item)
+        if item[0] == "batch":
+            self.n -= 1
+            if self.n == 0:
+                print(f"arl.train: test hook: engine {item[1]} kills itself ({KILL_ENGINE_ENV})", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def get(self, block: bool = True, timeout=None):
+        return self.channel.get(block, timeout)
+
+
+def _kill_hook(batches, engine: int):
+    spec = os.environ.get(KILL_ENGINE_ENV, "")
+    e, _, n = spec.partition(":")
+    return _KillAfter(batches, int(n)) if spec and int(e) == engine else batches
+
+
+def start_ray(cfg: TrainConfig, cpus: int):
+    """Ray, connected: a local cluster started here (``ray.address`` null), or the given one.
+    Returns the ``ray`` module; ray is imported here, after RAY_AUTH_* are set, because Ray reads
+    its auth mode when it is first imported."""
+    if cfg.ray.address is None:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # this run's: never written to disk
+        _refresh_auth_if_imported()
+        import ray
+
+        # Ray binds its services to the node's address, not loopback: the token is what keeps others out
+        ray.init(num_cpus=cpus, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
+                 namespace="arl", configure_logging=False)
+        print(f"arl.train: ray: local cluster started ({cpus} CPUs, token auth, no dashboard)", flush=True)
+        return ray
+    import ray
+
+    try:
+        ray.init(address=cfg.ray.address, namespace="arl", configure_logging=False)
+    except ConnectionError as e:  # also a cluster that refuses our token
+        raise RuntimeError(f"ray.address: cannot join {cfg.ray.address!r} ({str(e).splitlines()[0]}); is "
+                           "RAY_AUTH_TOKEN the cluster's token?") from None
+    print(f"arl.train: ray: joined the cluster at {cfg.ray.address}", flush=True)
+    return ray
+
+
+def _refresh_auth_if_imported() -> None:
+    """Ray already imported (a test, a library): make it re-read RAY_AUTH_MODE / RAY_AUTH_TOKEN."""
+    if "ray" not in sys.modules:
+        return
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    from ray._private.authentication.authentication_utils import AuthenticationTokenLoader
+
+    _enable_token_auth()
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """host:port answers within ``timeout_s`` (``auto`` is Ray's to resolve): one line, not a hang."""
+    if address == "auto" or ":" not in address:
+        return
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"ray.address: {address} unreachable within {timeout_s:g} s "
+                           f"(ray.connect_timeout_s): {e}") from None
+
+
+def cluster_of(ray) -> list:
+    """The connected cluster's alive nodes as placement nodes (their CPUs and GPUs)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return [Node(i, int(n["Resources"].get("CPU", 0)), int(n["Resources"].get("GPU", 0))) for i, n in enumerate(alive)]
+
+
+def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Run SFT + RL with ``cfg`` on Ray; returns the run directory (as ``arl.launch.launch``)."""
+    if cfg.layout.device != "cpu":
+        raise ValueError("launcher: ray runs the CPU layout only so far (GPU layouts: --dry-run prints their "
+                         "placement; run them with launcher: local, docs/ray.md)")
+    if cfg.ray.engine_restarts and cfg.rollout.sync_mode(cfg.layout.device) != "file":
+        raise ValueError("ray.engine_restarts > 0 needs rollout.weight_sync: file (a restarted engine cannot rejoin "
+                         "the weight-sync group yet); set ray.engine_restarts=0")
+    if cfg.ray.address is not None:  # before the model is built: an unreachable cluster fails at once
+        _check_reachable(cfg.ray.address, cfg.ray.connect_timeout_s)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model_dir = model_dir_for(cfg)
+    run_dir = _write_config(cfg)
+    demos = sft_demos(cfg, model_dir)
+    placed = placement(cfg)  # the local cluster's shape, sized to fit
+    ray = start_ray(cfg, cpus=placed.nodes[0].cpus)
+    actors: list = []
+    try:
+        if cfg.ray.address is not None:
+            placement(cfg, cluster_of(ray), source=cfg.ray.address)  # one line if the cluster is too small
+        _run(ray, cfg, placed, model_dir, demos, resume, actors)
+    finally:
+        for a in actors:  # at once: workers left to notice a stopped cluster linger for tens of seconds
+            ray.kill(a)
+        ray.shutdown()  # a local cluster stops with it; on a joined one our groups go
+    return run_dir
+
+
+def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: bool, actors: list) -> None:
+    """Places the groups and actors (appended to ``actors``, for the caller to kill) and runs them."""
+    from ray.util.placement_group import placement_group
+    from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
+
+    # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
+    trainers_pg = placement_group([b.resources() for b in placed.trainers], strategy="PACK")
+    engine_pgs = [placement_group([b.resources()], strategy="STRICT_PACK") for b in placed.engines]
+    try:
+        ray.get([pg.ready() for pg in [trainers_pg, *engine_pgs]], timeout=cfg.ray.connect_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"ray: the placement groups were not scheduled within {cfg.ray.connect_timeout_s:g} s "
+                           "(ray.connect_timeout_s): the cluster lacks the resources --dry-run lists") from None
+    # the queue actors hold no bundle: they must not take the CPUs the groups reserved
+    batches = Queue(actor_options={"num_cpus": 0})
+    orders = [Queue(actor_options={"num_cpus": 0}) for _ in placed.engines]
+    cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
+    Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
+    restarts = cfg.ray.engine_restarts  # the interrupted run() is run again on the restarted actor
+    engines = [Engine.options(num_cpus=b.cpus, num_gpus=b.gpus, max_restarts=restarts, max_task_retries=restarts,
+                              scheduling_strategy=InGroup(placement_group=pg, placement_group_bundle_index=0)).remote()
+               for b, pg in zip(placed.engines, engine_pgs)]
+    ranks = [Trainer.options(num_cpus=b.cpus, num_gpus=b.gpus,
+                             scheduling_strategy=InGroup(placement_group=trainers_pg, placement_group_bundle_index=i))
+             .remote() for i, b in enumerate(placed.trainers)]
+    actors += engines + ranks
+    running = {a.run.remote(cfg_dict, model_dir, batches, orders[e], e, hooks): f"engine {e}"
+               for e, a in enumerate(engines)}
+    master = ray.get(ranks[0].master.remote())
+    world = len(ranks)
+    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, resume):
+                    f"trainer rank {r}" for r, a in enumerate(ranks)})
+    _wait(ray, running)
+
+
+def _wait(ray, running: dict) -> None:
+    """Until every trainer rank is done; the first actor to fail ends the run with one line (its
+    own traceback is in the log above).  The engines then get ``AFTER_TRAINERS_S`` to stop."""
+    pending = dict(running)
+    while any(name.startswith("trainer") for name in pending.values()):
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            name = pending.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(f"ray: {name} failed: {_first_line(e)}") from None
+    deadline = time.time() + AFTER_TRAINERS_S
+    while pending and time.time() < deadline:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.time()))
+        for ref in done:
+            pending.pop(ref)
+
+
+def _first_line(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, ActorFailed):
+        return str(cause)
+    if isinstance(cause, BaseException):
+        text = f"{type(cause).__name__}: {cause}"
+    else:
+        text = f"{type(e).__name__}: {e}"
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__

@@ -1,0 +1,63 @@
+"""The ``ray`` section: which Ray cluster a ``launcher: ray`` run uses, and the cluster shape that
+``--dry-run`` plans against when no cluster is reachable (arl/cluster/placement.py)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class NodeGroup(_Section):
+    """``count`` identical nodes of a Ray cluster."""
+
+    count: int = Field(1, ge=1, description="Nodes of this shape.")
+    cpus: int = Field(ge=1, description="Logical CPUs of each node (Ray's CPU resource).")
+    gpus: int = Field(0, ge=0, description="GPUs of each node.")
+    role: Optional[Literal["trainer", "rollout"]] = Field(
+        None, description="trainer: only trainer ranks are placed here; rollout: only engines (dedicated rollout "
+        "nodes); null: either.")
+
+
+class RayConfig(_Section):
+    """Ray placement of trainer ranks and rollout engines (``launcher: ray``; docs/ray.md)."""
+
+    address: Optional[str] = Field(
+        None, description="Ray cluster to join (auto, or host:port of the head); null: arl starts a local cluster "
+        "itself (no dashboard, token auth) and stops it at the end.")
+    connect_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds to reach ray.address (and for the placement groups to be scheduled) before "
+        "the run fails with one line.")
+    nodes: list[NodeGroup] = Field(
+        [], description="Cluster shape --dry-run plans against when no cluster is reachable: a list of {count, cpus, "
+        "gpus, role}; empty: layout.nodes x layout.gpus_per_node (CPU layout: this machine).")
+    gpus_per_engine: Optional[int] = Field(
+        None, ge=1, description="GPUs of one rollout engine (tensor parallel x vLLM data parallel), one node's; "
+        "null: layout.rollout_gpus, else rollout.tensor_parallel.")
+    cpus_per_trainer: int = Field(1, ge=1, description="Logical CPUs reserved with each trainer rank's bundle.")
+    cpus_per_engine: int = Field(1, ge=1, description="Logical CPUs reserved with each rollout engine's bundle.")
+    engine_restarts: int = Field(
+        2, ge=0, description="Times Ray restarts a rollout engine actor that died (it gets the current weights; "
+        "rollout.weight_sync: file only); 0: an engine that dies ends the run.")
+
+
+LAUNCHER_DESCRIPTION = (
+    "local: arl.launch spawns the processes (or torchrun / the deepspeed launcher starts them); ray: trainer ranks "
+    "and rollout engines as Ray actors in placement groups (arl/cluster, docs/ray.md; CPU layout only for now).")
+LauncherName = Literal["local", "ray"]
+
+
+def check_ray(cfg) -> None:
+    """Cross-checks of a ``launcher: ray`` config (``cfg``: the TrainConfig), one line each."""
+    if cfg.launcher != "ray" or cfg.layout.device != "cuda":
+        return
+    tp, g = cfg.rollout.tensor_parallel, cfg.ray.gpus_per_engine
+    if g is not None and g % tp:
+        raise ValueError(f"ray.gpus_per_engine = {g} must be a multiple of rollout.tensor_parallel = {tp}")
+    nodes = sum(n.count for n in cfg.ray.nodes) or cfg.layout.nodes
+    if nodes > 1 and cfg.rollout.weight_sync == "file":
+        raise ValueError("rollout.weight_sync: 'file' writes to trainer rank 0's /dev/shm, which engines on other "
+                         "nodes cannot read; use 'group' (or 'auto') on a multi-node Ray cluster")

