@@ -6,6 +6,8 @@ ranks against 1 rank (the same trajectories, packed for each world):
 * step 2 trains both; policy and critic weights after each step equal the 1-rank run's (ZeRO 0);
 * resume from the step-1 checkpoint: the critic's weights, Adam state and step count come back (the
   restored trainer's step 2 equals the uninterrupted one's);
+* an empty micro-batch (one rank has one while the other computes) runs the critic's forward and
+  backward too, so ZeRO-3's collectives pair up;
 * the weight sync's state dict is the plain policy's (no critic, no value head)."""
 import os
 
@@ -58,10 +60,18 @@ def _same_state(a: dict, b: dict) -> bool:
                                         for n, t in v.items()) for k, v in a.items())
 
 
+def _empty(mb):
+    from dataclasses import replace
+
+    return replace(mb, token_ids=mb.token_ids[:0], cu_seqlens=mb.cu_seqlens[:1], critic=None, segments=None)
+
+
 def _checks(rank, world, result_dir):
     from arl.trainer.rank import update_on_batch
 
     steps = [r[rank] for r in batches(world)]
+    if world == 2:  # an empty micro-batch on each rank, at different positions: the critic joins ZeRO's collectives
+        steps = [s + [_empty(s[0])] if rank == 0 else [_empty(s[0])] + s for s in steps]
     res = {}
     for stage in STAGES:
         r = res[stage] = {}

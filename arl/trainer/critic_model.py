@@ -26,7 +26,7 @@ import os
 import torch
 
 from ..model.packed import packed_hidden_states
-from .critic import Critic, attach_value_head
+from .critic import VALUE_HEAD, Critic, attach_value_head
 from .dist import world_size
 
 CRITIC_DIR = "critic"  # under a checkpoint's tag directory
@@ -75,7 +75,9 @@ class CriticModel:
         every rank joins ZeRO's gathers and gradient reductions."""
         ids = torch.zeros(2, dtype=torch.long)
         h = self._forward(ids, torch.tensor([0, 2], dtype=torch.int32))
-        zero = h.sum() * 0.0 + self.critic.touch(self.engine.module, h)
+        # the head reads the trunk's output as in a real micro-batch: ZeRO-3 gathers each submodule in
+        # backward in graph order, so the graph must have the same shape on every rank
+        zero = getattr(self.engine.module, VALUE_HEAD)(h[:1]).sum() * 0.0
         if torch.is_grad_enabled():
             self.backward(zero)
 
