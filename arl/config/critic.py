@@ -41,6 +41,6 @@ class CriticConfig(BaseModel):
         if self.warmup_steps > 0 and self.model != "separate":
             # the head shares the policy's DeepSpeed optimizer: a head-only step would still step the
             # policy's param group (Adam's state and step count) and its lr schedule
-            raise ValueError("critic.warmup_steps: needs critic.model: separate (the shared value head is stepped by "
+            raise ValueError("warmup_steps: needs critic.model: separate (the shared value head is stepped by "
                              "the policy's optimizer, which a warm-up must leave untouched)")
         return self
