@@ -28,7 +28,8 @@ class CriticConfig(BaseModel):
     lr_mult: float = Field(
         1.0, gt=0, description="The value head's learning rate is trainer.optim.lr * lr_mult (its own param group).")
     value_coef: float = Field(
-        0.5, ge=0, description="Weight of the value loss beside the policy loss (one backward).")
+        0.5, ge=0, description="Weight of the value loss beside the policy loss (one backward); with model: separate "
+        "it scales the critic's own loss (under Adam it matters only against trainer.optim.grad_clip).")
     clip: Optional[float] = Field(
         0.2, gt=0, description="PPO value clip: |V - V_old| <= clip inside the value loss, in reward units; null: "
         "unclipped.")
