@@ -10,7 +10,9 @@ grad-in-forward head (``trainer.head_grad_in_forward``) holds one [rows, V] bloc
 rows (at least 32M elements on CPU; on a GPU at most 24M, but never under 64 rows, so more above
 V ~ 393k) and a quarter of it as scratch.  The
 critic (``algo.advantage: gae``) is a value head on the trunk: (H + 1) parameters at the same per-parameter
-cost, and three floats per chunk start of a micro-batch (values, returns, advantages).
+cost, and three floats per chunk start of a micro-batch (values, returns, advantages); with
+``critic.model: separate`` a second model (the policy without lm_head, plus the head) at the same
+per-parameter cost, and a second micro-batch's activations.
 
 Colocated (``layout.colocate``) every GPU holds a trainer rank and the engine's share: vLLM's
 budget is ``rollout.gpu_memory_utilization`` x the GPU (weights + KV cache).  Alternating
@@ -209,15 +211,10 @@ def plan(cfg: TrainConfig) -> Plan:
             if cfg.trainer.head_grad_in_forward else 0),
         "logits if naive (not used)": 8 * T * a.vocab_size,
     }
-    if cfg.algo.uses_critic():  # a linear head on the trunk (arl/trainer/critic.py): H + 1 parameters, no second model
-        head, vals = per_param * (H + 1), 3 * 4 * T  # values, returns, advantages: at most one per token
-        pl.trainer_bytes["critic head+grads+optim"] = head
-        pl.trainer_bytes["critic values (micro-batch)"] = vals
-        pl.notes.append(f"critic: a value head on the policy's trunk, {H + 1} parameters (no second model): "
-                        f"{head / 1024:.1f} KiB with gradients and optimizer state, <= {vals / 1024:.1f} KiB of "
-                        "values per micro-batch")
-        if cfg.critic.whiten:
-            pl.notes.append("critic.whiten: the no-grad old pass runs every step (one more forward per micro-batch)")
+    if cfg.algo.uses_critic():
+        kept, used = _critic_bytes(pl, cfg, a, P, per_param, act * wbytes / 2)
+        state.update(kept)
+        pl.trainer_bytes.update({**kept, **used})
     pl.trainer_bytes["total (fused)"] = sum(v for k, v in pl.trainer_bytes.items() if "naive" not in k)
     if lay.device == "cuda":
         w = 2 * P / cfg.rollout.tensor_parallel
@@ -238,6 +235,35 @@ def plan(cfg: TrainConfig) -> Plan:
         if w > budget:
             raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise rollout.tensor_parallel")
     return pl
+
+
+def _critic_bytes(pl: Plan, cfg: TrainConfig, a: ArchConfig, P: int, per_param: float, act: float) -> tuple:
+    """``(bytes kept between steps, bytes while training)`` of the critic, with its notes.  Shared: a
+    linear head on the trunk (arl/trainer/critic.py), H + 1 parameters.  Separate: a second copy of
+    the model without lm_head plus its head (arl/trainer/critic_model.py) at the policy's per-parameter
+    cost (same ZeRO stage and offload), and its activations: its forward and backward run while the
+    policy's micro-batch graph is alive."""
+    H, T = a.hidden, cfg.trainer.micro_batch_tokens
+    vals = 3 * 4 * T  # values, returns, advantages: at most one per token
+    if cfg.critic.model == "separate":
+        Pc = P - (0 if a.tie_word_embeddings else a.vocab_size * H) + H + 1
+        kept = {f"critic model (ZeRO-{cfg.trainer.zero_stage})": per_param * Pc}
+        used = {"critic activations": act, "critic values (micro-batch)": vals}
+        pl.notes.append(f"critic: a separate model, {Pc / 1e9:.3f} B parameters (the policy without lm_head, plus a "
+                        f"value head), {kept[next(iter(kept))] / GiB:.2f} GiB with gradients and optimizer state; a "
+                        "second forward and backward per micro-batch")
+        if cfg.critic.warmup_steps:
+            pl.notes.append(f"critic.warmup_steps: the first {cfg.critic.warmup_steps} steps train the critic alone")
+    else:
+        head = per_param * (H + 1)
+        kept = {"critic head+grads+optim": head}
+        used = {"critic values (micro-batch)": vals}
+        pl.notes.append(f"critic: a value head on the policy's trunk, {H + 1} parameters (no second model): "
+                        f"{head / 1024:.1f} KiB with gradients and optimizer state, <= {vals / 1024:.1f} KiB of "
+                        "values per micro-batch")
+    if cfg.critic.whiten:
+        pl.notes.append("critic.whiten: the no-grad old pass runs every step (one more forward per micro-batch)")
+    return kept, used
 
 
 def _remedies(cfg: TrainConfig) -> str:

@@ -3,13 +3,22 @@
 here without it is an error (arl/config/algo.py ``check_algo``)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class CriticConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Literal["shared", "separate"] = Field(
+        "shared", description="shared: a value head on the policy's trunk, trained in the policy's backward "
+        "(H + 1 parameters). separate: a second copy of the start policy (lm_head dropped) with its own value head, "
+        "DeepSpeed engine and AdamW, trained by its own backward (a second model's weights, gradients and optimizer "
+        "state; not with model.lora).")
+    warmup_steps: int = Field(
+        0, ge=0, description="The first N optimizer steps fit only the critic, on rollouts of the frozen start "
+        "policy (its weights, optimizer state and lr schedule untouched); needs model: separate.")
 
     gamma: float = Field(
         1.0, gt=0, le=1, description="GAE discount per chunk (model turn), in (0, 1]; the loss's own gamma does not "
@@ -19,10 +28,20 @@ class CriticConfig(BaseModel):
     lr_mult: float = Field(
         1.0, gt=0, description="The value head's learning rate is trainer.optim.lr * lr_mult (its own param group).")
     value_coef: float = Field(
-        0.5, ge=0, description="Weight of the value loss beside the policy loss (one backward).")
+        0.5, ge=0, description="Weight of the value loss beside the policy loss (one backward); with model: separate "
+        "it scales the critic's own loss (under Adam it matters only against trainer.optim.grad_clip).")
     clip: Optional[float] = Field(
         0.2, gt=0, description="PPO value clip: |V - V_old| <= clip inside the value loss, in reward units; null: "
         "unclipped.")
     whiten: bool = Field(
         False, description="Shift and scale the GAE advantages to mean 0, variance 1 over the step's chunks (all "
         "ranks); costs a no-grad forward per step; value targets stay the raw returns.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CriticConfig":
+        if self.warmup_steps > 0 and self.model != "separate":
+            # the head shares the policy's DeepSpeed optimizer: a head-only step would still step the
+            # policy's param group (Adam's state and step count) and its lr schedule
+            raise ValueError("warmup_steps: needs critic.model: separate (the shared value head is stepped by "
+                             "the policy's optimizer, which a warm-up must leave untouched)")
+        return self

@@ -366,6 +366,9 @@ class TrainConfig(Section):
         check_turn_credit_loss(self.stabilizers, self.loss)
         check_algo(self.algo, self.critic, self.stabilizers, self.loss)
         check_ray(self)
+        if self.critic.model == "separate" and self.model.lora is not None:
+            raise ValueError("critic.model: separate does not take model.lora yet (the critic would be a full copy "
+                             "beside the adapters); use critic.model: shared")
         lay = self.layout
         if lay.device == "cuda" and lay.colocate:
             if not lay.rollout_gpus == lay.trainer_gpus == lay.gpus_per_node:

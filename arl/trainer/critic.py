@@ -7,7 +7,9 @@ states the policy's forward computes anyway, so the critic costs one [H] -> 1 pr
 and H + 1 parameters (with their Adam state); no second model's weights, optimizer state, forward or
 ZeRO partitioning.  The price is that the value loss's gradient also reaches the trunk, so its
 weight (``critic.value_coef``) and the head's own learning rate (``critic.lr_mult``, a separate
-param group) are the knobs that keep the critic from pulling the policy around.
+param group) are the knobs that keep the critic from pulling the policy around.  ``critic.model:
+separate`` puts the same head on a second trunk with its own optimizer instead
+(arl/trainer/critic_model.py); this class computes its values and loss all the same.
 
 The head is a submodule of the Hugging Face model (``VALUE_HEAD``), so DeepSpeed wraps, partitions
 (ZeRO-3), checkpoints and restores it with the policy and its optimizer state; it is taken out of

@@ -8,14 +8,20 @@ backward for every objective; the objective is chosen once per run (``algo.objec
   advantages (turn credit: one loss segment per chunk).
 * ``ipa``: IPA resampling's imitation NLL on the expert prefix + the chunk-level RL loss on the
   resampled chunks (arl/stabilizers/ipa.py).
-* ``critic``: a value head on the trunk (arl/trainer/critic.py); GAE over this forward's (or the old
-  pass's) values gives each chunk's advantage, and the value loss joins the policy loss.
+* ``critic``: a value head on the trunk (arl/trainer/critic.py), or on a second trunk with its own
+  optimizer (``critic.model: separate``, arl/trainer/critic_model.py); GAE over this forward's (or
+  the old pass's) values gives each chunk's advantage; the value loss joins the policy loss (shared)
+  or the critic's own backward (separate).
 
 A new objective is a subclass and a ``@register_objective("name")`` line; the trainer step does not
 change.  Hooks an objective may override: ``prepare_model`` (before DeepSpeed wraps the model: extra
-heads, param groups), ``head_grad`` (the logprob head's gradient plan, or None), ``begin_step`` /
-``end_step`` (step-wide statistics, collectives), ``old_values`` (the no-grad pass's extras) and
-``zero_touch`` (an exact 0 through extra parameters for an empty micro-batch).
+heads, param groups), ``build`` (after it: engines of the objective's own, the separate critic's),
+``head_grad`` (the logprob head's gradient plan, or None), ``begin_step`` / ``end_step`` (step-wide
+statistics, collectives, an own optimizer's step), ``old_values`` (the no-grad pass's extras),
+``zero_touch`` (an exact 0 through extra parameters for an empty micro-batch), ``policy_frozen`` /
+``frozen_step`` (a step that leaves the policy alone: the critic's warm-up) and ``save_state`` /
+``load_state`` (the objective's own checkpointed state).  ``resolve`` picks a variant of the class
+from the config (the critic: ``critic.model`` shared or separate).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from ..ops.policy_loss import LossConfig, policy_loss
 from ..ops.policy_loss.local_grad import local_logp_grad
 from ..stabilizers.ipa import ipa_mixed_loss
 from .critic import Critic, attach_value_head, param_groups
+from .critic_model import CriticModel
 
 
 @dataclass
@@ -77,7 +84,8 @@ def register_objective(name: str):
 def make_objective(name: str, backend: str, critic=None) -> "Objective":
     if name not in OBJECTIVES:
         raise ValueError(f"algo.objective: unknown objective {name!r} (registered: {', '.join(sorted(OBJECTIVES))})")
-    return OBJECTIVES[name](backend, critic)
+    cls = OBJECTIVES[name]
+    return cls.resolve(critic)(backend, critic)
 
 
 def _pg_head_grad(mb, loss_cfg: LossConfig, ref, scale: float, device):
@@ -96,9 +104,37 @@ class Objective:
     def __init__(self, backend: str, critic=None):
         self.backend = backend
 
+    @classmethod
+    def resolve(cls, critic) -> type:
+        """The class that implements this objective for the run's config (a variant's subclass)."""
+        return cls
+
     def prepare_model(self, model: torch.nn.Module, lr: float) -> list:
         """The optimizer's parameters (or param groups) of ``model``, before DeepSpeed wraps it."""
         return [p for p in model.parameters() if p.requires_grad]
+
+    def build(self, build_engine, device, attn: str) -> None:
+        """After the policy's engine: ``build_engine(module, params)`` -> (engine, optimizer, scheduler)
+        makes an engine like the policy's (same ZeRO stage, clipping, dtype, schedule)."""
+
+    def policy_frozen(self) -> bool:
+        """Whether this step leaves the policy alone (``frozen_step`` runs instead of the policy's)."""
+        return False
+
+    def frozen_step(self, mbs, old_values, device) -> dict:
+        raise NotImplementedError(f"objective {self.name!r}: no step without the policy")
+
+    def save_state(self, directory: str, tag: str) -> None:
+        """Beside the policy's checkpoint ``directory/tag``: the objective's own state (a collective)."""
+
+    def load_state(self, directory: str, tag) -> None:
+        """What ``save_state`` wrote (``tag`` None: the policy's checkpoint's 'latest')."""
+
+    def head_mismatch(self, directory: str) -> str:
+        """The one-line error for a checkpoint whose value head the policy does not have (or lacks)."""
+        on = self.needs_hidden
+        return (f"--resume: the checkpoint in {directory} was saved with the critic {'off' if on else 'on'} "
+                f"(algo.advantage gae), this run has it {'on' if on else 'off'}: resume with the setting it was saved with")
 
     def head_grad(self, mb, loss_cfg: LossConfig, ref, scale: float, device):
         """The logprob head's d loss / d logp plan (old = this pass's logp, detached), or None.  The
@@ -134,10 +170,11 @@ class Objective:
         return {}
 
     @staticmethod
-    def has_signal(metrics: dict, loss_cfg: LossConfig) -> bool:
-        """Whether this rank's step has anything to learn: an advantage, imitated tokens, or a KL /
-        entropy term (the trainer takes the any over ranks)."""
-        return (any(v > 0 for v in metrics.get("adv_nonzero_frac", ()))
+    def has_signal(metrics: dict, loss_cfg: LossConfig, end: Optional[dict] = None) -> bool:
+        """Whether this rank's step has anything for the policy to learn: an advantage, imitated tokens,
+        a KL / entropy term, or ``end_step``'s non-empty figures (the shared critic's value loss, which
+        the policy's optimizer steps); the trainer takes the any over ranks."""
+        return (bool(end) or any(v > 0 for v in metrics.get("adv_nonzero_frac", ()))
                 or any(v > 0 for v in metrics.get("ipa/il_tokens", ()))
                 or loss_cfg.kl_beta > 0 or loss_cfg.entropy_coef > 0)
 
@@ -164,11 +201,19 @@ class IPAObjective(Objective):
         return LossOut(loss, loss, metrics)
 
 
+def _segments(mb):
+    if mb.segments is None:
+        raise ValueError("critic: the micro-batch has no per-chunk loss segments (Stabilizers.apply under "
+                         "algo.advantage: gae sets them)")
+    return {**mb.loss_kwargs(), **mb.segments}
+
+
 @register_objective("critic")
 class CriticObjective(Objective):
-    """Policy loss with GAE advantages from a value head on the trunk, plus the clipped value loss."""
+    """Policy loss with GAE advantages from a value head on the trunk, plus the clipped value loss
+    (``critic.model: shared``; ``separate``: ``SeparateCriticObjective``)."""
 
-    needs_hidden = True
+    needs_hidden = True  # the objective has values (old pass: ``old_values``)
 
     def __init__(self, backend: str, critic=None):
         super().__init__(backend)
@@ -178,6 +223,12 @@ class CriticObjective(Objective):
         self.model = None
         # whitening needs every chunk's old value before the step's first loss
         self.needs_old_pass = bool(critic.whiten)
+
+    @classmethod
+    def resolve(cls, critic) -> type:
+        if critic is None:
+            return cls  # __init__'s one-line error
+        return CRITIC_MODELS[critic.model]
 
     def prepare_model(self, model, lr):
         attach_value_head(model)
@@ -195,18 +246,23 @@ class CriticObjective(Objective):
     def begin_step(self, mbs, old_values, device) -> dict:
         return self.critic.begin_step(mbs, old_values, device)
 
-    def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
-        if mb.segments is None:
-            raise ValueError("critic: the micro-batch has no per-chunk loss segments (Stabilizers.apply under "
-                             "algo.advantage: gae sets them)")
-        v = self.critic.values(self.model, fwd.hidden, mb)
+    def _values(self, mb, fwd) -> torch.Tensor:
+        return self.critic.values(self.model, fwd.hidden, mb)
+
+    def _losses(self, mb, fwd, loss_cfg, device):
+        """``(policy loss output, value loss)`` of one micro-batch."""
+        kw = _segments(mb)
+        v = self._values(mb, fwd)
         old_v = v.detach() if fwd.old_values is None else fwd.old_values.to(device)
-        kw = {**mb.loss_kwargs(), **mb.segments}
         adv, vloss = self.critic.micro_batch(v, old_v, mb, kw.pop("advantages"))
         kw = {k: (t.to(device) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
         out = policy_loss(fwd.logp, fwd.old, config=loss_cfg, entropy=fwd.entropy, ref_logp=fwd.ref,
                           advantages=adv.to(device, torch.float32), backend=self.backend, **kw)
-        return LossOut(out.loss, out.loss + self.critic.cfg.value_coef * vloss, out.metrics)
+        return out, self.critic.cfg.value_coef * vloss
+
+    def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
+        out, vloss = self._losses(mb, fwd, loss_cfg, device)
+        return LossOut(out.loss, out.loss + vloss, out.metrics)
 
     def old_values(self, model, hidden, mb):
         return self.critic.values(model, hidden, mb).detach()
@@ -217,3 +273,74 @@ class CriticObjective(Objective):
 
     def end_step(self, device) -> dict:
         return self.critic.step_metrics(device)  # non-empty: the value loss had points to fit (a signal)
+
+
+class SeparateCriticObjective(CriticObjective):
+    """``critic.model: separate``: the values come from a second trunk (arl/trainer/critic_model.py),
+    whose own backward takes the value loss and whose own optimizer steps in ``end_step``; the
+    policy's backward carries the policy loss only.  The first ``critic.warmup_steps`` steps are the
+    critic's alone (``frozen_step``)."""
+
+    def __init__(self, backend: str, critic=None):
+        super().__init__(backend, critic)
+        self.separate = None
+
+    def prepare_model(self, model, lr):
+        self.separate = CriticModel(self.critic, model, lr)  # the start weights, before DeepSpeed wraps either
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def build(self, build_engine, device, attn: str) -> None:
+        self.separate.build(build_engine, device, attn)
+
+    def _values(self, mb, fwd) -> torch.Tensor:
+        return self.separate.values(mb)
+
+    def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
+        out, vloss = self._losses(mb, fwd, loss_cfg, device)
+        self.separate.backward(vloss)
+        return LossOut(out.loss, out.loss, out.metrics)
+
+    def old_values(self, model, hidden, mb):
+        return self.separate.values(mb).detach()
+
+    def zero_touch(self, model, device, dtype):
+        self.separate.empty()  # the critic's own forward (and backward, with grad on) for its collectives
+        return None
+
+    def end_step(self, device) -> dict:
+        value = self.critic.step_metrics(device)  # a collective: the same on every rank
+        return {**value, **self.separate.step(apply=bool(value)), "critic/warmup": 0.0}
+
+    @staticmethod
+    def has_signal(metrics: dict, loss_cfg: LossConfig, end: Optional[dict] = None) -> bool:
+        return Objective.has_signal(metrics, loss_cfg)  # the value loss is the critic's optimizer's, not the policy's
+
+    def policy_frozen(self) -> bool:
+        return self.separate.steps < self.critic.cfg.warmup_steps
+
+    def frozen_step(self, mbs, old_values, device) -> dict:
+        """A warm-up step: the critic alone fits values on the frozen policy's rollouts; the policy runs
+        no forward, backward or optimizer step, so its weights, Adam state and lr schedule stay."""
+        begin = self.critic.begin_step(mbs, old_values, device)
+        for i, mb in enumerate(mbs):
+            if mb.is_empty:
+                self.separate.empty()
+                continue
+            v = self.separate.values(mb)
+            old_v = v.detach() if old_values is None else old_values[i].to(device)
+            _, vloss = self.critic.micro_batch(v, old_v, mb, _segments(mb)["advantages"])
+            self.separate.backward(self.critic.cfg.value_coef * vloss)
+        return {**self.end_step(device), **begin, "critic/warmup": 1.0}
+
+    def save_state(self, directory: str, tag: str) -> None:
+        self.separate.save(directory, tag)
+
+    def load_state(self, directory: str, tag) -> None:
+        self.separate.load(directory, tag)
+
+    def head_mismatch(self, directory: str) -> str:
+        return (f"--resume: the checkpoint in {directory} was saved with critic.model: shared (a value head on the "
+                "policy), this run has critic.model: separate: resume with the setting it was saved with")
+
+
+CRITIC_MODELS = {"shared": CriticObjective, "separate": SeparateCriticObjective}  # critic.model -> objective

@@ -8,7 +8,6 @@ micro-batch loss is multiplied by the world size to give the whole-step sum / no
 """
 from __future__ import annotations
 
-import math
 import os
 from collections import defaultdict
 from typing import Optional, Sequence
@@ -26,25 +25,8 @@ from ..model.tied import is_tied, untied_state
 from . import faults
 from .critic import VALUE_HEAD, without_value_head
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
+from .engine import deepspeed_config, lr_lambda, make_engine, make_optimizer  # noqa: F401 (re-exported)
 from .objectives import Forward, LossOut, make_objective
-
-
-def lr_lambda(optim: OptimConfig, total_steps: int):
-    """Linear warm-up, then constant, linear decay or cosine decay to 0 at ``total_steps``."""
-    warm = optim.warmup_steps
-    total = max(total_steps, warm + 1)
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        frac = min(1.0, (step - warm) / max(1, total - warm))
-        if optim.schedule == "linear":
-            return 1.0 - frac
-        if optim.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * frac))
-        return 1.0
-
-    return f
 
 
 # config keys whose positive value makes a model's train-mode forward random (HF names: dropout,
@@ -66,51 +48,12 @@ def train_mode_randomness(model: torch.nn.Module) -> list:
     return found
 
 
-def deepspeed_config(zero_stage: int, grad_clip: float, dtype: torch.dtype, offload=None) -> dict:
-    zero = {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True}
-    if offload is not None and offload.optimizer == "cpu":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if offload is not None and offload.params == "cpu":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "managed_gradient_accumulation": False,  # step() is the boundary: any number of micro-batches
-        "gradient_clipping": grad_clip,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,  # torch AdamW: no run-time C++ build of DeepSpeed's Adam
-        # offloaded on a CPU machine the state is in host memory anyway: torch's AdamW steps it there
-        "zero_force_ds_cpu_optimizer": False,
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "fp16": {"enabled": False},
-        "steps_per_print": 2 ** 62,
-        "wall_clock_breakdown": False,
-    }
-
-
-def make_optimizer(params, optim: OptimConfig, offload_optimizer: bool, on_gpu: bool):
-    """AdamW over ``params``; with the optimizer offloaded from a GPU, DeepSpeed's CPU Adam (its C++ op,
-    JIT-built on first use: the one-line error names what is missing)."""
-    kw = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    if not (offload_optimizer and on_gpu):
-        return torch.optim.AdamW(params, **kw)
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
-    except Exception as e:  # a missing compiler / ninja / headers surface here, not mid-run
-        raise RuntimeError(f"trainer.offload.optimizer: cpu needs DeepSpeed's CPU Adam op, which failed to build or "
-                           f"load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
 class PolicyTrainer:
     def __init__(self, model: torch.nn.Module, *, optim: OptimConfig, zero_stage: int = 2, total_steps: int = 1,
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", objective: str = "policy_gradient",
                  critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True,
                  offload: Optional[OffloadConfig] = None):
-        import deepspeed
-
         from deepspeed.accelerator import get_accelerator
 
         # where DeepSpeed puts the module (cuda:LOCAL_RANK on GPU nodes; the model arrives on CPU)
@@ -128,13 +71,12 @@ class PolicyTrainer:
         # heads to the model (the critic's value head, in its own param group)
         self.objective = make_objective(objective, loss_backend, critic)
         params = self.objective.prepare_model(model, optim.lr)
-        opt = make_optimizer(params, optim, offload_optimizer=offload is not None and offload.optimizer == "cpu",
-                             on_gpu=self.device.type == "cuda")
-        self._torch_opt = opt  # the param groups DeepSpeed's optimizer steps with (lr read per step)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched,
-            config=deepspeed_config(zero_stage, optim.grad_clip, dtype, offload))
+        # self._torch_opt: the param groups DeepSpeed's optimizer steps with (lr read per step)
+        build = lambda m, p: make_engine(m, p, optim, zero_stage=zero_stage, total_steps=total_steps,  # noqa: E731
+                                         dtype=dtype, offload=offload, on_gpu=self.device.type == "cuda")
+        self.engine, self._torch_opt, self.scheduler = build(model, params)
+        self.optimizer = self.engine.optimizer
+        self.objective.build(build, self.device, attn)  # a separate critic's own engine (arl/trainer/critic_model.py)
         self.world = world_size()
         self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
         self.last_old_logps: list = []  # the old logprobs the last rl_step trained against
@@ -287,6 +229,8 @@ class PolicyTrainer:
         self.objective.check_old(old_logps, old_values)
         metrics, parts = defaultdict(list), defaultdict(list)
         self.last_old_logps = []
+        if self.objective.policy_frozen():  # the critic's warm-up: it alone learns (arl/trainer/critic_model.py)
+            return self.objective.frozen_step(mbs, old_values, self.device)
         begin = self.objective.begin_step(mbs, old_values, self.device)
         for i, mb in enumerate(mbs):
             if mb.is_empty:
@@ -301,7 +245,7 @@ class PolicyTrainer:
             self._record(metrics, parts, mb, fwd, out, len(mbs), success_threshold)
         turn = self._turn_metrics(parts)
         end = self.objective.end_step(self.device)  # a collective (the critic's value metrics)
-        signal = any_rank(self.objective.has_signal(metrics, loss_cfg) or bool(end), self.device)
+        signal = any_rank(self.objective.has_signal(metrics, loss_cfg, end), self.device)
         out = self._finish_step(metrics, apply_update=signal)
         out.update({**end, **begin, "skipped_no_signal": float(not signal), **turn})
         return out
@@ -369,6 +313,7 @@ class PolicyTrainer:
     # ------------------------------------------------------------ state
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+        self.objective.save_state(directory, tag)  # a separate critic's engine, beside the policy's
 
     def load_checkpoint(self, directory: str, tag: Optional[str] = None) -> dict:
         try:
@@ -376,12 +321,10 @@ class PolicyTrainer:
         except RuntimeError as e:  # DeepSpeed's strict load: a value head on one side only
             if VALUE_HEAD not in str(e):
                 raise
-            on = self.objective.needs_hidden
-            raise ValueError(f"--resume: the checkpoint in {directory} was saved with the critic {'off' if on else 'on'}"
-                             f" (algo.advantage gae), this run has it {'on' if on else 'off'}: resume with the setting "
-                             "it was saved with") from None
+            raise ValueError(self.objective.head_mismatch(directory)) from None
         if path is None:
             raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
+        self.objective.load_state(directory, tag)
         return client_state or {}
 
     def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True) -> Optional[dict]:
