@@ -1,5 +1,6 @@
 """The critic in the DeepSpeed trainer on 2 gloo ranks, several micro-batches each (one of them
-holds no value point), ZeRO 0, 1, 2 and 3 in one pair of processes:
+holds no value point, and one on each rank is empty, at different positions), ZeRO 0, 1, 2 and 3 in
+one pair of processes:
 
 * a step trains the value head (it leaves 0) and logs every ``value/*`` metric; every stage gives
   the same weights, head included, after two steps (ZeRO 0 the reference);
@@ -105,6 +106,12 @@ def _weights(tr):
         return {n: p.detach().clone() for n, p in params}
 
 
+def _empty(mb):
+    from dataclasses import replace
+
+    return replace(mb, token_ids=mb.token_ids[:0], cu_seqlens=mb.cu_seqlens[:1], critic=None, segments=None)
+
+
 def _checks(rank, world, port, result_dir):
     from arl.trainer import PolicyTrainer
     from arl.trainer.critic import VALUE_HEAD
@@ -114,6 +121,8 @@ def _checks(rank, world, port, result_dir):
     set_rank_env(rank, world, port)
     init_distributed("cpu")
     steps = [r[rank] for r in batches(world)]
+    if world == 2:  # an empty micro-batch on each rank at different positions: its dummy pass joins ZeRO-3's
+        steps = [s + [_empty(s[0])] if rank == 0 else [_empty(s[0])] + s for s in steps]  # gathers in order
     res = {"n_mb": [len(s) for s in steps], "points": [[int(mb.critic["pos"].numel()) if mb.critic else -1 for mb in s]
                                                         for s in steps], "stages": {}}
     plain_keys = set(tiny_qwen().state_dict())

@@ -143,9 +143,11 @@ class Critic:
 
     @staticmethod
     def touch(model, hidden: torch.Tensor) -> torch.Tensor:
-        """An exact 0 that depends on the head, so every rank's backward reaches its parameters (ZeRO
-        reduces gradients in backward hooks: a rank that skipped them would hang the others)."""
-        return getattr(model, VALUE_HEAD)(hidden[:1].detach()).sum() * 0.0
+        """An exact 0 that depends on the head and, through ``hidden``, on the trunk as a real value
+        loss does, so every rank's backward reaches the same parameters in the same order (ZeRO
+        reduces gradients in backward hooks, ZeRO-3 also gathers there: a rank whose graph differed
+        would hang or desync the others)."""
+        return getattr(model, VALUE_HEAD)(hidden[:1]).sum() * 0.0
 
     def micro_batch(self, v: torch.Tensor, old_v: torch.Tensor, mb, seg_adv: torch.Tensor):
         """``(segment advantages, value loss)``: the loss segments' advantages with each chunk's GAE

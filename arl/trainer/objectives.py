@@ -163,7 +163,9 @@ class Objective:
     def old_values(self, model, hidden, mb):
         return None
 
-    def zero_touch(self, model, device, dtype):
+    def zero_touch(self, model, hidden):
+        """An empty micro-batch's extra term (exactly 0) over the dummy forward's ``hidden`` states, so
+        the objective's own parameters join every rank's collectives; None when it has none."""
         return None
 
     def end_step(self, device) -> dict:
@@ -267,9 +269,8 @@ class CriticObjective(Objective):
     def old_values(self, model, hidden, mb):
         return self.critic.values(model, hidden, mb).detach()
 
-    def zero_touch(self, model, device, dtype):
-        h = torch.zeros(1, int(model.config.hidden_size), device=device, dtype=dtype)
-        return self.critic.touch(model, h)
+    def zero_touch(self, model, hidden):
+        return self.critic.touch(model, hidden)
 
     def end_step(self, device) -> dict:
         return self.critic.step_metrics(device)  # non-empty: the value loss had points to fit (a signal)
@@ -303,7 +304,7 @@ class SeparateCriticObjective(CriticObjective):
     def old_values(self, model, hidden, mb):
         return self.separate.values(mb).detach()
 
-    def zero_touch(self, model, device, dtype):
+    def zero_touch(self, model, hidden):
         self.separate.empty()  # the critic's own forward (and backward, with grad on) for its collectives
         return None
 

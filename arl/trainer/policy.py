@@ -161,10 +161,10 @@ class PolicyTrainer:
         out = []
         for mb in mbs:
             if mb.is_empty:
-                if self.zero3:
-                    self._dummy_forward(m)  # ZeRO-3 gathers parameters in forward: every rank joins
+                if self.zero3:  # ZeRO-3 gathers parameters in forward: every rank joins
+                    _, hidden = self._dummy_forward(m, return_hidden=True)
                     if with_values:
-                        self.objective.zero_touch(m, self.device, self.dtype)
+                        self.objective.zero_touch(m, hidden)
                 out.append(None)
                 if with_values:
                     values.append(None)
@@ -177,18 +177,22 @@ class PolicyTrainer:
         m.train(was)
         return out
 
-    def _dummy_forward(self, model):
+    def _dummy_forward(self, model, return_hidden: bool = False):
         self._begin_forward(model)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=self.device)
-        return packed_logprobs(hf_model(model), ids, cu, temperature=self.temperature, attn=self.attn)[0]
+        out = packed_logprobs(hf_model(model), ids, cu, temperature=self.temperature, attn=self.attn,
+                              return_hidden=return_hidden)
+        return (out[0], out[-1]) if return_hidden else out[0]
 
     def _dummy_backward(self) -> None:
         # an empty micro-batch still runs forward/backward so every rank joins the same gradient
-        # collectives (ZeRO reduces in backward hooks); its loss is exactly 0
-        lp = self._dummy_forward(self.engine.module)
+        # collectives (ZeRO reduces in backward hooks; under ZeRO-3 also gathers in the backward of
+        # what a real micro-batch's graph holds, in its order: the objective's extra term reads
+        # the dummy's own hidden states, as a real loss does); its loss is exactly 0
+        lp, hidden = self._dummy_forward(self.engine.module, return_hidden=True)
         loss = lp.sum() * 0.0
-        extra = self.objective.zero_touch(self.engine.module, self.device, self.dtype)
+        extra = self.objective.zero_touch(self.engine.module, hidden)
         if extra is not None:  # the objective's own parameters (value head) join the same collectives
             loss = loss + extra
         self.engine.backward(loss, scale_wrt_gas=False)
