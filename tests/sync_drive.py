@@ -19,7 +19,7 @@ class StateTrainer:
     def __init__(self, module, state: Callable[[], dict]):
         self.module, self.device, self._state = module, torch.device("cpu"), state
 
-    def full_state_dict(self, to_cpu=True):
+    def full_state_dict(self, to_cpu=True, copy=True):
         return {k: v.detach().clone() for k, v in self._state().items()}
 
 

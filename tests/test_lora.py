@@ -130,6 +130,10 @@ def _worker(rank, world, port, result_dir):
             r["metrics"] = tr.rl_step(mbs, None, loss, ref_logps=tr.ref_logprobs(mbs))
         if stage == 0:
             r["memory"] = _frozen_base_holds_nothing(tr, keep=r["before"])
+            # the weight sync's view: the unadapted weights are the live ones, not copies
+            live = {p.data_ptr() for p in tr.module.parameters()}
+            r["sync_copies"] = [k for k, v in tr.full_state_dict(copy=False).items()
+                                if not k.endswith("proj.weight") and v.data_ptr() not in live]
         r["after"] = tr.full_state_dict()
         r["ref_off_after"] = tr.ref_logprobs(mbs)
         r["logp"] = tr.old_logprobs(mbs)
@@ -172,6 +176,7 @@ def test_lora_trainer_step_one_rank(tmp_path):
     mem = res[0]["memory"]  # the frozen base costs its weights alone (docs/lora.md)
     assert mem["base_grads"] == [] and mem["base_in_optimizer"] == [] and mem["base_copies"] == [], mem
     assert mem["optimizer_state_of"] == mem["adapters"]
+    assert res[0]["sync_copies"] == []
     for a, b in zip(res[0]["ref_off"], res["ref_model"]):  # adapters off == the base loaded on its own
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
