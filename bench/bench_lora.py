@@ -8,8 +8,11 @@ is (full fine-tuning at ``--full-lr``).  Arm ``lora``: ``model.lora={r, alpha}``
 (LoRA usually wants a larger rate).  Per arm, from its ``metrics.jsonl``:
 
 * held-out greedy success at the evaluated steps (``--eval-every``; the acceptance reads 5/10/15);
-* trainer peak memory: the trainer rank's peak resident set (``mem/trainer_rss_peak_gib``: weights,
-  gradients, optimizer state, activations and the process's libraries) and the same less the
+* trainer peak memory (both arms with ``model.gradient_checkpointing``, ``--no-grad-ckpt`` without: at
+  2048-token micro-batches this model's activations, the same in both arms, outweigh the weights,
+  gradients and Adam state LoRA saves; docs/lora.md): the trainer rank's peak resident set
+  (``mem/trainer_rss_peak_gib``: weights, gradients, optimizer state, activations and the process's
+  libraries) and the same less the
   resident set before the model was loaded (``mem/trainer_peak_over_base_gib``, the ratio the
   acceptance reads);
 * weight-sync time per step: the trainer side (``time/sync_s``: merged state dict, write, order)
@@ -57,6 +60,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--lora-lr", type=float, default=2e-4, help="LoRA's rate")
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false",
+                    help="both arms without model.gradient_checkpointing (default: with it; docs/lora.md)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of both arms (the SFT start's too)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {list(ARMS)}")
     ap.add_argument("--out", default=None, help="the SFT start, one folder per arm, result.json (default: a temp dir)")
@@ -84,7 +89,8 @@ def common_overrides(args: argparse.Namespace) -> list:
 def arm_overrides(arm: str, args: argparse.Namespace, start: Path, full_lr: float) -> list:
     """One arm's overrides on top of the common ones: from the SFT start, the steps, the rate, LoRA."""
     ov = [f"model.name_or_path={start}", "sft.enabled=false", f"trainer.steps={args.steps}",
-          f"trainer.eval_every={args.eval_every}", "trainer.checkpoint_every=1000"]  # one checkpoint: the end
+          f"trainer.eval_every={args.eval_every}", "trainer.checkpoint_every=1000",  # one checkpoint: the end
+          f"model.gradient_checkpointing={str(args.grad_ckpt).lower()}"]
     if arm == "lora":
         ov += [f"trainer.optim.lr={args.lora_lr}",
                f"model.lora={{r: {args.lora_r}, alpha: {args.lora_alpha}}}"]
@@ -153,6 +159,7 @@ def build_result(arms: dict, args: argparse.Namespace, lrs: dict, meta: dict) ->
     if args.steps not in eval_steps:
         eval_steps.append(args.steps)
     res = {"bench": "lora", "quick": args.quick, "config": args.config, "steps": args.steps,
+           "gradient_checkpointing": args.grad_ckpt,
            "eval_steps": eval_steps, "seed": args.seed, "lora": {"r": args.lora_r, "alpha": args.lora_alpha},
            "lr": lrs, "arms": {a: {**f, "heldout": {str(k): v for k, v in sorted(f["heldout"].items())}}
                                for a, f in arms.items()},

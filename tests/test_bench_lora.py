@@ -51,6 +51,9 @@ def test_arm_overrides_validate(arm, tmp_path):
     cfg = bl.run_config(a.config, tmp_path / arm, [*bl.common_overrides(a), *bl.arm_overrides(arm, a, start, 2e-5)])
     assert cfg.model.name_or_path == str(start) and not cfg.sft.enabled and cfg.trainer.steps == 15
     assert cfg.trainer.eval_every == 5 and cfg.seed == 0
+    assert cfg.model.gradient_checkpointing  # both arms: the activations would hide LoRA's saving
+    off = bl.arm_overrides(arm, bl.parse_args(["--no-grad-ckpt"]), start, 2e-5)
+    assert not bl.run_config(a.config, tmp_path / "off", off).model.gradient_checkpointing
     if arm == "lora":
         assert cfg.model.lora.r == 16 and cfg.model.lora.alpha == 32.0 and cfg.trainer.optim.lr == 3e-4
     else:

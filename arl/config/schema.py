@@ -232,6 +232,9 @@ class TrainerConfig(Section):
     cpu_threads: Optional[int] = Field(
         None, ge=1, description="CPU layout: torch threads per trainer rank; null: $OMP_NUM_THREADS, else 1 (vLLM "
         "shares the cores).")
+    release_host_memory: bool = Field(
+        True, description="Trainer ranks fix glibc's mmap threshold at 1 MiB so freed tensors leave the resident set "
+        "(else malloc keeps GiBs of freed activations); costs page faults (docs/lora.md).")
     eval_every: int = Field(5, ge=1, description="Held-out evaluation every this many RL steps (and at the end).")
     checkpoint_every: int = Field(10, ge=1, description="Checkpoint every this many RL steps (and at the end).")
     keep_last: Optional[int] = Field(

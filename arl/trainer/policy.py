@@ -331,10 +331,12 @@ class PolicyTrainer:
         self.objective.load_state(directory, tag)
         return client_state or {}
 
-    def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True) -> Optional[dict]:
+    def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True, copy: bool = True) -> Optional[dict]:
         """The whole policy's HF-named state dict (never the critic's value head), copied to CPU (or
         detached views on the device when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on
-        ranks > 0 when ``rank0_only``.
+        ranks > 0 when ``rank0_only``.  ``copy=False``: tensors already on CPU are not copied again
+        (views of the live weights; under LoRA the merged ones are new anyway), for a caller done with
+        them before the next update (the weight sync: a copy would be a model's size of peak memory).
         Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
         every rank calls it."""
         import deepspeed
@@ -349,10 +351,10 @@ class PolicyTrainer:
             # the policy only: the critic's value head (arl/trainer/critic.py) is neither synced nor exported
             # under LoRA: the merged weights, under the base model's names (arl/model/lora.py)
             state = without_value_head(merged_state_dict(module) if is_lora(module) else module.state_dict())
-            if to_cpu or self.zero3:  # gathered ZeRO-3 tensors are released when the context exits
+            if self.zero3 or (to_cpu and copy):  # gathered ZeRO-3 tensors are released when the context exits
                 return {k: v.detach().to("cpu" if to_cpu else v.device, copy=True).contiguous()
                         for k, v in state.items()}
-            return {k: v.detach() for k, v in state.items()}
+            return {k: v.detach().to("cpu").contiguous() if to_cpu else v.detach() for k, v in state.items()}
 
     def export_hf(self, directory: str, tokenizer=None) -> None:
         """HF-format safetensors (loadable by transformers and vLLM); collective under ZeRO-3.  A tied

@@ -38,6 +38,7 @@ from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint
 from .dist import (all_mean, barrier, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env,
                    shutdown)
 from .link import RolloutLink
+from .memory import release_freed_memory
 from .restarts import resync_engine
 from .models import dtype_of, load_policy, reference_model
 from .policy import PolicyTrainer
@@ -57,6 +58,8 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     cfg = TrainConfig.model_validate(cfg_dict)
     if port is not None:
         set_rank_env(rank, world, port)
+    if cfg.trainer.release_host_memory:  # before the model: every later block follows the fixed threshold
+        release_freed_memory()
     if cfg.layout.device == "cpu" and cfg.trainer.cpu_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(cfg.trainer.cpu_threads)  # init_distributed applies it
     init_distributed(cfg.layout.device)

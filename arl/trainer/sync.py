@@ -59,7 +59,8 @@ class WeightSender:
     def __call__(self, version: int, chooser_state: Optional[dict]) -> None:
         """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
         For NCCL the tensors stay on the GPU."""
-        state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda")
+        # sent before the next update: no copy of what is already on the CPU
+        state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda", copy=False)
         trainer_turn_ends(self.cfg, self.tr.device)  # every rank's GPU: colocated, the engine wakes on this sync
         if self.rank != 0:
             return

