@@ -79,6 +79,8 @@ def test_dynamic_sampler_fills_batch_with_bounded_retries():
     trajs, m = s.finish()
     assert sorted({t.group_id for t in trajs}) == [0, 3, 5]  # at most target groups, in arrival order
     assert m["stab/zero_var_frac"] == pytest.approx(3 / 7) and m["stab/sampling_rounds"] == 3
+    # every sampled OK trajectory, dropped groups included: 6 of 14 succeeded; the kept ones hold 3 of 6
+    assert m["stab/reward_mean_sampled"] == pytest.approx(6 / 14)
 
 
 @pytest.mark.parametrize("on_short,expect", [("pad", [0, 1]), ("partial", [0])])

@@ -5,7 +5,9 @@ Judges at sampling time, before shaping and advantages: ``DynamicSampler`` says 
 are missing; the rollout side (``arl.rollout.manager.fill_batch``) samples them.  A group's variance is judged on the outcome
 reward of its trainable (non-FILTERED, non-MASKED) members; a group with fewer than two of them has
 zero variance.  Metric ``stab/zero_var_frac`` is measured BEFORE filtering, over every group sampled
-for the step (all rounds).
+for the step (all rounds); so is ``stab/reward_mean_sampled``, the mean outcome reward of every OK
+trajectory sampled for the step: ``success/train`` is measured on the kept (mixed) groups only,
+which pins it between 1/G and 1-1/G whatever the policy's own success is.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class DynamicSampler:
         self._dropped: list = []
         self._seen = 0
         self._zero = 0  # zero-variance groups seen (counted whether or not dropping is enabled)
+        self._rewards: list = []  # outcome rewards of every OK trajectory seen, kept or dropped
 
     def add(self, trajs: Sequence[Trajectory]) -> None:
         self.rounds += 1
@@ -67,6 +70,7 @@ class DynamicSampler:
             self._seen += 1
             zero = is_zero_variance(members, self.cfg.atol)
             self._zero += zero
+            self._rewards += [float(t.reward) for t in members if t.status is TrajectoryStatus.OK]
             if self.cfg.enabled and zero:
                 self._dropped.append(members)
             else:
@@ -94,4 +98,5 @@ class DynamicSampler:
             "stab/groups_kept": min(len(self._kept), self.target),
             "stab/sampling_rounds": self.rounds,
             "stab/groups_short": max(0, self.target - len(self._kept)),
+            "stab/reward_mean_sampled": sum(self._rewards) / len(self._rewards) if self._rewards else 0.0,
         }
