@@ -29,7 +29,7 @@ def tree_batch(seed=0, groups=2, group=3, vocab=64):
     return seqs, gids + [groups, 0, 0]
 
 
-def _check_maps(layout, seqs):
+def _check_maps(layout, seqs, trained=None):
     packed = np.concatenate(seqs)
     src = layout.src.numpy()
     assert src.shape == packed.shape
@@ -45,8 +45,14 @@ def _check_maps(layout, seqs):
     np.testing.assert_array_equal(layout.head_tgt.numpy()[row[t]], packed[t + 1])
     first = layout.head_first.numpy()
     np.testing.assert_array_equal(row[first], np.arange(first.size))
-    # every (computed position, next token) pair is one row
-    assert len({(int(a), int(b)) for a, b in zip(src[t], packed[t + 1])}) == layout.head_src.numel()
+    pairs = len({(int(a), int(b)) for a, b in zip(src[t], packed[t + 1])})
+    if trained is None:  # every (computed position, next token) pair is one row
+        assert pairs == layout.head_src.numel()
+    else:  # and a trained token's row is its own
+        own = np.concatenate(trained)[t + 1]
+        rows, counts = np.unique(row[t], return_counts=True)
+        assert (counts[np.searchsorted(rows, row[t][own])] == 1).all()
+        assert layout.head_src.numel() <= pairs + own.sum()
 
 
 def test_two_level_tree_with_fallback_duplicate_and_contained_sequence():
@@ -77,6 +83,18 @@ def test_first_suffix_token_is_predicted_by_the_last_prefix_token():
         assert layout.head_tgt[r] == seqs[k][SYS + PROMPT]
         assert layout.head_src[r] == src[t] == src[starts[3 * (k // 3)] + SYS + PROMPT - 1]  # once per group
         assert layout.position_ids[src[t + 1]] == SYS + PROMPT
+
+
+def test_trained_tokens_get_their_own_head_rows():
+    """The duplicate and the contained sequence predict their first turn's tokens from the same
+    computed positions as sequences 0 and 1: with those tokens trained, each keeps its own row."""
+    seqs, _ = tree_batch()
+    trained = [np.arange(len(s)) >= SYS + PROMPT for s in seqs]
+    shared, own = build_layout(seqs), build_layout(seqs, trained=trained)
+    _check_maps(own, seqs, trained)
+    assert own.head_src.numel() > shared.head_src.numel()
+    np.testing.assert_array_equal(own.src.numpy(), shared.src.numpy())
+    assert (np.diff(own.head_first.numpy()) > 0).all()  # rows in packed order of first use
 
 
 def test_no_shared_prefix_means_no_layout_and_min_shared_is_respected():
@@ -143,7 +161,8 @@ def test_packer_keeps_the_loss_tensors_and_counts_computed_tokens():
     assert b.tree is not None and b.computed_tokens == b.tree.num_tokens < b.num_tokens
     assert on.rank_computed_tokens == [b.computed_tokens] and off.rank_computed_tokens == [a.num_tokens]
     assert b.est_compute < a.est_compute
-    _check_maps(b.tree, [seqs[i] for i in b.traj_indices.tolist()])
+    sel = [seqs[i] for i in b.traj_indices.tolist()]
+    _check_maps(b.tree, sel, [b.chunk_ids.numpy()[x:y] >= 0 for x, y in zip(b.cu_seqlens[:-1], b.cu_seqlens[1:])])
 
 
 def test_budget_counts_computed_tokens():

@@ -237,8 +237,10 @@ def _prepare(trajectories: Sequence[Trajectory], cfg: PackerConfig):
 def _size(seqs: list, members: list, cfg: PackerConfig) -> tuple:
     """(tokens computed, estimated compute) of ``members`` in one micro-batch, and their layout
     (None: ordinary packing)."""
-    toks = [seqs[k].tokens for k in sorted(members, key=lambda k: seqs[k].index)]
-    layout = build_layout(toks, cfg.min_shared) if cfg.share_prefix and len(toks) > 1 else None
+    sel = [seqs[k] for k in sorted(members, key=lambda k: seqs[k].index)]
+    toks = [s.tokens for s in sel]
+    layout = (build_layout(toks, cfg.min_shared, trained=[s.chunk_ids >= 0 for s in sel])
+              if cfg.share_prefix and len(toks) > 1 else None)
     if layout is None:
         lengths = np.array([len(t) for t in toks], dtype=np.int64)
         return int(lengths.sum()), float(estimated_compute(lengths, cfg.attn_coef).sum()), None

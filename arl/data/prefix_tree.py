@@ -35,10 +35,10 @@ class PrefixLayout:
     seg_bounds: torch.Tensor  # [S+1] int64, segment s is computed tokens seg_bounds[s]:seg_bounds[s+1]
     seg_parent: torch.Tensor  # [S] int64, the segment it continues (-1: none); a parent precedes its children
     src: torch.Tensor  # [T] int64, computed position of each packed token
-    head_src: torch.Tensor  # [R] int64, computed position of each head row (sorted)
+    head_src: torch.Tensor  # [R] int64, computed position of each head row
     head_tgt: torch.Tensor  # [R] int64, the token each head row predicts
     head_row: torch.Tensor  # [T] int64, head row predicting packed token t + 1 from t (-1: last of its sequence)
-    head_first: torch.Tensor  # [R] int64, the first packed token t whose head_row is the row
+    head_first: torch.Tensor  # [R] int64, the first packed token t whose head_row is the row (increasing)
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +104,13 @@ def _segments(seqs: Sequence[np.ndarray], min_shared: int):
     return segs, chain, shared_any
 
 
-def build_layout(seqs: Sequence[np.ndarray], min_shared: int = MIN_SHARED) -> Optional[PrefixLayout]:
+def build_layout(seqs: Sequence[np.ndarray], min_shared: int = MIN_SHARED,
+                 trained: Optional[Sequence[np.ndarray]] = None) -> Optional[PrefixLayout]:
     """The shared-prefix layout of sequences packed in this order, or None when no prefix of
-    ``min_shared`` or more tokens is shared (then ordinary packing computes the same tokens)."""
+    ``min_shared`` or more tokens is shared (then ordinary packing computes the same tokens).
+    ``trained``: per sequence, a bool per token whose logprob the loss trains: such a token's head
+    row is its own even where another sequence has the same one (the loss's per-token gradient
+    plan then maps one-to-one onto the head rows)."""
     if min_shared < 1:
         raise ValueError(f"min_shared={min_shared}: must be >= 1")
     seqs = [np.asarray(s, dtype=np.int64) for s in seqs]
@@ -128,13 +132,23 @@ def build_layout(seqs: Sequence[np.ndarray], min_shared: int = MIN_SHARED) -> Op
     has_next[last] = False
     t = np.flatnonzero(has_next)
     width = int(packed.max()) + 1
-    keys, first, inv = np.unique(src[t] * width + packed[t + 1], return_index=True, return_inverse=True)
+    keys = src[t] * width + packed[t + 1]
+    if trained is not None:
+        own = np.concatenate([np.asarray(m, dtype=bool) for m in trained])[t + 1]
+        keys[own] = len(tokens) * width + t[own]  # past every shared key: one row each
+    _, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    # rows in the packed order of their first use: a sequence's own rows stay contiguous (the
+    # grad-in-forward head keeps each loss segment in one tile)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    first = t[first[order]]
     head_row = np.full(len(packed), -1, dtype=np.int64)
-    head_row[t] = inv.reshape(-1)
+    head_row[t] = rank[inv.reshape(-1)]
     as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
     return PrefixLayout(token_ids=as_t(tokens), position_ids=as_t(pos), seg_bounds=as_t(bounds),
-                        seg_parent=as_t([p for p, _, _ in segs]), src=as_t(src), head_src=as_t(keys // width),
-                        head_tgt=as_t(keys % width), head_row=as_t(head_row), head_first=as_t(t[first]))
+                        seg_parent=as_t([p for p, _, _ in segs]), src=as_t(src), head_src=as_t(src[first]),
+                        head_tgt=as_t(packed[first + 1]), head_row=as_t(head_row), head_first=as_t(first))
 
 
 def computed_tokens(seqs: Sequence[np.ndarray], min_shared: int = MIN_SHARED) -> int:
