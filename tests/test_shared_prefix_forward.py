@@ -93,7 +93,8 @@ def test_policy_loss_and_gradients_equal_with_the_switch(float64_norms):
         assert (mb.tree is not None) == share
         model.zero_grad()
         logp, _ = micro_batch_logprobs(model, mb, "cpu")
-        old = logp.detach() + 0.01 * torch.randn(logp.shape, dtype=logp.dtype, generator=torch.Generator().manual_seed(1))
+        noise = torch.randn(logp.shape, dtype=logp.dtype, generator=torch.Generator().manual_seed(1))
+        old = logp.detach() + 0.01 * noise
         loss = policy_loss(logp, old, config=LOSS, backend="reference", **mb.loss_kwargs()).loss
         loss.backward()
         res[share] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()})

@@ -96,7 +96,8 @@ def _segments(seqs: Sequence[np.ndarray], min_shared: int):
         parts: dict = {}
         for i in members:
             if len(seqs[i]) == end:  # the whole sequence is common to the others
-                chain[i] = seg_chain[parent] if seg_start == end else seg_chain[add(parent, seg_start, seqs[i][seg_start:])]
+                own = parent if seg_start == end else add(parent, seg_start, seqs[i][seg_start:])
+                chain[i] = seg_chain[own]
             else:
                 parts.setdefault(int(seqs[i][end]), []).append(i)
         for part in reversed(list(parts.values())):
