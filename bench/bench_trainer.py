@@ -14,6 +14,12 @@ Shapes (``--shapes``):
   rank, arl at ZeRO stage ``--large-zero-stage`` (default 0: one rank has nothing to partition)
   (``--quick``: 1 layer, hidden 64, vocab 8192).
 
+* ``calc``: SmolLM2-135M-Instruct's shape (configs/smollm2_tools_cpu.yaml, random weights) on a
+  calculator-shaped batch (issue 38: ~450-token trajectories, ~370 of them the shared prompt: one
+  system + tools block for the batch, a task prompt per group), ``--calc-tasks`` groups of each
+  ``--calc-groups`` size: only ``arl`` (today's step) and ``arl_share_prefix`` (the same batch packed
+  with ``share_prefix``: each shared prefix computed once), side by side (docs/share_prefix.md).
+
 Variants, each over the same micro-batches (tokens/s counts the batch's real tokens):
 
 * ``raw``: the model alone: packed forward (varlen attention) -> lm_head logits -> cross entropy
@@ -53,6 +59,7 @@ shape's) and per shape under ``shapes``.  Timings on a shared machine are noise,
     python bench/bench_trainer.py                 # main + large shape, 5 reps
     python bench/bench_trainer.py --quick         # 2 tasks, shrunk large shape, 1 rep, one warm-up per model
     python bench/bench_trainer.py --threads 1     # one trainer rank's thread count in the main job
+    python bench/bench_trainer.py --shapes calc   # today's step vs share_prefix, G = 4 and 8
 """
 from __future__ import annotations
 
@@ -89,7 +96,7 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   max_position_embeddings=32768, rope_theta=1_000_000.0)
 QUICK_LARGE = dict(QWEN25_05B, vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1)
-TARGETS = {"efficiency_vs_raw": 0.85, "efficiency_vs_raw_large": 0.9, "speedup_vs_naive": 1.5,
+TARGETS = {"share_prefix_speedup_g8": 2.0, "share_prefix_speedup_g4": 1.5, "efficiency_vs_raw": 0.85, "efficiency_vs_raw_large": 0.9, "speedup_vs_naive": 1.5,
            "fused_head_step_time_ratio": 1.0, "fused_head_step_time_ratio_large": 1.0}
 
 
@@ -105,15 +112,16 @@ class Shape:
     describe: dict
     params: int = 0  # parameter count, for the memory estimate
     arch: object = None  # the model's HF config
+    mbs_shared: Optional[list] = None  # the same batch packed with share_prefix (calc shape)
 
 
 # ---------------------------------------------------------------- the batches
-def _prepared(trajs, stab: Stabilizers, budget: int, ranks: int, seed: int):
+def _prepared(trajs, stab: Stabilizers, budget: int, ranks: int, seed: int, share_prefix: bool = False):
     """Rank 0's micro-batches and the loss config, as trainer rank 0 makes them (rank.next_batch)."""
     loss_cfg = stab.loss_config(0, None)
     prep = stab.prepare(trajs, loss_cfg)
-    packed = pack_step(prep.trajectories, PackerConfig(token_budget=budget, num_ranks=ranks, seed=seed), loss_cfg,
-                       advantages=prep.advantages)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=budget, num_ranks=ranks, seed=seed,
+                                                       share_prefix=share_prefix), loss_cfg, advantages=prep.advantages)
     stab.apply(packed, prep, loss_cfg)
     return packed.ranks[0], loss_cfg
 
@@ -199,6 +207,70 @@ def large_shape(quick: bool, seqs: int, lens: tuple, budget: int, layers, zero_s
                   "zero_stage": zero_stage,
                   **{k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
                   "trajectories": seqs, "traj_len": list(lens), "micro_batch_tokens": budget}, params, conf)
+
+
+SMOLLM2_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "smollm2_tools_cpu.yaml")
+CALC = dict(system=300, prompt=70, turn1=(15, 35), obs=(10, 20), turn2=(30, 50))  # ~450 tokens, ~370 prompt
+
+
+def _calc_trajectories(tasks: int, group: int, vocab: int, seed: int) -> list:
+    """The calculator batch's token structure (issue 38's measurement: ~450 tokens, ~370 of them the
+    prompt, mostly the tool schemas): one system + tools block for the whole batch, a task prompt per
+    group, then per sample a model turn, a tool observation and a second model turn; random tokens."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, CALC["system"])
+    out = []
+    for g in range(tasks):
+        prompt = np.concatenate([system, rng.integers(0, vocab, CALC["prompt"])])
+        for _ in range(group):
+            spans = [int(rng.integers(*CALC[k])) for k in ("turn1", "obs", "turn2")]
+            L = len(prompt) + sum(spans)
+            chunk = np.full(L, -1, dtype=np.int32)
+            a = len(prompt)
+            chunk[a:a + spans[0]] = 0
+            chunk[a + spans[0] + spans[1]:] = 1
+            tokens = np.concatenate([prompt, rng.integers(0, vocab, sum(spans))])
+            out.append(Trajectory(tokens=tokens, chunk_ids=chunk, rollout_logp=np.zeros(L, np.float32),
+                                  reward=float(rng.random() < 0.5), group_id=g))
+    return out
+
+
+def calc_shape(quick: bool, group: int, tasks: int, layers, seed: int = 0) -> Shape:
+    """SmolLM2-135M-Instruct's shape (configs/smollm2_tools_cpu.yaml's model.arch, random weights:
+    step time does not depend on them) on a calculator-shaped batch of ``tasks`` groups of ``group``,
+    packed as that config packs (micro_batch_tokens, one rank), with and without share_prefix."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = load_config(SMOLLM2_CONFIG)
+    a = cfg.model.arch
+    arch = dict(vocab_size=a.vocab_size, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                num_hidden_layers=layers or (4 if quick else a.layers), num_attention_heads=a.heads,
+                num_key_value_heads=a.kv_heads, tie_word_embeddings=a.tie_word_embeddings,
+                max_position_embeddings=2048)
+
+    def make():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(LlamaConfig(**arch)).float()
+
+    trajs = _calc_trajectories(tasks, group, a.vocab_size, seed)
+    stab = Stabilizers(cfg.stabilizers, cfg.loss, algo=cfg.algo)
+    budget = cfg.trainer.micro_batch_tokens
+    mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
+    params, conf = _engine_logprobs(make(), mbs)
+    for mb in mbs:  # the engine's logprobs back onto the trajectories, for the shared packing
+        for i, x, y in zip(mb.traj_indices.tolist(), mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
+            trajs[i].rollout_logp = mb.rollout_logp[x:y].numpy().copy()
+    mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
+    shared, _ = _prepared(trajs, stab, budget, 1, seed, share_prefix=True)
+    _release()
+    lens = [len(t) for t in trajs]
+    return Shape(f"calc_g{group}", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage,
+                 cfg.rollout.temperature,
+                 {"model": "SmolLM2-135M shape, random weights", "group_size": group, "tasks": tasks,
+                  **{k: arch[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
+                  "trajectories": len(trajs), "traj_len_mean": float(np.mean(lens)),
+                  "shared_prompt": CALC["system"] + CALC["prompt"], "batch_wide_block": CALC["system"],
+                  "micro_batch_tokens": budget}, params, conf, mbs_shared=shared)
 
 
 # ---------------------------------------------------------------- the variants
@@ -447,6 +519,11 @@ def _v_arl(shape, device):
     return lambda: tr.rl_step(shape.mbs, None, shape.loss_cfg)
 
 
+def _v_arl_share_prefix(shape, device):
+    tr = _trainer(shape, head_grad_in_forward=True)
+    return lambda: tr.rl_step(shape.mbs_shared, None, shape.loss_cfg)
+
+
 def _v_arl_with_old_pass(shape, device):
     tr = _trainer(shape)
     call = lambda: tr.rl_step(shape.mbs, tr.old_logprobs(shape.mbs), shape.loss_cfg)  # noqa: E731
@@ -478,6 +555,7 @@ VARIANT_BUILDERS = {
     "arl_with_old_pass": _v_arl_with_old_pass,
     "arl_recompute_head": _v_arl_recompute_head,
     "arl_naive_head": _v_arl_naive_head,
+    "arl_share_prefix": _v_arl_share_prefix,  # the calc shapes only (measure_share)
 }
 
 
@@ -534,7 +612,7 @@ def measure(shape: Shape, reps: int, device, warm_all: bool = True, variants=Non
     tokens = sum(mb.num_tokens for mb in mbs)
     import psutil
 
-    names = [n for n in VARIANT_BUILDERS if variants is None or n in variants]
+    names = [n for n in VARIANT_BUILDERS if (variants is None and n != "arl_share_prefix") or n in (variants or ())]
     worst = max(names, key=lambda n: memory_estimate(shape, n)["new_gib"])
     if memory_estimate(shape, worst)["new_gib"] > psutil.virtual_memory().available / 2**30:
         _check_fits(shape, worst)  # fail before any variant ran
@@ -573,6 +651,39 @@ def measure(shape: Shape, reps: int, device, warm_all: bool = True, variants=Non
     }
 
 
+def measure_share(shape: Shape, reps: int, device, warm: bool = True) -> dict:
+    """Today's step (``arl``) and the shared-prefix step (``arl_share_prefix``) on the same batch:
+    step time, tokens computed, peak memory; their first steps' losses (same initial weights) must
+    agree, or the bench fails.  Without ``warm`` the profiled step is each variant's warm-up."""
+    runs = {name: _measure_variant(shape, name, reps, device, warm=warm) for name in ("arl", "arl_share_prefix")}
+    packs = {"arl": shape.mbs, "arl_share_prefix": shape.mbs_shared}
+    la, lb = runs["arl"]["first"]["loss"], runs["arl_share_prefix"]["first"]["loss"]
+    loss_diff = abs(la - lb) / max(abs(la), 1e-12)
+    if loss_diff > 1e-4:
+        raise RuntimeError(f"{shape.name}: the shared-prefix step's loss {lb} differs from today's {la}")
+    step_s = {k: r["step_s"] for k, r in runs.items()}
+    return {
+        "shape": shape.describe, "tokens": sum(mb.num_tokens for mb in shape.mbs),
+        "computed_tokens": {k: sum(mb.computed_tokens for mb in m) for k, m in packs.items()},
+        "micro_batches": {k: sum(not mb.is_empty for mb in m) for k, m in packs.items()},
+        "step_s": {k: round(v, 4) for k, v in step_s.items()},
+        "peak_mb": {k: r["peak_mb"] for k, r in runs.items()},
+        "rss_peak_mb": {k: r["rss_peak_mb"] for k, r in runs.items()},
+        "head_grad_in_forward": {k: r["first"].get("head_grad_in_forward") for k, r in runs.items()},
+        "share_prefix_speedup": _ratio(step_s["arl"], step_s["arl_share_prefix"], 3),
+        "loss_rel_diff": float(f"{loss_diff:.3g}"),
+    }
+
+
+def report_share(name: str, r: dict) -> None:
+    print(f"[{name}] {r['tokens']} tokens  {r['shape']}", flush=True)
+    for k in r["step_s"]:
+        print(f"[{name}] {k:18s} step {r['step_s'][k]:9.4f} s  computed {r['computed_tokens'][k]:6d} tokens in "
+              f"{r['micro_batches'][k]} micro-batches  peak {r['peak_mb'][k]:9.1f} MiB  RSS peak "
+              f"{r['rss_peak_mb'][k]} MiB", flush=True)
+    print(f"[{name}] share_prefix_speedup {r['share_prefix_speedup']}  loss_rel_diff {r['loss_rel_diff']}", flush=True)
+
+
 def report(name: str, r: dict) -> None:
     print(f"[{name}] {r['tokens']} tokens in {r['micro_batches']} micro-batches  {r['shape']}", flush=True)
     for k in r["step_s"]:
@@ -593,7 +704,11 @@ def report(name: str, r: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 tasks, a shrunk large shape, 1 rep")
-    ap.add_argument("--shapes", default="main,large", help="comma-separated: main, large")
+    ap.add_argument("--shapes", default="main,large",
+                    help="comma-separated: main, large, calc (SmolLM2 calculator batch, today's step vs share_prefix)")
+    ap.add_argument("--calc-groups", default="4,8", help="group sizes of the calc shape")
+    ap.add_argument("--calc-tasks", type=int, default=None, help="groups per calc batch (default 4, quick 2)")
+    ap.add_argument("--calc-layers", type=int, default=None, help="layers at the calc shape (default 30, quick 4)")
     ap.add_argument("--reps", type=int, default=None, help="timed steps per variant (median; default 5, quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: every core available)")
     ap.add_argument("--large-seqs", type=int, default=16)
@@ -610,9 +725,9 @@ def main(argv=None) -> int:
                          "the others up; default: all, --quick: first)")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in ("main", "large")]
+    bad = [s for s in shapes if s not in ("main", "large", "calc")]
     if bad or not shapes:
-        ap.error(f"--shapes: unknown {bad or shapes}; choose from main, large")
+        ap.error(f"--shapes: unknown {bad or shapes}; choose from main, large, calc")
     lens = tuple(int(x) for x in args.large_len.split(","))
     if len(lens) != 2 or not 2 <= lens[0] <= lens[1]:
         ap.error(f"--large-len: expected min,max with 2 <= min <= max, got {args.large_len!r}")
@@ -628,7 +743,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(threads)
     reps = args.reps or (1 if args.quick else 5)
     results = {}
-    for name in shapes:
+    for G in ([int(g) for g in args.calc_groups.split(",")] if "calc" in shapes else []):
+        shape = calc_shape(args.quick, G, args.calc_tasks or (2 if args.quick else 4), args.calc_layers)
+        results[shape.name] = measure_share(shape, reps, device, warm=(args.warm or ("first" if args.quick else "all"))
+                                            == "all")
+        report_share(shape.name, results[shape.name])
+    for name in [s for s in shapes if s != "calc"]:
         shape = (main_shape(args.quick) if name == "main" else
                  large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers,
                              args.large_zero_stage))
@@ -641,12 +761,15 @@ def main(argv=None) -> int:
                 ap.error(f"--large-variants: unknown {sorted(bad)}; choose from {list(VARIANT_BUILDERS)}")
         results[name] = measure(shape, reps, device, warm_all=warm == "all", variants=subset)
         report(name, results[name])
-    head = results.get("main") or results[shapes[0]]
+    head = results.get("main") or results.get("large")
     summary = {
         "bench": "trainer", "quick": bool(args.quick), "device": str(device), "torch_threads": torch.get_num_threads(),
         "reps": reps,
-        **{k: head[k] for k in ("efficiency_vs_raw", "speedup_vs_naive", "old_logp_pass_saved",
-                                "fused_head_step_time_ratio", "grad_in_forward_step_time_ratio", "peak_mb")},
+        **({k: head[k] for k in ("efficiency_vs_raw", "speedup_vs_naive", "old_logp_pass_saved",
+                                 "fused_head_step_time_ratio", "grad_in_forward_step_time_ratio", "peak_mb")}
+           if head else {}),
+        **{f"share_prefix_speedup_{k[5:]}": r["share_prefix_speedup"] for k, r in results.items()
+           if k.startswith("calc_")},
         **({"efficiency_vs_raw_large": results["large"]["efficiency_vs_raw"],
             "fused_head_step_time_ratio_large": results["large"]["fused_head_step_time_ratio"],
             "grad_in_forward_step_time_ratio_large": results["large"]["grad_in_forward_step_time_ratio"]}

@@ -32,6 +32,21 @@ def test_bench_trainer_quick_reports_its_keys():
         assert shape["naive_loss_rel_diff"] <= 1e-3  # the naive step computes arl's loss
 
 
+@pytest.mark.slow  # trains in a benchmark subprocess
+def test_bench_trainer_calc_shape_reports_share_prefix():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "bench/bench_trainer.py", "--quick", "--shapes", "calc", "--calc-groups", "4",
+                          "--calc-tasks", "1", "--calc-layers", "1"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "share_prefix_speedup_g4" in res
+    calc = res["shapes"]["calc_g4"]
+    assert set(calc["step_s"]) == set(calc["peak_mb"]) == {"arl", "arl_share_prefix"}
+    assert calc["computed_tokens"]["arl_share_prefix"] < calc["computed_tokens"]["arl"] == calc["tokens"]
+    assert calc["loss_rel_diff"] <= 1e-4 and calc["head_grad_in_forward"]["arl_share_prefix"] == 1.0
+
+
 def test_peak_bytes_leaves_out_the_returned_tensors():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from bench_logprob import peak_bytes

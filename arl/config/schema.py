@@ -227,6 +227,9 @@ class TrainerConfig(Section):
     head_grad_in_forward: bool = Field(
         True, description="With the old-logprob pass skipped, the logprob head computes its gradients in its forward "
         "(not IPA's loss); false: the bounded-memory recompute head.")
+    share_prefix: bool = Field(
+        False, description="Compute each token prefix shared within a micro-batch (a group's prompt, the system + "
+        "tools block) once; same loss and gradients (docs/share_prefix.md). Needs attn auto or varlen_sdpa.")
     deterministic: bool = Field(
         False, description="Reproducible runs: deterministic torch algorithms and batches generated in task order.")
     cpu_threads: Optional[int] = Field(
@@ -409,6 +412,9 @@ class TrainConfig(Section):
                              f"of engines ({self.num_engines()}): each engine generates an equal share of a batch")
         if self.rollout.max_turn_tokens > self.rollout.max_total_tokens:
             raise ValueError("rollout.max_turn_tokens must be <= rollout.max_total_tokens")
+        if self.trainer.share_prefix and self.model.attn_implementation not in ("auto", "varlen_sdpa"):
+            raise ValueError(f"trainer.share_prefix: needs model.attn_implementation auto or varlen_sdpa, got "
+                             f"{self.model.attn_implementation}")
         if self.rollout.max_total_tokens > self.trainer.micro_batch_tokens:
             raise ValueError(
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds trainer.micro_batch_tokens = "

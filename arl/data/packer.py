@@ -25,6 +25,12 @@ not trained; its index is listed in ``PackedStep.truncated``).  Trajectories wit
 dropped by the rollout filter and are skipped (``PackedStep.skipped``); MASKED placeholders are packed
 (they keep the batch size) with every chunk id forced to -1, so they add nothing to the normalizer.
 
+Shared prefixes (``share_prefix``): the sequences of a micro-batch that share a token prefix (a
+group's prompt, the batch-wide system + tools block) get a ``tree`` (arl/data/prefix_tree.py): the
+forward computes each shared prefix once.  The micro-batch's tensors keep the ordinary layout, so the
+loss sees the same tokens; budget and balancing count the tokens computed (a group's own sharing;
+sharing across the groups of a micro-batch comes on top).  A micro-batch sharing nothing has no tree.
+
 Loss normalizer: every micro-batch carries the step's global denominator D of ``loss_agg`` (all
 ranks, all micro-batches; see arl/ops/policy_loss/spec.py), so that the sum over ranks and micro-batches of
 ``policy_loss(..., normalizer=mb.normalizer)`` is the whole step's loss.  With DeepSpeed, which divides
@@ -50,6 +56,7 @@ from pydantic import ConfigDict, model_validator
 from ..errors import OneLineErrors, finite_vector
 from ..ops.policy_loss.config import LossConfig
 from .partition import fill_bins, karmarkar_karp
+from .prefix_tree import MIN_SHARED, PrefixLayout, build_layout, layout_compute
 from .trajectory import Trajectory, TrajectoryStatus
 
 DEFAULT_ATTN_COEF = 1.0 / (12 * 4096)
@@ -69,6 +76,8 @@ class PackerConfig(OneLineErrors):
     keep_groups: bool = True  # a group that fits the budget stays in one micro-batch
     overlong: Literal["error", "truncate"] = "error"
     seed: int = 0  # breaks ties between equal lengths / costs
+    share_prefix: bool = False  # lay each shared token prefix out once per micro-batch (prefix_tree.py)
+    min_shared: int = MIN_SHARED  # shortest prefix laid out once
 
     @model_validator(mode="after")
     def _check(self) -> "PackerConfig":
@@ -78,6 +87,8 @@ class PackerConfig(OneLineErrors):
             raise ValueError(f"num_ranks={self.num_ranks}: must be >= 1")
         if not self.attn_coef >= 0:
             raise ValueError(f"attn_coef={self.attn_coef}: must be >= 0")
+        if self.min_shared < 1:
+            raise ValueError(f"min_shared={self.min_shared}: must be >= 1")
         return self
 
 
@@ -104,10 +115,16 @@ class MicroBatch:
     ipa: Optional[dict] = None  # IPA resampling's loss roles (Stabilizers.apply): il_mask, rl_chunk_ids, normalizers
     segments: Optional[dict] = None  # turn credit (Stabilizers.apply): per-chunk loss segments, policy_loss overrides
     critic: Optional[dict] = None  # the critic (Stabilizers.apply): value points, arl/stabilizers/gae.py critic_points
+    tree: Optional[PrefixLayout] = None  # share_prefix: the computed layout (None: ordinary packing)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the forward computes: fewer than ``num_tokens`` when prefixes are shared."""
+        return self.tree.num_tokens if self.tree is not None else self.num_tokens
 
     @property
     def num_seqs(self) -> int:
@@ -140,6 +157,7 @@ class PackedStep:
     rank_compute: list  # estimated compute per rank
     rank_tokens: list
     num_tokens: int
+    rank_computed_tokens: list = field(default_factory=list)  # tokens the forwards compute (share_prefix: fewer)
     split_groups: list = field(default_factory=list)  # group ids spread over several micro-batches
     truncated: list = field(default_factory=list)  # trajectory indices cut to the budget
     skipped: list = field(default_factory=list)  # FILTERED trajectory indices (not packed)
@@ -216,24 +234,41 @@ def _prepare(trajectories: Sequence[Trajectory], cfg: PackerConfig):
     return seqs, truncated, skipped
 
 
-def _units(seqs: list, cfg: PackerConfig) -> list:
-    """Lists of positions in ``seqs`` that must share a micro-batch."""
+def _size(seqs: list, members: list, cfg: PackerConfig) -> tuple:
+    """(tokens computed, estimated compute) of ``members`` in one micro-batch, and their layout
+    (None: ordinary packing)."""
+    sel = [seqs[k] for k in sorted(members, key=lambda k: seqs[k].index)]
+    toks = [s.tokens for s in sel]
+    layout = (build_layout(toks, cfg.min_shared, trained=[s.chunk_ids >= 0 for s in sel])
+              if cfg.share_prefix and len(toks) > 1 else None)
+    if layout is None:
+        lengths = np.array([len(t) for t in toks], dtype=np.int64)
+        return int(lengths.sum()), float(estimated_compute(lengths, cfg.attn_coef).sum()), None
+    return layout.num_tokens, layout_compute(layout, cfg.attn_coef), layout
+
+
+def _units(seqs: list, cfg: PackerConfig) -> tuple:
+    """Lists of positions in ``seqs`` that must share a micro-batch, and the (tokens, compute) of each."""
     if not cfg.keep_groups:
-        return [[k] for k in range(len(seqs))]
+        units = [[k] for k in range(len(seqs))]
+        return units, [_size(seqs, u, cfg)[:2] for u in units]
     groups: dict = {}
     for k, s in enumerate(seqs):
         groups.setdefault(s.group_id, []).append(k)
-    units = []
+    units, sizes = [], []
     for members in groups.values():
-        if sum(len(seqs[k].tokens) for k in members) <= cfg.token_budget:
+        size = _size(seqs, members, cfg)[:2]
+        if size[0] <= cfg.token_budget:
             units.append(members)
+            sizes.append(size)
         else:
             units.extend([k] for k in members)
-    return units
+            sizes.extend(_size(seqs, [k], cfg)[:2] for k in members)
+    return units, sizes
 
 
 def _build(seqs: list, members: list, adv: Optional[np.ndarray], normalizer: float, rank: int, index: int,
-           attn_coef: float, complete: bool) -> MicroBatch:
+           cfg: PackerConfig, complete: bool) -> MicroBatch:
     members = sorted(members, key=lambda k: seqs[k].index)
     sel = [seqs[k] for k in members]
     lengths = np.array([len(s.tokens) for s in sel], dtype=np.int64)
@@ -255,6 +290,7 @@ def _build(seqs: list, members: list, adv: Optional[np.ndarray], normalizer: flo
     starts[1:] = (c[1:] != c[:-1]) | (s[1:] != s[:-1])
     chunk = np.full(T, -1, dtype=np.int32)
     chunk[tidx] = np.cumsum(starts) - 1
+    _, est, layout = _size(seqs, members, cfg) if sel else (0, 0.0, None)
     return MicroBatch(
         token_ids=torch.from_numpy(tokens),
         position_ids=torch.from_numpy(pos),
@@ -269,8 +305,9 @@ def _build(seqs: list, members: list, adv: Optional[np.ndarray], normalizer: flo
         normalizer=normalizer,
         rank=rank,
         index=index,
-        est_compute=float(estimated_compute(lengths, attn_coef).sum()),
+        est_compute=est,
         complete_groups=complete,
+        tree=layout,
     )
 
 
@@ -287,9 +324,9 @@ def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optio
     trained = np.array([int((s.chunk_ids >= 0).sum()) for s in seqs], dtype=np.int64)
     normalizer = step_normalizer(trained, loss)
 
-    units = _units(seqs, cfg)
-    unit_tokens = [int(lengths[u].sum()) for u in units]
-    unit_cost = [float(estimated_compute(lengths[u], cfg.attn_coef).sum()) for u in units]
+    units, sizes = _units(seqs, cfg)  # tokens and compute as computed (shared prefixes once)
+    unit_tokens = [t for t, _ in sizes]
+    unit_cost = [c for _, c in sizes]
     perm = np.random.default_rng(cfg.seed).permutation(len(units))
     rank_of = [-1] * len(units)
     rank_units = karmarkar_karp(unit_cost, R, order=perm.tolist())
@@ -330,7 +367,7 @@ def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optio
         for j, b in enumerate(rank_bins):
             members = [k for u in b for k in units[u]]
             complete = not any(seqs[k].group_id in split_set for k in members)
-            mbs.append(_build(seqs, members, advantages, normalizer, r, j, cfg.attn_coef, complete))
+            mbs.append(_build(seqs, members, advantages, normalizer, r, j, cfg, complete))
         ranks.append(mbs)
     return PackedStep(
         ranks=ranks,
@@ -338,6 +375,7 @@ def pack_step(trajectories: Sequence[Trajectory], cfg: PackerConfig, loss: Optio
         loss_agg=loss.loss_agg,
         rank_compute=[sum(mb.est_compute for mb in rank) for rank in ranks],
         rank_tokens=[sum(mb.num_tokens for mb in rank) for rank in ranks],
+        rank_computed_tokens=[sum(mb.computed_tokens for mb in rank) for rank in ranks],
         num_tokens=int(lengths.sum()),
         split_groups=split,
         truncated=truncated,

@@ -254,7 +254,7 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
                              temperature=temperature, with_entropy=with_entropy, backend=backend, **tiles)
     if plan is not None:
         head_grad.applied = plan.applied
-    zeros = torch.zeros(T, dtype=torch.float32, device=device)
+    zeros = torch.zeros(T, dtype=lp.dtype, device=device)  # float32 (float64 for a float64 model)
     logp = zeros.index_copy(0, dst, lp)
     entropy = zeros.index_copy(0, dst, ent) if with_entropy else None
     if return_hidden:

@@ -21,6 +21,7 @@ from ..ops.policy_loss import LossConfig
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
 from ..model.lora import hf_model, is_lora, merged_state_dict
 from ..model.packed import packed_logprobs
+from ..model.shared_prefix import micro_batch_logprobs
 from ..model.tied import is_tied, untied_state
 from . import faults
 from .critic import VALUE_HEAD, without_value_head
@@ -136,9 +137,9 @@ class PolicyTrainer:
                  head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
-        return packed_logprobs(hf_model(model), mb.token_ids.to(self.device), mb.cu_seqlens.to(self.device),
-                               temperature=self.temperature, with_entropy=with_entropy, attn=self.attn,
-                               return_hidden=return_hidden, head_grad=head_grad)
+        return micro_batch_logprobs(hf_model(model), mb, self.device, temperature=self.temperature,  # share_prefix
+                                    with_entropy=with_entropy, attn=self.attn, return_hidden=return_hidden,
+                                    head_grad=head_grad)
 
     def old_pass_needed(self, updates_per_batch: int) -> bool:
         """Whether ``old_logprobs`` must run before the updates of a batch.  With one update per batch
