@@ -47,6 +47,7 @@ from .base import Fault, StepResult
 INSTALL_HINT = "pip install 'arl[mcp]' (mcp==2.3.0) or bash install.sh --mcp"
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
 _LOOP_LOCK = threading.Lock()
+_CONNECTION_CLOSED = -32000  # JSON-RPC code of a closed connection (mcp_types.CONNECTION_CLOSED)
 
 
 def _mcp():
@@ -65,6 +66,10 @@ def _loop() -> asyncio.AbstractEventLoop:
             _LOOP = asyncio.new_event_loop()
             threading.Thread(target=_LOOP.run_forever, name="arl-mcp", daemon=True).start()
         return _LOOP
+
+
+class ToolError(Exception):
+    """The server answered a call with ``isError`` (the tools env shows it to the model)."""
 
 
 class ServerDied(Exception):
@@ -99,7 +104,8 @@ class _Server:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if self.dead or self.task.done() or "closed" in str(e).lower():
+            # the connection closed (the process exited): MCPError CONNECTION_CLOSED, or the holder ended
+            if self.dead or self.task.done() or getattr(e, "code", None) == _CONNECTION_CLOSED:
                 self.dead = True
                 raise ServerDied(f"{type(e).__name__}: {e}") from None
             raise
@@ -117,7 +123,7 @@ def _result_text(res: Any) -> str:
     parts = [getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]" for c in res.content]
     text = "\n".join(parts)
     if getattr(res, "is_error", False):
-        raise RuntimeError(text)  # the tools env answers "error: <tool> raised ...": the episode goes on
+        raise ToolError(text)  # the tools env answers "error: <tool> raised ToolError: ...": the episode goes on
     return text
 
 

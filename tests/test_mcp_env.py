@@ -1,0 +1,127 @@
+"""``env.name: mcp``: an MCP server's tools (stdio) with the tools env's tasks and reward.  The
+example server (examples/mcp/server.py, the SDK's documented MCPServer style) is started for real
+and scripted model turns play episodes through arl's own episode code: a tool call, then an
+answer.  A server that dies mid-episode is a recoverable fault and the next episode gets a new
+server; a server that fails to start and a missing package fail in one line."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mcp")  # the mcp extra (bash install.sh --mcp)
+
+from arl.env import check_env, make_env  # noqa: E402
+from arl.rollout import ChatFormat, Episode, EpisodeConfig, Sample  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = str(ROOT / "examples" / "mcp" / "server.py")
+ROW = {"prompt": "One box holds 55 lb. How many kg do 2 boxes hold?", "answer": "49.9"}
+KW = dict(command="python", args=[SERVER], reward_fn="examples.mcp.reward:score", system_prompt="Use the tools.")
+
+
+def _call(name, args):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+async def _play(env, fmt, turns, row=ROW):
+    ep = Episode(env, fmt, EpisodeConfig(max_total_tokens=4096), seed=0, task=row)
+    await ep.start()
+    for text in turns:
+        if ep.done:
+            break
+        ids = fmt.encode(text) + [fmt.eos_token_id]
+        await ep.apply(Sample(ids, [-0.5] * len(ids), text, "stop"))
+    return ep.trajectory()
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_tokenizer):
+    return ChatFormat(tiny_tokenizer)
+
+
+def test_the_servers_tools_answer_the_models_calls(fmt):
+    env = make_env("mcp", **KW)
+    try:
+        assert env.observation_role == "tool" and env.stop == ()
+        schemas = {t["function"]["name"]: t["function"] for t in env.tools}
+        assert sorted(schemas) == ["calculator", "convert"]  # the server's tools/list, JSON schemas as given
+        assert schemas["convert"]["parameters"]["required"] == ["value", "from_unit", "to_unit"]
+        assert schemas["calculator"]["description"].startswith("Evaluate an arithmetic expression")
+        turns = [_call("convert", {"value": 55, "from_unit": "lb", "to_unit": "kg"}),
+                 _call("convert", {"value": 1, "from_unit": "lb", "to_unit": "m"})
+                 + _call("calculator", {"expression": "24.95 * 2"}) + _call("convert", {"value": "x"}),
+                 "The boxes hold 49.9 kg."]
+        t = asyncio.run(_play(env, fmt, turns))
+        assert t.metadata["fault"] == "none" and t.reward == 1.0
+        text = fmt.tokenizer.decode(t.tokens.tolist())
+        assert "24.95" in text and "49.9" in text
+        # a tool's own error (isError) and a bad argument are error messages; the episode goes on
+        assert "error: convert raised ToolError: Error executing tool convert: cannot convert mass (lb) to length (m)" in text
+        assert "error: convert arguments" in text
+        assert [c["tool"] for c in t.metadata["calls"]] == ["convert", "convert", "calculator", "convert"]
+        assert t.metadata["tool_errors"] == 2
+        # the same instance (the same server) plays the next episode
+        again = asyncio.run(_play(env, fmt, turns))
+        assert again.reward == 1.0
+    finally:
+        asyncio.run(env.close())
+
+
+DYING = textwrap.dedent('''
+    import os
+    from mcp.server.mcpserver import MCPServer
+    mcp = MCPServer("dying", log_level="WARNING")
+
+    @mcp.tool()
+    def echo(text: str) -> str:
+        """Echo the text."""
+        return text
+
+    @mcp.tool()
+    def die() -> str:
+        """Exit the server's process."""
+        os._exit(1)
+
+    if __name__ == "__main__":
+        mcp.run()
+''')
+
+
+def test_a_server_that_dies_mid_episode_is_a_recoverable_fault_and_is_restarted(fmt, tmp_path):
+    (tmp_path / "dying.py").write_text(DYING)
+    env = make_env("mcp", command="python", args=[str(tmp_path / "dying.py")],
+                   reward_fn="examples.mcp.reward:score")
+    try:
+        t = asyncio.run(_play(env, fmt, [_call("echo", {"text": "hi"}), _call("die", {}), "49.9"]))
+        assert t.metadata["fault"] == "recoverable" and t.reward == 0.0  # retried or filtered by the manager
+        assert f"MCP server 'python {tmp_path / 'dying.py'}' died mid-episode" == t.metadata["fault_reason"]
+        assert len(t.turns) == 2
+        # the next episode on this instance gets a new server
+        t = asyncio.run(_play(env, fmt, [_call("echo", {"text": "alive again"}), "49.9"]))
+        assert t.metadata["fault"] == "none" and t.reward == 1.0
+        assert "alive again" in fmt.tokenizer.decode(t.tokens.tolist())
+    finally:
+        asyncio.run(env.close())
+
+
+def test_a_server_that_fails_to_start_and_a_missing_package_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken.py").write_text("raise SystemExit('no tools today')\n")
+    with pytest.raises(ValueError) as e:
+        make_env("mcp", command="python", args=[str(tmp_path / "broken.py")], reward_fn="examples.mcp.reward:score")
+    assert str(e.value) == (f"env.kwargs.command: MCP server 'python {tmp_path / 'broken.py'}' failed to start "
+                            "(MCPError: Connection closed)")
+    with pytest.raises(ValueError, match=r"^env.kwargs.command: MCP server 'no-such-server' failed to start "
+                                         r"\(FileNotFoundError: "):
+        make_env("mcp", command="no-such-server", reward_fn="examples.mcp.reward:score")
+    check_env("mcp", KW, ROW)  # what --dry-run does: make it, reset the first task
+    monkeypatch.setitem(sys.modules, "mcp", None)  # not installed
+    with pytest.raises(ValueError) as e:
+        make_env("mcp", **KW)
+    assert "mcp needs the mcp package, which is not installed" in str(e.value)
+    assert "pip install 'arl[mcp]'" in str(e.value) and "bash install.sh --mcp" in str(e.value)
+    assert "\n" not in str(e.value)
