@@ -125,3 +125,26 @@ def test_a_server_that_fails_to_start_and_a_missing_package_are_one_line(tmp_pat
     assert "mcp needs the mcp package, which is not installed" in str(e.value)
     assert "pip install 'arl[mcp]'" in str(e.value) and "bash install.sh --mcp" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # a whole training run (vLLM engine, trainer rank, the MCP servers): minutes on 2 CPU cores
+def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
+    """examples/mcp/config.yaml as shipped but on the tests' tiny model: 3 RL steps whose tool calls
+    (if the tiny model writes any) go to the example server, held-out evaluations before and after."""
+    import os
+    import subprocess
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "examples" / "mcp" / "config.yaml"),
+           f"model.name_or_path={tiny_model_dir}", "model.arch=null", f"output_dir={out}", "trainer.steps=3",
+           f"env.kwargs.args=[{json.dumps(SERVER)}]", "env.eval_tasks=4", "trainer.eval_every=3",
+           "rollout.tasks_per_step=2", "rollout.group_size=4", "env.pool_size=4", "rollout.max_turn_tokens=32",
+           "rollout.max_total_tokens=1536", "logging.progress=false", "logging.tensorboard=false"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(recs) == [0, 1, 2, 3] and "success/heldout" in recs[0] and "success/heldout" in recs[3]
+    assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
+    row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
+    assert "convert" in json.dumps(row)  # the server's tools reached the prompt

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -66,6 +67,14 @@ def _loop() -> asyncio.AbstractEventLoop:
             _LOOP = asyncio.new_event_loop()
             threading.Thread(target=_LOOP.run_forever, name="arl-mcp", daemon=True).start()
         return _LOOP
+
+
+def _forget_loop() -> None:  # a forked child has the loop object but not its thread
+    global _LOOP
+    _LOOP = None
+
+
+os.register_at_fork(after_in_child=_forget_loop)
 
 
 class ToolError(Exception):
