@@ -2,34 +2,27 @@
 
     env:
       name: mcp
-      kwargs:
-        command: python                        # the server's command line (stdio transport); "python":
-                                               # the interpreter arl runs in
-        args: ["examples/mcp/server.py"]
-        system_prompt: "Use the tools, then answer with a number."
-      dataset: examples/mcp/data/train.jsonl   # one task per row, as the tools env
+      kwargs: {command: python, args: ["examples/mcp/server.py"]}  # "python": arl's own interpreter
+      dataset: examples/mcp/data/train.jsonl                       # rows and reward: as the tools env
       reward_fn: "examples.mcp.reward:score"
 
-The server's ``tools/list`` (name, description, JSON input schema) become the env's tool schemas,
-rendered by the chat template; each parsed call is a ``tools/call`` and the result's text content
-is its tool message (role ``tool``; a result with ``isError`` answers ``error: ...``).  Everything
-else -- task rows, parsing, argument checks against the schema, ``tool_timeout_s``, the final answer
-and the reward -- is the ``tools`` env's (arl/env/tool_env.py), which this class extends.
+The server's ``tools/list`` (name, description, JSON input schema) are the tool schemas the chat
+template renders; each parsed call is a ``tools/call`` whose text content is the tool message (role
+``tool``; an ``isError`` result answers ``error: ...``).  Tasks, parsing, argument checks,
+``tool_timeout_s``, the final answer and the reward are the ``tools`` env's, which this extends.
 
-One server per env instance, kept across its episodes: the rollout pool holds ``env.pool_size``
-instances, so as many servers run as episodes are in flight, and no episode waits on another's
-call; starting one per episode would add a process start (~1-2 s) to every episode.  A server
-whose tools keep state between calls should set ``restart_each_episode: true``.  The MCP client is
-anyio-based and its connection must live in one task: all servers of a process are held by one
-daemon thread running its own event loop, and the env's coroutines await them from the rollout's
-loop (``run_coroutine_threadsafe``), so neither loop blocks the other.
+One server per env instance, kept across its episodes: the pool holds ``env.pool_size`` instances,
+so no episode waits on another's calls, and no episode pays a process start (~1-2 s);
+``restart_each_episode: true`` for a server whose tools keep state.  The MCP client (anyio) must
+live in one task: the servers of a process are held by one daemon thread running its own event
+loop, awaited from the rollout's loop (``run_coroutine_threadsafe``), so neither blocks the other.
 
-Faults (one line each): a server that fails to start or list its tools fails the constructor (so
-``--dry-run``); a server that dies mid-episode ends that episode as a recoverable fault (retried
-or filtered, the run goes on) and the next ``reset`` starts a new one; no ``mcp`` package names the
-install extra.  What the adapter cannot carry: MCP resources, prompts, sampling and elicitation
-requests (a tool that asks the client for input fails as a tool error); non-text result content
-(images, audio) is shown as ``[image]``-style placeholders; HTTP transports are not used.
+Faults, one line each: a server that fails to start or list its tools fails the constructor (so
+``--dry-run``); one that dies mid-episode makes that episode a recoverable fault (retried, then
+filtered; the run goes on) and the next ``reset`` starts a new server; no ``mcp`` package names the
+install extra.  What the adapter cannot carry: resources, prompts, sampling and elicitation (a
+tool that asks the client for input fails as a tool error), non-text content (shown as
+``[image]``), tools that change after start, HTTP transports.
 """
 from __future__ import annotations
 
@@ -69,20 +62,15 @@ def _loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def _forget_loop() -> None:  # a forked child has the loop object but not its thread
-    global _LOOP
-    _LOOP = None
+os.register_at_fork(after_in_child=lambda: globals().update(_LOOP=None))  # a child lacks the thread
 
 
-os.register_at_fork(after_in_child=_forget_loop)
+class ToolError(Exception):  # the server answered a call with isError: an error message for the model
+    pass
 
 
-class ToolError(Exception):
-    """The server answered a call with ``isError`` (the tools env shows it to the model)."""
-
-
-class ServerDied(Exception):
-    """The server's connection closed under a call."""
+class ServerDied(Exception):  # the server's connection closed under a call
+    pass
 
 
 class _Server:
@@ -91,10 +79,10 @@ class _Server:
     def __init__(self, params: Any, timeout_s: float):
         self.params, self.timeout_s, self.dead = params, timeout_s, False
         self.ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._stop = asyncio.Event()  # (bound to the MCP loop on first use)
         self.task = asyncio.run_coroutine_threadsafe(self._hold(), _loop())
 
     async def _hold(self) -> None:
-        self._stop = asyncio.Event()
         try:
             async with _mcp().Client(self.params, read_timeout_seconds=self.timeout_s) as client:
                 self.client = client
@@ -145,8 +133,8 @@ class MCPEnv(ToolEnv):
         mcp = _mcp()
         if not isinstance(command, str) or not command:
             raise ValueError(f"env.kwargs.command: the MCP server's executable, e.g. 'python', got {command!r}")
-        self._params = mcp.StdioServerParameters(command=sys.executable if command == "python" else command, args=[str(a) for a in args],
-                                                 env=server_env, cwd=cwd)
+        self._params = mcp.StdioServerParameters(command=sys.executable if command == "python" else command,
+                                                 args=[str(a) for a in args], env=server_env, cwd=cwd)
         self._what = " ".join([command, *self._params.args])
         self.start_timeout_s, self.restart_each_episode = float(start_timeout_s), bool(restart_each_episode)
         self._server = self._start_blocking(tool_timeout_s)
