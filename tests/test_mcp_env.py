@@ -109,6 +109,50 @@ def test_a_server_that_dies_mid_episode_is_a_recoverable_fault_and_is_restarted(
         asyncio.run(env.close())
 
 
+class DieOnce:
+    """A scripted engine: the first episode calls ``die``; later ones call ``echo``, then answer."""
+
+    version = 0
+
+    def __init__(self, tok):
+        self.tok, self.died = tok, False
+
+    async def generate_one(self, tokens, sampling):
+        text = self.tok.decode(tokens)
+        if "alive" in text.split("<|im_start|>user", 1)[-1]:
+            out = "49.9"
+        elif not self.died:
+            self.died, out = True, _call("die", {})
+        else:
+            out = _call("echo", {"text": "alive"})
+        ids = self.tok.encode(out, add_special_tokens=False)
+        return Sample(ids, [0.0] * len(ids), out, "stop")
+
+
+def test_the_rollout_manager_retries_the_episode_on_a_new_server(fmt, tmp_path):
+    """arl's fault rules: the recoverable episode is retried (here on the same pooled instance,
+    whose reset starts a new server) and the batch is whole."""
+    from arl.config import RolloutConfig
+    from arl.rollout import RolloutManager, SamplingConfig
+
+    (tmp_path / "dying.py").write_text(DYING)
+    factory = lambda: make_env("mcp", command="python", args=[str(tmp_path / "dying.py")],  # noqa: E731
+                               reward_fn="examples.mcp.reward:score")
+
+    async def go():
+        m = RolloutManager(DieOnce(fmt.tokenizer), factory, fmt, tasks=range(10), groups_per_step=1, pool_size=1,
+                           config=RolloutConfig(group_size=1, tasks_per_step=1, retries=1, staleness=0),
+                           episode=EpisodeConfig(max_turns=3, sampling=SamplingConfig(max_tokens=64, stop=())),
+                           task_row=lambda seed: ROW)
+        async with m:
+            return await m.get_batch()
+
+    b = asyncio.run(go())
+    (t,) = b.trajectories
+    assert t.metadata["attempts"] == 2 and t.metadata["fault"] == "none" and t.reward == 1.0
+    assert b.metrics["rollout/retries"] == 1
+
+
 def test_a_server_that_fails_to_start_and_a_missing_package_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "broken.py").write_text("raise SystemExit('no tools today')\n")
     with pytest.raises(ValueError) as e:
