@@ -61,7 +61,8 @@ def test_the_servers_tools_answer_the_models_calls(fmt):
         text = fmt.tokenizer.decode(t.tokens.tolist())
         assert "24.95" in text and "49.9" in text
         # a tool's own error (isError) and a bad argument are error messages; the episode goes on
-        assert "error: convert raised ToolError: Error executing tool convert: cannot convert mass (lb) to length (m)" in text
+        assert ("error: convert raised ToolError: Error executing tool convert: "
+                "cannot convert mass (lb) to length (m)") in text
         assert "error: convert arguments" in text
         assert [c["tool"] for c in t.metadata["calls"]] == ["convert", "convert", "calculator", "convert"]
         assert t.metadata["tool_errors"] == 2
