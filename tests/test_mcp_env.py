@@ -193,3 +193,13 @@ def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
     row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
     assert "convert" in json.dumps(row)  # the server's tools reached the prompt
+
+
+def test_restart_each_episode_starts_a_server_per_episode():
+    env = make_env("mcp", restart_each_episode=True, **KW)
+    try:
+        first = env._server
+        asyncio.run(env.reset(0, task=ROW))
+        assert env._server is not first and first.dead and not env._server.dead
+    finally:
+        asyncio.run(env.close())
