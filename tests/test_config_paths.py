@@ -72,3 +72,19 @@ def test_the_yaml_directory_wins_then_the_working_directory(task_dir, tmp_path, 
     # a command-line override is the shell's path: relative to the working directory
     cfg = load_config(str(task_dir / "config.yaml"), ["env.dataset.path=data/other.jsonl"])
     assert cfg.env.dataset.path == "data/other.jsonl"
+
+
+def test_a_yaml_inside_a_package_imports_by_its_dotted_name(tmp_path, monkeypatch):
+    """examples/mcp/config.yaml names examples.mcp.reward:score: it must import from any working
+    directory, so the folder above the YAML's top-level package is importable too."""
+    pkg = tmp_path / "repo" / "pathsplugpkg" / "task"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.yaml").write_text("model: {name_or_path: tiny}\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.chdir(tmp_path)
+    load_config(str(pkg / "config.yaml"))
+    assert str((tmp_path / "repo").resolve()) in sys.path
+    assert str((tmp_path / "repo").resolve()) in os.environ["PYTHONPATH"].split(os.pathsep)

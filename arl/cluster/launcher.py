@@ -135,8 +135,8 @@ def _refresh_auth_if_imported() -> None:
     """Ray already imported (a test, a library): make it re-read RAY_AUTH_MODE / RAY_AUTH_TOKEN."""
     if "ray" not in sys.modules:
         return
-    from ray._private.authentication.authentication_token_setup import _enable_token_auth
-    from ray._private.authentication.authentication_utils import AuthenticationTokenLoader
+    # Ray 2.60 keeps these private; both are re-exported by authentication_token_setup
+    from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader, _enable_token_auth
 
     _enable_token_auth()
     AuthenticationTokenLoader.instance().reset_cache()

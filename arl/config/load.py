@@ -7,7 +7,9 @@ working directory (configs written before this rule name repo-root paths and kee
 path that exists in neither place is left as written, for its own one-line error.  Outputs
 (``output_dir``) and command-line overrides stay relative to the working directory.  The YAML's
 directory is importable (appended to ``sys.path`` and ``PYTHONPATH``, so spawned processes import
-it too): ``env.reward_fn: "my_reward:score"`` finds ``my_reward.py`` next to the config."""
+it too): ``env.reward_fn: "my_reward:score"`` finds ``my_reward.py`` next to the config.  When that
+directory is itself a package (it holds ``__init__.py``), the folder above its top package is
+importable as well, so ``examples.mcp.reward:score`` works from any working directory."""
 from __future__ import annotations
 
 import copy
@@ -78,6 +80,16 @@ def make_importable(directory: Path) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(parts + [d])
 
 
+def package_root(directory: Path) -> Optional[Path]:
+    """The folder holding ``directory``'s top-level package, or None when it is not a package."""
+    d = directory.resolve()
+    if not (d / "__init__.py").is_file():
+        return None
+    while (d.parent / "__init__.py").is_file() and d.parent != d:
+        d = d.parent
+    return d.parent
+
+
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     cur = d
@@ -104,6 +116,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             raise ConfigError(f"--config: {path} must hold a mapping at the top level")
         resolve_paths(data, p.parent)
         make_importable(p.parent)
+        root = package_root(p.parent)
+        if root is not None:
+            make_importable(root)
     for ov in overrides or []:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r}: expected key.sub=value")
