@@ -13,9 +13,8 @@ template renders; each parsed call is a ``tools/call`` whose text content is the
 
 One server per env instance, kept across its episodes: the pool holds ``env.pool_size`` instances,
 so no episode waits on another's calls, and no episode pays a process start (~1-2 s);
-``restart_each_episode: true`` for a server whose tools keep state.  The MCP client (anyio) must
-live in one task: the servers of a process are held by one daemon thread running its own event
-loop, awaited from the rollout's loop (``run_coroutine_threadsafe``), so neither blocks the other.
+``restart_each_episode: true`` for a server whose tools keep state.  The client side (one event
+loop per process in a daemon thread) is ``arl.env.mcp_client``.
 
 Faults, one line each: a server that fails to start or list its tools fails the constructor (so
 ``--dry-run``); one that dies mid-episode makes that episode a recoverable fault (retried, then
@@ -28,100 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import sys
-import threading
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from .registry import register_env
 from .tool_env import ToolEnv
 from .tools import tool_from_schema
 from .base import Fault, StepResult
-
-INSTALL_HINT = "pip install 'arl[mcp]' (mcp==2.3.0) or bash install.sh --mcp"
-_LOOP: Optional[asyncio.AbstractEventLoop] = None
-_LOOP_LOCK = threading.Lock()
-_CONNECTION_CLOSED = -32000  # JSON-RPC code of a closed connection (mcp_types.CONNECTION_CLOSED)
-
-
-def _mcp():
-    try:
-        import mcp
-    except ImportError:
-        raise ValueError(f"env.name: mcp needs the mcp package, which is not installed: {INSTALL_HINT}") from None
-    return mcp
-
-
-def _loop() -> asyncio.AbstractEventLoop:
-    """The process's MCP event loop (a daemon thread), started on first use."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None:
-            _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="arl-mcp", daemon=True).start()
-        return _LOOP
-
-
-os.register_at_fork(after_in_child=lambda: globals().update(_LOOP=None))  # a child lacks the thread
-
-
-class ToolError(Exception):  # the server answered a call with isError: an error message for the model
-    pass
-
-
-class ServerDied(Exception):  # the server's connection closed under a call
-    pass
-
-
-class _Server:
-    """One stdio MCP server and its client session, held open by a task on the MCP loop."""
-
-    def __init__(self, params: Any, timeout_s: float):
-        self.params, self.timeout_s, self.dead = params, timeout_s, False
-        self.ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._stop = asyncio.Event()  # (bound to the MCP loop on first use)
-        self.task = asyncio.run_coroutine_threadsafe(self._hold(), _loop())
-
-    async def _hold(self) -> None:
-        try:
-            async with _mcp().Client(self.params, read_timeout_seconds=self.timeout_s) as client:
-                self.client = client
-                self.ready.set_result((await client.list_tools()).tools)
-                await self._stop.wait()
-        except BaseException as e:  # noqa: B036 -- also anyio's group errors; reported, not raised
-            if not self.ready.done():
-                self.ready.set_exception(e)
-        finally:
-            self.dead = True
-
-    async def call(self, name: str, arguments: Dict[str, Any]) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(self.client.call_tool(name, arguments), _loop())
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            # the connection closed (the process exited): MCPError CONNECTION_CLOSED, or the holder ended
-            if self.dead or self.task.done() or getattr(e, "code", None) == _CONNECTION_CLOSED:
-                self.dead = True
-                raise ServerDied(f"{type(e).__name__}: {e}") from None
-            raise
-
-    def close(self) -> None:
-        if not self.task.done():
-            _loop().call_soon_threadsafe(self._stop.set)
-            try:
-                self.task.result(timeout=10)
-            except Exception:
-                pass
-
-
-def _result_text(res: Any) -> str:
-    parts = [getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]" for c in res.content]
-    text = "\n".join(parts)
-    if getattr(res, "is_error", False):
-        raise ToolError(text)  # the tools env answers "error: <tool> raised ToolError: ...": the episode goes on
-    return text
+from .mcp_client import McpServer, mcp_module, result_text
 
 
 @register_env("mcp")
@@ -130,7 +43,7 @@ class MCPEnv(ToolEnv):
                  cwd: Optional[str] = None, reward_fn: Union[str, Any, None] = None, parser: str = "hermes",
                  tool_timeout_s: float = 10.0, start_timeout_s: float = 60.0, system_prompt: Optional[str] = None,
                  max_calls_per_turn: int = 8, restart_each_episode: bool = False, tokenizer: Any = None):
-        mcp = _mcp()
+        mcp = mcp_module()
         if not isinstance(command, str) or not command:
             raise ValueError(f"env.kwargs.command: the MCP server's executable, e.g. 'python', got {command!r}")
         self._params = mcp.StdioServerParameters(command=sys.executable if command == "python" else command,
@@ -142,8 +55,8 @@ class MCPEnv(ToolEnv):
                                    "parameters": t.input_schema}, self._caller(t.name)) for t in self._listed]
         super().__init__(tools, reward_fn, parser, tool_timeout_s, system_prompt, max_calls_per_turn, tokenizer)
 
-    def _start_blocking(self, timeout_s: float) -> _Server:
-        server = _Server(self._params, timeout_s)
+    def _start_blocking(self, timeout_s: float) -> McpServer:
+        server = McpServer(self._params, timeout_s)
         try:
             self._listed = server.ready.result(timeout=self.start_timeout_s)
         except Exception as e:
@@ -159,7 +72,7 @@ class MCPEnv(ToolEnv):
 
     def _caller(self, name: str):
         async def call(**arguments):
-            return _result_text(await self._server.call(name, arguments))
+            return result_text(await self._server.call(name, arguments))
         return call
 
     async def reset(self, seed: int, task=None) -> List[Dict[str, str]]:
