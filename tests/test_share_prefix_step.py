@@ -172,3 +172,105 @@ def test_step_with_share_prefix_equals_the_unshared_step_float64(kind, float64_n
         assert float(g.abs().max()) > 0, n
         assert_grad_close(g_on[n], g, F64, n)
         assert_grad_close(g_on[n], g_pl[n], F64, n)
+
+
+
+def test_micro_batch_hidden_states_over_the_layout(float64_norms):
+    """The separate critic's trunk reads the micro-batch's hidden states over its layout: the packed
+    forward's, float64 rtol 1e-6."""
+    from arl.model.packed import packed_hidden_states
+    from arl.model.shared_prefix import micro_batch_hidden_states
+
+    model = tiny_qwen().double()
+    model.set_output_embeddings(torch.nn.Identity())  # as critic_model.py: no lm_head
+    mbs = [mb for mb in step_batches("critic", True)[0].ranks[0] if mb.tree is not None]
+    assert mbs
+    for mb in mbs:
+        got = micro_batch_hidden_states(model, mb, "cpu")
+        want = packed_hidden_states(model, mb.token_ids, mb.cu_seqlens)
+        torch.testing.assert_close(got, want, **F64)
+
+# ------------------------------------------------------------------ slow: the real step, 2 ranks
+STAGES = (0, 2, 3)
+VARIANTS = ("on", "off", "plain")  # shared layouts; the same micro-batches without; ordinary packing
+
+
+def _rank_batches(kind, world, rank):
+    shared, loss_cfg = step_batches(kind, True, world)
+    plain, _ = step_batches(kind, False, world)
+    return {"on": shared.ranks[rank], "off": unshared(shared.ranks[rank]), "plain": plain.ranks[rank]}, loss_cfg
+
+
+def _grad_log(modules: dict) -> dict:
+    """Each parameter's rank-local gradient (before DeepSpeed reduces it), summed over backwards."""
+    sums = {}
+    for prefix, module in modules.items():
+        for n, p in module.named_parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g, n=f"{prefix}{n}": sums.__setitem__(n, sums.get(n, 0) + g.detach().clone()))
+    return sums
+
+
+def _two_rank_worker(rank, world, port, result_dir):
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
+    from arl.trainer import PolicyTrainer
+    from arl.trainer.dist import init_distributed, set_rank_env
+    from arl.trainer.rank import update_on_batch
+
+    set_rank_env(rank, world, port)
+    init_distributed("cpu")
+    res = {}
+    for stage in STAGES:
+        for kind, (name, _, _, critic) in KINDS.items():
+            if kind == "critic_separate" and stage == 2:
+                continue  # ZeRO 0 and 3 bracket it (its engine is the policy's kind)
+            batches, loss_cfg = _rank_batches(kind, world, rank)
+            for variant in VARIANTS:
+                tr = PolicyTrainer(tiny_qwen(), optim=OptimConfig(lr=1e-2, grad_clip=1e6), zero_stage=stage,
+                                   total_steps=10, objective=name, critic=critic)
+                sep = getattr(tr.objective, "separate", None)
+                grads = _grad_log({"": tr.module, **({"critic.": sep.engine.module} if sep is not None else {})})
+                m = update_on_batch(tr, batches[variant], loss_cfg, updates=1)
+                res[(stage, kind, variant)] = {"m": m, "g": grads, "trees": [mb.tree is not None
+                                                                             for mb in batches[variant]]}
+    torch.save(res, os.path.join(result_dir, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    from arl.procs import exit_process
+
+    exit_process(0)
+
+
+@pytest.mark.slow
+def test_rl_step_share_prefix_two_ranks_zero_0_2_3(tmp_path):
+    from arl.procs import free_port
+
+    mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    keys = sorted({(s, k) for s, k, _ in ranks[0]})
+    assert len(keys) == len(STAGES) * len(KINDS) - 1
+    for stage, kind in keys:
+        tag = f"ZeRO-{stage} {kind}"
+        per = [{v: r[(stage, kind, v)] for v in VARIANTS} for r in ranks]
+        assert any(t for p in per for t in p["on"]["trees"]), tag
+        for p in per:  # each rank: its own micro-batches with and without their layouts
+            on, off = p["on"], p["off"]
+            assert_metrics_equal(on["m"], off["m"], 1e-5)
+            if kind == "turn_credit":
+                assert on["m"]["head_grad_in_forward"] == off["m"]["head_grad_in_forward"] == 1.0, tag
+            assert set(on["g"]) == set(off["g"]) and off["g"], tag
+            for n, g in off["g"].items():
+                assert_grad_close(on["g"][n], g, F32, f"{tag} {n}")
+        # ordinary packing puts other sequences on each rank: the step's global figures agree
+        on, plain = (per[0][v]["m"] for v in ("on", "plain"))
+        step_wide = [k for k in plain if k == "grad_norm" or k.startswith("value/")]
+        assert_metrics_equal({k: on[k] for k in step_wide}, {k: plain[k] for k in step_wide}, 1e-5)
+        loss = [sum(p[v]["m"]["loss"] for p in per) for v in ("on", "plain")]
+        assert loss[0] == pytest.approx(loss[1], rel=1e-5), tag
+        for n in per[0]["plain"]["g"]:
+            g_on, g_plain = (sum(p[v]["g"][n] for p in per) for v in ("on", "plain"))
+            assert_grad_close(g_on, g_plain, F32, f"{tag} summed over ranks {n}")

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from ..data.prefix_tree import PrefixLayout
-from .packed import _ALIGN, _attention_implementation, _base_model, _head_logprobs, packed_logprobs
+from .packed import (_ALIGN, _attention_implementation, _base_model, _head_logprobs, packed_hidden_states,
+                     packed_logprobs)
 
 ARL_TREE_SDPA = "arl_tree_sdpa"
 _TREE_ATTENTION = ("auto", "varlen_sdpa")  # the attn settings the tree forward serves (on any device)
@@ -131,6 +132,14 @@ def tree_logprobs(model, layout: PrefixLayout, temperature: float = 1.0, with_en
     if return_hidden:
         return logp, entropy, hidden.index_select(0, layout.src.to(device))
     return logp, entropy
+
+
+def micro_batch_hidden_states(model, mb, device, attn: str = "auto") -> torch.Tensor:
+    """``packed_hidden_states`` [T, H] of a packer micro-batch: over its shared-prefix layout when it
+    has one (the separate critic's trunk, arl/trainer/critic_model.py)."""
+    if mb.tree is not None:
+        return tree_hidden_states(model, mb.tree, attn=attn).index_select(0, mb.tree.src.to(device))
+    return packed_hidden_states(model, mb.token_ids.to(device), mb.cu_seqlens.to(device), attn=attn)
 
 
 def micro_batch_logprobs(model, mb, device, **kw):

@@ -26,6 +26,7 @@ import os
 import torch
 
 from ..model.packed import packed_hidden_states
+from ..model.shared_prefix import micro_batch_hidden_states
 from .critic import VALUE_HEAD, Critic, attach_value_head
 from .dist import world_size
 
@@ -54,17 +55,23 @@ class CriticModel:
         self.device, self.attn = device, attn
 
     # ------------------------------------------------------------ forward / backward
-    def _forward(self, token_ids, cu_seqlens) -> torch.Tensor:
+    def _begin_forward(self) -> None:
         opt = self.engine.optimizer  # ZeRO's micro-step, as PolicyTrainer._begin_forward explains
         if hasattr(opt, "clear_backward_seen_flag"):
             opt.clear_backward_seen_flag()
+
+    def _forward(self, token_ids, cu_seqlens) -> torch.Tensor:
+        self._begin_forward()
         return packed_hidden_states(self.engine.module, token_ids.to(self.device), cu_seqlens.to(self.device),
                                     attn=self.attn)
 
     def values(self, mb) -> torch.Tensor:
-        """The micro-batch's values from the critic's trunk (with the graph when grad is on)."""
+        """The micro-batch's values from the critic's trunk (with the graph when grad is on); over the
+        micro-batch's shared-prefix layout when it has one (trainer.share_prefix), as the policy's."""
         self.engine.module.train(torch.is_grad_enabled())
-        return self.critic.values(self.engine.module, self._forward(mb.token_ids, mb.cu_seqlens), mb)
+        self._begin_forward()
+        hidden = micro_batch_hidden_states(self.engine.module, mb, self.device, attn=self.attn)
+        return self.critic.values(self.engine.module, hidden, mb)
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages gradients over ranks; the loss is already the step's share (global normalizer)
