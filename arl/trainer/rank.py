@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 
 from ..config import TrainConfig
 from ..data.packer import PackerConfig, pack_step
+from ..data.share_report import log_share
 from ..metrics import MetricsLogger, trajectory_metrics
 from ..model.lora import merge_and_rewrap
 from ..procs import die_with_parent
@@ -286,6 +287,8 @@ class TrainerRank:
             self.stab.apply(packed, prep, loss_cfg)  # turn credit segments, IPA loss roles
             parts = packed.ranks
             extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(batch.trajectories)}
+            if packer.share_prefix:  # what was shared; a one-line reason when a group fell back
+                extra.update(log_share(packed, packer.min_shared, step + 1))
             self.success = extra.get("success/train")
         return scatter_from_rank0(parts, self.rank), broadcast_from_rank0(loss_cfg, self.rank), extra
 
