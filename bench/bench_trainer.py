@@ -19,6 +19,8 @@ Shapes (``--shapes``):
   system + tools block for the batch, a task prompt per group), ``--calc-tasks`` groups of each
   ``--calc-groups`` size: only ``arl`` (today's step) and ``arl_share_prefix`` (the same batch packed
   with ``share_prefix``: each shared prefix computed once), side by side (docs/share_prefix.md).
+* ``main_share``: the main shape's batch the same way: rank 0's trajectories of the step (whole
+  groups, as the ordinary packing gives them) packed for one rank without and with ``share_prefix``.
 
 Variants, each over the same micro-batches (tokens/s counts the batch's real tokens):
 
@@ -60,6 +62,7 @@ shape's) and per shape under ``shapes``.  Timings on a shared machine are noise,
     python bench/bench_trainer.py --quick         # 2 tasks, shrunk large shape, 1 rep, one warm-up per model
     python bench/bench_trainer.py --threads 1     # one trainer rank's thread count in the main job
     python bench/bench_trainer.py --shapes calc   # today's step vs share_prefix, G = 4 and 8
+    python bench/bench_trainer.py --shapes main_share --quick   # the main job's shape, share_prefix off / on
 """
 from __future__ import annotations
 
@@ -136,7 +139,14 @@ def _engine_logprobs(model, mbs) -> tuple:
     return sum(p.numel() for p in model.parameters()), model.config
 
 
-def main_shape(quick: bool, seed: int = 0) -> Shape:
+def _logprobs_back(mbs, trajs) -> None:
+    """The engine's logprobs (``_engine_logprobs``) back onto the trajectories, to pack them again."""
+    for mb in mbs:
+        for i, x, y in zip(mb.traj_indices.tolist(), mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
+            trajs[i].rollout_logp = mb.rollout_logp[x:y].numpy().copy()
+
+
+def main_shape(quick: bool, seed: int = 0, share: bool = False) -> Shape:
     from transformers import AutoTokenizer
 
     from arl.launch import model_dir_for
@@ -157,11 +167,18 @@ def main_shape(quick: bool, seed: int = 0) -> Shape:
     mbs, loss_cfg = _prepared(trajs, stab, cfg.trainer.micro_batch_tokens, cfg.trainer.world_size, cfg.seed)
     make = lambda: load_policy(cfg, model_dir)  # noqa: E731
     params, arch = _engine_logprobs(make(), mbs)
+    shared = None
+    if share:  # rank 0's trajectories (whole groups), packed for it without and with share_prefix
+        _logprobs_back(mbs, trajs)
+        trajs = [trajs[i] for i in sorted(i for mb in mbs for i in mb.traj_indices.tolist())]
+        mbs, loss_cfg = _prepared(trajs, stab, cfg.trainer.micro_batch_tokens, 1, cfg.seed)
+        shared, _ = _prepared(trajs, stab, cfg.trainer.micro_batch_tokens, 1, cfg.seed, share_prefix=True)
     lens = [len(t) for t in trajs]
-    return Shape("main", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage, cfg.rollout.temperature,
+    return Shape("main_share" if share else "main", make, mbs, loss_cfg, cfg.trainer.optim, cfg.trainer.zero_stage,
+                 cfg.rollout.temperature,
                  {"model": "tiny (configs/tiny_cpu.yaml)", "trajectories": len(trajs), "rank_share_of": cfg.trainer.world_size,
                   "traj_len_mean": float(np.mean(lens)), "traj_len_max": int(max(lens)),
-                  "micro_batch_tokens": cfg.trainer.micro_batch_tokens}, params, arch)
+                  "micro_batch_tokens": cfg.trainer.micro_batch_tokens}, params, arch, mbs_shared=shared)
 
 
 def _synthetic(n: int, lo: int, hi: int, vocab: int, group: int, seed: int) -> list:
@@ -257,9 +274,7 @@ def calc_shape(quick: bool, group: int, tasks: int, layers, seed: int = 0) -> Sh
     budget = cfg.trainer.micro_batch_tokens
     mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
     params, conf = _engine_logprobs(make(), mbs)
-    for mb in mbs:  # the engine's logprobs back onto the trajectories, for the shared packing
-        for i, x, y in zip(mb.traj_indices.tolist(), mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
-            trajs[i].rollout_logp = mb.rollout_logp[x:y].numpy().copy()
+    _logprobs_back(mbs, trajs)  # for the shared packing
     mbs, loss_cfg = _prepared(trajs, stab, budget, 1, seed)
     shared, _ = _prepared(trajs, stab, budget, 1, seed, share_prefix=True)
     _release()
@@ -705,7 +720,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 tasks, a shrunk large shape, 1 rep")
     ap.add_argument("--shapes", default="main,large",
-                    help="comma-separated: main, large, calc (SmolLM2 calculator batch, today's step vs share_prefix)")
+                    help="comma-separated: main, large, calc (SmolLM2 calculator batch, today's step vs share_prefix), "
+                         "main_share (the main shape, today's step vs share_prefix)")
     ap.add_argument("--calc-groups", default="4,8", help="group sizes of the calc shape")
     ap.add_argument("--calc-tasks", type=int, default=None, help="groups per calc batch (default 4, quick 2)")
     ap.add_argument("--calc-layers", type=int, default=None, help="layers at the calc shape (default 30, quick 4)")
@@ -725,9 +741,9 @@ def main(argv=None) -> int:
                          "the others up; default: all, --quick: first)")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in ("main", "large", "calc")]
+    bad = [s for s in shapes if s not in ("main", "large", "calc", "main_share")]
     if bad or not shapes:
-        ap.error(f"--shapes: unknown {bad or shapes}; choose from main, large, calc")
+        ap.error(f"--shapes: unknown {bad or shapes}; choose from main, large, calc, main_share")
     lens = tuple(int(x) for x in args.large_len.split(","))
     if len(lens) != 2 or not 2 <= lens[0] <= lens[1]:
         ap.error(f"--large-len: expected min,max with 2 <= min <= max, got {args.large_len!r}")
@@ -748,7 +764,12 @@ def main(argv=None) -> int:
         results[shape.name] = measure_share(shape, reps, device, warm=(args.warm or ("first" if args.quick else "all"))
                                             == "all")
         report_share(shape.name, results[shape.name])
-    for name in [s for s in shapes if s != "calc"]:
+    if "main_share" in shapes:
+        shape = main_shape(args.quick, share=True)
+        results[shape.name] = measure_share(shape, reps, device, warm=(args.warm or ("first" if args.quick else "all"))
+                                            == "all")
+        report_share(shape.name, results[shape.name])
+    for name in [s for s in shapes if s not in ("calc", "main_share")]:
         shape = (main_shape(args.quick) if name == "main" else
                  large_shape(args.quick, args.large_seqs, lens, args.large_budget, args.large_layers,
                              args.large_zero_stage))
@@ -770,6 +791,8 @@ def main(argv=None) -> int:
            if head else {}),
         **{f"share_prefix_speedup_{k[5:]}": r["share_prefix_speedup"] for k, r in results.items()
            if k.startswith("calc_")},
+        **({"share_prefix_speedup_main": results["main_share"]["share_prefix_speedup"]}
+           if "main_share" in results else {}),
         **({"efficiency_vs_raw_large": results["large"]["efficiency_vs_raw"],
             "fused_head_step_time_ratio_large": results["large"]["fused_head_step_time_ratio"],
             "grad_in_forward_step_time_ratio_large": results["large"]["grad_in_forward_step_time_ratio"]}

@@ -47,6 +47,20 @@ def test_bench_trainer_calc_shape_reports_share_prefix():
     assert calc["loss_rel_diff"] <= 1e-4 and calc["head_grad_in_forward"]["arl_share_prefix"] == 1.0
 
 
+@pytest.mark.slow  # trains in a benchmark subprocess
+def test_bench_trainer_main_share_shape_reports_share_prefix():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "bench/bench_trainer.py", "--quick", "--shapes", "main_share"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "share_prefix_speedup_main" in res
+    main = res["shapes"]["main_share"]
+    assert set(main["step_s"]) == set(main["peak_mb"]) == {"arl", "arl_share_prefix"}
+    assert main["computed_tokens"]["arl_share_prefix"] <= main["computed_tokens"]["arl"] == main["tokens"]
+    assert main["loss_rel_diff"] <= 1e-4
+
+
 def test_peak_bytes_leaves_out_the_returned_tensors():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from bench_logprob import peak_bytes
