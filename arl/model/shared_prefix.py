@@ -25,20 +25,28 @@ _TREE_ATTENTION = ("auto", "varlen_sdpa")  # the attn settings the tree forward 
 
 
 class _TreePlan:
-    """Per segment: query slice and the key index (None: the segment alone, plain causal)."""
+    """Per segment: its query length, its keys' length and mask (None: the segment alone, plain
+    causal), and one index over the computed positions gathering every segment's keys back to back
+    ([ancestors ; own] per segment).  One gather and one split per layer, not one slice per segment:
+    the backward of a slice or a gather writes a zero tensor of the whole input's size, so per
+    segment that is O(segments x tokens) per layer (profiled at the main job's shape, ~25 segments
+    per micro-batch: the ordinary packed forward's per-sequence slices spend ~30% of its
+    forward + backward in those fills)."""
 
     def __init__(self, layout: PrefixLayout, device: torch.device):
         bounds = layout.seg_bounds.tolist()
-        self.segments = []
+        self.q_lens, self.k_lens, self.masks, idx = [], [], [], []
         for s, chain in enumerate(layout.chains()):
             a, b = bounds[s], bounds[s + 1]
-            if not chain:
-                self.segments.append((a, b, None, None))
-                continue
-            idx = torch.cat([torch.arange(x, y) for x, y in chain] + [torch.arange(a, b)]).to(device)
-            n_k = idx.numel()
-            mask = torch.ones(b - a, n_k, dtype=torch.bool, device=device).tril(n_k - (b - a))
-            self.segments.append((a, b, idx, mask))
+            own = torch.arange(a, b)
+            keys = torch.cat([torch.arange(x, y) for x, y in chain] + [own]) if chain else own
+            n_k = keys.numel()
+            self.q_lens.append(b - a)
+            self.k_lens.append(n_k)
+            idx.append(keys)
+            self.masks.append(None if not chain else
+                              torch.ones(b - a, n_k, dtype=torch.bool, device=device).tril(n_k - (b - a)))
+        self.key_index = torch.cat(idx).to(device)
 
 
 def _tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -55,19 +63,17 @@ def _tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0,
     if query.shape[0] != 1:
         raise ValueError(f"query: tree attention expects batch 1, got {query.shape[0]}")
     rep = query.shape[1] // key.shape[1]
-    if rep > 1:  # grouped-query attention: expand kv heads (same as transformers' repeat_kv)
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
+    # gather before expanding grouped-query heads: rep times less to copy
+    ks = key.index_select(2, arl_tree.key_index).split(arl_tree.k_lens, dim=2)
+    vs = value.index_select(2, arl_tree.key_index).split(arl_tree.k_lens, dim=2)
+    qs = query.split(arl_tree.q_lens, dim=2)
     p = dropout if module.training else 0.0
     outs = []
-    for a, b, idx, mask in arl_tree.segments:
-        q = query[:, :, a:b]
-        if idx is None:
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                q, key[:, :, a:b], value[:, :, a:b], dropout_p=p, scale=scaling, is_causal=True))
-        else:
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                q, key.index_select(2, idx), value.index_select(2, idx), attn_mask=mask, dropout_p=p, scale=scaling))
+    for q, k, v, mask in zip(qs, ks, vs, arl_tree.masks):
+        if rep > 1:  # grouped-query attention: expand kv heads (same as transformers' repeat_kv)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, scale=scaling, is_causal=mask is None))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
