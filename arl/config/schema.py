@@ -311,6 +311,9 @@ class WandbConfig(Section):
         "offline", description="offline writes under output_dir/wandb (no network; wandb sync uploads later); "
         "online uploads.")
     tags: list[str] = Field([], description="W&B run tags.")
+    samples: int = Field(
+        4, ge=0, description="Held-out episodes of each evaluation logged as a W&B table (heldout/samples: "
+        "seed, success, reward, the rendered transcript); 0: none.")
 
 
 class LoggingConfig(Section):
