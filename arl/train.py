@@ -26,7 +26,7 @@ from .cluster.launcher import launch_ray
 from .cluster.placement import placement
 from .config import ConfigError, dump_config, load_config
 from .config.reference import select, table
-from .launch import launch, launch_distributed, preflight, under_launcher
+from .launch import check_distributed_launch, launch, launch_distributed, preflight, under_launcher
 from .layout import plan
 from .model.resolve import arch_mismatches, resolve_model
 from .procs import RunFailed, exit_process
@@ -114,6 +114,11 @@ def main(argv=None) -> int:
     if os.environ.get("RANK", "0") == "0":  # what the run starts from (skipped dataset rows included)
         print("\n".join(f"arl.train: {line}" for line in checks), flush=True)
     if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
+        try:
+            check_distributed_launch()
+        except ValueError as e:
+            print(f"arl.train: config error: {e}", file=sys.stderr)
+            return 2
         run_dir = launch_distributed(cfg, resume=args.resume)
     elif cfg.launcher == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
         try:

@@ -94,6 +94,15 @@ METHODS: dict[str, Method] = {
     "ipa_turn_credit": Method("IPA chunk level + turn credit (the main job's method)", (*_IPA, _TC)),
     "ipa_critic": Method("IPA chunk level + turn-level critic (value head, GAE over chunks; no turn credit)",
                          (*_IPA, _NO_TC, "algo.advantage=gae")),
+    "ipa_critic_whiten": Method("IPA chunk level + shared value head, GAE advantages whitened over the step",
+                                (*_IPA, _NO_TC, "algo.advantage=gae", "critic.whiten=true")),
+    "ipa_critic_separate": Method(
+        "IPA chunk level + separate critic trunk (from the SFT start, 5 warm-up steps), whitened GAE",
+        (*_IPA, _NO_TC, "algo.advantage=gae", "critic.model=separate", "critic.warmup_steps=5",
+         "critic.whiten=true")),
+    "ipa_critic_turn_credit": Method("IPA chunk level + separate critic with warm-up + turn credit's process reward",
+                                     (*_IPA, _TC, "algo.advantage=gae", "critic.model=separate",
+                                      "critic.warmup_steps=5", "critic.whiten=true")),
     "sft_continue": Method("continued SFT on the demonstrations for the same wall time", kind="sft"),
 }
 DEFAULT_METHODS = tuple(METHODS)

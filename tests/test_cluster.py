@@ -158,3 +158,31 @@ def test_orphans_of_a_killed_rollout_process_are_killed():
     assert grandchild.is_running() and grandchild.ppid() == os.getpid()  # adopted, not init's
     kill_orphans(keep={c.pid for c in psutil.Process().children() if c.pid != grandchild.pid})
     grandchild.wait(10)
+
+
+def test_queue_key_is_required_across_nodes_and_derived_on_one(monkeypatch, capsys):
+    """The torchrun/deepspeed path's queue server: a launch over several nodes without ARL_AUTHKEY
+    is one line before anything starts; on one node a key is derived and inherited by children."""
+    from arl.launch import check_distributed_launch
+    from arl.train import main
+
+    monkeypatch.setenv("ARL_AUTHKEY", "")  # unset (and restored after the test: set_authkey writes it)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"ARL_AUTHKEY: a launch over several nodes .* the same value on every node"):
+        check_distributed_launch()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert main(["--config", "configs/tiny_cpu.yaml"]) == 2  # one line, exit 2, no process started
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("arl.train: config error: ARL_AUTHKEY: a launch over several nodes") and "\n" not in err
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "16")  # the deepspeed launcher's name for it: one node
+    check_distributed_launch()
+    key = os.environ["ARL_AUTHKEY"]
+    assert len(key) == 64
+    monkeypatch.setenv("ARL_AUTHKEY", "given")
+    check_distributed_launch()
+    assert os.environ["ARL_AUTHKEY"] == "given"

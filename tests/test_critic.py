@@ -348,3 +348,21 @@ def test_calibration_by_turn_and_advantage_outcome_correlation_by_hand():
     cr.micro_batch(olds[0].clone(), olds[0], mb1, torch.zeros(2, dtype=torch.float64))
     assert "value/adv_outcome_corr" not in cr.step_metrics(torch.device("cpu"))
 
+
+
+def test_prompt_ev_ceiling_by_hand():
+    """Between-task share of the outcome variance: tasks of equal difficulty give 0, tasks whose
+    samples all agree give 1, all-equal outcomes give no figure."""
+    from arl.stabilizers.advantages import prompt_ev_ceiling
+
+    def trajs(gids):
+        return [Trajectory(tokens=np.arange(4), chunk_ids=np.array([-1, 0, 0, 0]), rollout_logp=np.zeros(4),
+                           reward=0.0, group_id=g) for g in gids]
+
+    gids = [0, 0, 1, 1]
+    assert prompt_ev_ceiling(trajs(gids), np.array([1.0, 0.0, 1.0, 0.0]))["value/prompt_ev_ceiling"] == pytest.approx(0.0)
+    assert prompt_ev_ceiling(trajs(gids), np.array([1.0, 1.0, 0.0, 0.0]))["value/prompt_ev_ceiling"] == pytest.approx(1.0)
+    # within: group 0 {1, 1, 0} var 2/9, group 1 {0, 0, 0} var 0 -> 3/6 * 2/9 = 1/9; total var of {1,1,0,0,0,0} = 2/9
+    got = prompt_ev_ceiling(trajs([0, 0, 0, 1, 1, 1]), np.array([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert got["value/prompt_ev_ceiling"] == pytest.approx(0.5)
+    assert prompt_ev_ceiling(trajs(gids), np.ones(4)) == {}

@@ -10,7 +10,7 @@ from arl.eval import show
 from arl.rollout import ChatFormat
 from arl.rollout.engine import Sample
 from arl.rollout.transcript import format_transcript
-from arl.rollout.worker import evaluate, evaluate_tasks, task_set
+from arl.rollout.worker import eval_samples, evaluate, evaluate_tasks, task_set
 
 HELD = [json.loads(x) for x in open("examples/currency/data/eval.jsonl")]
 
@@ -60,3 +60,8 @@ def test_transcripts_show_turns_calls_observations_and_reward(tiny_tokenizer, ar
     saved = [json.loads(x) for x in path.read_text().splitlines()]
     assert acc == 0.0 and len(saved) == 2 and saved[0]["transcript"]["reward"] == 0.0
     assert "The answer is 1." in format_transcript(saved[0])
+    # the first few, rendered, are what an evaluation sends for the W&B table (logging.wandb.samples)
+    samples = eval_samples(saved, 1)
+    assert samples == [{"seed": saved[0]["seed"], "success": False, "reward": 0.0,
+                        "transcript": format_transcript(saved[0])}]
+    assert eval_samples(saved, 0) == [] and len(eval_samples(saved, 5)) == 2

@@ -321,6 +321,30 @@ def test_logger_wandb_offline_run_and_resume(tmp_path, monkeypatch):
     assert (tmp_path / "wandb_run_id").read_text() != run_id
 
 
+def test_evaluated_samples_become_a_wandb_table_at_their_step(tmp_path, monkeypatch):
+    """``logging.wandb.samples``: the few episodes an evaluation sends with its result are logged
+    as the table ``heldout/samples`` at the evaluated step, after that step's record."""
+    pytest.importorskip("wandb", reason=f"wandb is optional: pip install {WANDB_PIN}")
+    from arl.trainer.step_log import OrderedLog
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rows = [{"seed": 1000000 + i, "success": i == 0, "reward": float(i == 0), "transcript": f"--- task {i}"}
+            for i in range(2)]
+    with MetricsLogger(tmp_path, tensorboard=False, progress=False, wandb=WandbConfig(project="arl-test")) as lg:
+        log = OrderedLog(lg, eval_versions={0, 2})
+        log.add(0, {"reward/mean": 0.1}, 0.5)
+        log.eval_result(0, 0.5, rows)
+        log.add(1, {"reward/mean": 0.2}, 1.0)
+        log.add(2, {"reward/mean": 0.3}, 1.5)
+        log.eval_result(2, 1.0, [])  # samples off (0) or none: no table
+    (hist,) = _wandb_history(tmp_path).values()
+    tables = [(step, {k.split("/")[-1]: v for k, v in vals.items() if k.startswith("heldout/samples/")})
+              for step, vals in hist if any(k.startswith("heldout/samples/") for k in vals)]
+    assert [step for step, _ in tables] == [0], hist
+    assert tables[0][1]["_type"] == "table-file" and tables[0][1]["nrows"] == 2 and tables[0][1]["ncols"] == 4, tables
+    assert [r["success/heldout"] for r in read_metrics(tmp_path / "metrics.jsonl") if "success/heldout" in r] == [0.5, 1.0]
+
+
 # ------------------------------------------------------------------ plot
 def _synthetic_run(d, n=12, speed=4.0):
     with MetricsLogger(d, tensorboard=False, progress=False) as lg:

@@ -156,6 +156,30 @@ def test_saved_hf_dataset_directory(tmp_path, monkeypatch):
         read_tasks(str(tmp_path / "ds"))
 
 
+def test_hf_sources_through_load_dataset(tmp_path, monkeypatch):
+    """``hf:<folder or hub id>[:config][@split]``: a dataset folder of data files (a clone of a Hub
+    dataset) with its splits; a Hub id that is neither cached nor reachable is one line."""
+    pytest.importorskip("datasets", reason="datasets not installed (pip install datasets)")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "repo" / "data"
+    repo.mkdir(parents=True)
+    train, test = prompts(4), [{"prompt": f"held out {i}", "answer": str(i)} for i in range(2)]
+    (repo / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (repo / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    src = f"hf:{tmp_path / 'repo'}"
+    assert read_tasks(src + "@test").rows == test
+    ts = TaskSet.from_config(DatasetConfig(path=src + "@train", eval_path=src + "@test"), seed=0)
+    assert ts.n_train == 4 and ts.n_eval == 2
+    with pytest.raises(ValueError, match=r"repo holds the splits (train, test|test, train): name one, e\.g\. hf:.*@"):
+        read_tasks(src)
+    with pytest.raises(ValueError) as e:
+        read_tasks("hf:arl-no-such-org/no-such-dataset@train")
+    assert str(e.value).startswith("env.dataset: hf:arl-no-such-org/no-such-dataset@train: datasets.load_dataset "
+                                   "failed (") and "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- split and order
 
 @pytest.mark.parametrize("n,fraction,n_eval", [(100, 0.1, 10), (10, 0.04, 1), (2, 0.01, 1), (1, 0.1, 0),

@@ -90,6 +90,18 @@ def test_schema_from_a_typed_documented_callable():
     assert tool_from_callable(add).is_async and not tool_from_callable(lookup).is_async
 
 
+def test_schema_equals_transformers_get_json_schema_for_documented_tools():
+    """The example tools (every argument documented) read as HF's own tool schema, which
+    ``apply_chat_template(tools=[fn])`` renders, apart from its ``return`` entry."""
+    from transformers.utils import get_json_schema
+
+    from examples.calculator.tools import TOOLS
+    for fn in [*TOOLS, lookup]:
+        hf = get_json_schema(fn)
+        hf["function"].pop("return", None)
+        assert tool_from_callable(fn).schema == hf, fn.__name__
+
+
 def _untyped(a, b: int):
     """Doc."""
 

@@ -88,12 +88,14 @@ class ModelConfig(Section):
 
 
 class DatasetConfig(Section):
-    """Tasks from a file, one per row (arl/data/tasks.py): JSONL, JSON, parquet, or a directory
-    written by HF ``datasets``' ``save_to_disk``.  A row holds ``prompt`` or ``messages``; its
+    """Tasks from a file, one per row (arl/data/tasks.py): JSONL, JSON, parquet, a directory
+    written by HF ``datasets``' ``save_to_disk``, or ``hf:<hub id or folder>[:config][@split]``
+    through ``datasets.load_dataset``.  A row holds ``prompt`` or ``messages``; its
     other keys (ground truth, metadata) reach the environment and the reward function as is."""
 
     path: str = Field(
-        min_length=1, description="Task file or directory (JSONL, JSON, parquet, or a datasets save_to_disk dir).")
+        min_length=1, description="Task file or directory (JSONL, JSON, parquet, or a datasets save_to_disk dir), or "
+        "hf:<hub id or folder>[:config][@split], e.g. hf:openai/gsm8k:main@train.")
     eval_path: Optional[str] = Field(
         None, min_length=1, description="Held-out tasks from this file; eval_fraction is then ignored. null: split "
         "path.")
@@ -309,6 +311,9 @@ class WandbConfig(Section):
         "offline", description="offline writes under output_dir/wandb (no network; wandb sync uploads later); "
         "online uploads.")
     tags: list[str] = Field([], description="W&B run tags.")
+    samples: int = Field(
+        4, ge=0, description="Held-out episodes of each evaluation logged as a W&B table (heldout/samples: "
+        "seed, success, reward, the rendered transcript); 0: none.")
 
 
 class LoggingConfig(Section):

@@ -4,9 +4,10 @@ held-out rows, handed out in a seeded order that a resumed run continues exactly
 A row is a JSON object with ``prompt`` (a non-empty string) or ``messages`` (a non-empty list of
 ``{role, content}``); its other keys (ground truth, metadata) reach the env and the reward function
 untouched.  Formats, by name: ``.jsonl``/``.ndjson`` (one object a line, blank lines ignored),
-``.json`` (an array of objects, or JSON lines), ``.parquet``, or a directory written by HF
-``datasets``' ``save_to_disk``.  A bad row is named by ``line <n>`` (1-based, as an editor shows it)
-or, in an array/columnar file, ``row <n>`` (0-based, as ``ds[n]``).
+``.json`` (an array of objects, or JSON lines), ``.parquet``, a directory written by HF
+``datasets``' ``save_to_disk``, or anything ``datasets.load_dataset`` reads, as ``hf:<id or
+folder>[:config][@split]`` (arl/data/task_files.py).  A bad row is named by ``line <n>`` (1-based,
+as an editor shows it) or, in an array/columnar file, ``row <n>`` (0-based, as ``ds[n]``).
 
 Rows are identified by their position among the valid rows of their file (``train_index``,
 ``eval_ids``): the positions live beside the rows, not in them, so what the env sees is the row as
@@ -19,120 +20,17 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from ..config import DatasetConfig
+from .task_files import Record, json_type as _json_type, records as _records
 
 EVAL_SEED_BASE = 1_000_000  # held-out task seeds start here; training task seeds count up from 0
 ROLES = ("system", "user", "assistant", "tool")
 MAX_SKIP_REASONS = 5  # skipped rows keep the first few reasons for the log
 _SPLIT, _EPOCH = 0, 1  # the two uses of the seed, so the split and the epoch orders are independent
-
-Record = tuple[str, Any, Optional[str]]  # (where: "line 7" / "row 3", the value, what is wrong or None)
-
-
-# ----------------------------------------------------------------------------- reading files
-
-def _json_type(v: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if v is None else names.get(type(v), type(v).__name__)
-
-
-def _json_lines(data: bytes, first_line: int = 1) -> Iterator[Record]:
-    for n, raw in enumerate(data.split(b"\n"), first_line):
-        if not raw.strip():
-            continue
-        try:
-            yield f"line {n}", json.loads(raw), None  # bytes: json detects UTF-8 (and a BOM) itself
-        except json.JSONDecodeError as e:
-            yield f"line {n}", None, f"invalid JSON: {e.msg} at column {e.colno}"
-        except UnicodeDecodeError:
-            yield f"line {n}", None, "not valid UTF-8"
-
-
-def _array(items: Any, path: Path, key: str) -> Iterator[Record]:
-    if not isinstance(items, list):
-        raise ValueError(f"{key}: {path}: expected an array of rows, got a JSON {_json_type(items)}")
-    for i, obj in enumerate(items):
-        yield f"row {i}", obj, None
-
-
-def _without_nulls(row: Any) -> Any:
-    """A columnar file stores a field some messages lack as null in all the others; drop those, as a
-    chat template may test ``'tool_calls' in message``."""
-    msgs = row.get("messages") if isinstance(row, dict) else None
-    if isinstance(msgs, list):
-        row = {**row, "messages": [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                                   for m in msgs]}
-    return row
-
-
-def _parquet(path: Path, key: str) -> Iterator[Record]:
-    try:
-        import pyarrow.parquet as pq  # only when asked: a slow import most runs do not need
-    except ImportError:
-        raise ValueError(f"{key}: {path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged file
-        raise ValueError(f"{key}: {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
-    for i, row in enumerate(table.to_pylist()):
-        yield f"row {i}", _without_nulls(row), None
-
-
-def _hf_dir(path: Path, key: str) -> Iterator[Record]:
-    try:
-        import datasets  # only when asked: a slow import most runs do not need
-    except ImportError:
-        raise ValueError(f"{key}: {path} is a directory; loading a dataset saved with save_to_disk needs the "
-                         f"datasets package (pip install datasets)") from None
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except FileNotFoundError:
-        raise ValueError(f"{key}: {path}: a directory, but not one written by datasets' save_to_disk") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if len(ds) != 1:
-            raise ValueError(f"{key}: {path} holds the splits {', '.join(ds)}: give one split's directory, "
-                             f"e.g. {path / next(iter(ds))}")
-        ds = next(iter(ds.values()))
-    for i, row in enumerate(ds.to_list()):
-        yield f"row {i}", _without_nulls(row), None
-
-
-def _records(path: Path, key: str) -> Iterator[Record]:
-    """Every row of the file at ``path`` (format by suffix, or a directory), as ``Record``s; a
-    problem with the file as a whole is a one-line ValueError."""
-    if not path.exists():
-        raise ValueError(f"{key}: {path}: no such file or directory")
-    if path.is_dir():
-        yield from _hf_dir(path, key)
-        return
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        yield from _json_lines(path.read_bytes())
-    elif suffix == ".json":
-        data = path.read_bytes()
-        body = data.lstrip()
-        if body.startswith(b"\xef\xbb\xbf"):
-            body = body[3:].lstrip()
-        if not body.startswith(b"["):
-            yield from _json_lines(data)  # .json is often JSON lines too
-            return
-        try:
-            items = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            at = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise ValueError(f"{key}: {path}: not valid JSON ({getattr(e, 'msg', 'not UTF-8')}{at})") from None
-        yield from _array(items, path, key)
-    elif suffix == ".parquet":
-        yield from _parquet(path, key)
-    else:
-        raise ValueError(f"{key}: {path}: unknown format {suffix or '(no suffix)'!r} (expected .jsonl, .json, "
-                         f".parquet, or a directory written by datasets' save_to_disk)")
-
 
 # ----------------------------------------------------------------------------- checking rows
 
@@ -216,8 +114,7 @@ def read_tasks(path: str, key: str = "env.dataset", bad_rows: str = "fail") -> R
     """The task rows of the file (or saved-dataset directory) at ``path``.  A bad row fails with
     ``<key>: <path> line <n>: <what is wrong>``, or with ``bad_rows="skip"`` is counted in
     ``skipped`` (first reasons in ``skip_reasons``); no valid row at all always fails."""
-    p = Path(path).expanduser()
-    return _collect(_records(p, key), str(path), key, bad_rows)
+    return _collect(_records(str(path), key), str(path), key, bad_rows)
 
 
 # ----------------------------------------------------------------------------- the task set
@@ -411,7 +308,7 @@ def load_demonstrations(path: str, key: str = "sft.dataset") -> list[list[dict]]
     take); assistant ``tool_calls`` come back as ``[{"name", "arguments": dict}]`` whichever of the
     two shapes the file used.  Any bad row fails with ``<key>: <path> line <n>: <what is wrong>``."""
     demos = []
-    for where, row, problem in _records(Path(path).expanduser(), key):
+    for where, row, problem in _records(str(path), key):
         msgs, problem = (None, problem) if problem else _demonstration(row)
         if problem:
             raise ValueError(f"{key}: {path} {where}: {problem}")

@@ -16,6 +16,12 @@ required.  Types: str, int, float, bool, list[...], dict[...], Optional / ``X | 
 unions of those.  ``tool_from_schema(schema, fn)`` takes a hand-written OpenAI schema instead.
 ``load_tools(["pkg.mod:fn", "pkg.mod:TOOLS"])`` imports them (TOOLS: a list of callables/Tools).
 
+Why not ``transformers.utils.get_json_schema`` (5.19): it refuses a tool with any undocumented
+argument, marks ``Optional[X]`` with OpenAPI's ``nullable`` (which JSON Schema validators ignore, so
+the argument check below would refuse a null), and keeps line breaks and later paragraphs of the
+description.  For a tool whose arguments are all documented, with plain types and a one-line
+description, the two schemas are equal apart from its ``return`` entry (tested).
+
 Arguments the model writes are checked against the schema (``jsonschema``); a missing, unknown or
 mistyped argument is an error message for the model, never an exception.  Sync tools run in a
 thread pool (a timed-out sync tool keeps its thread until it returns: Python cannot kill threads).

@@ -182,6 +182,12 @@ class MetricsLogger:
         self.last_step = int(step)
         return rec
 
+    def log_samples(self, step: int, rows: list) -> None:
+        """A few evaluated episodes of ``step`` (``logging.wandb.samples``): a W&B table when W&B is
+        on; the JSONL and TensorBoard sinks have the run's transcripts/ files instead."""
+        if self._wandb is not None and rows:
+            self._wandb.log_table(step, "heldout/samples", rows)
+
     def _postfix(self, flat: dict) -> dict:
         out = {}
         for label, names in self.progress_keys.items():

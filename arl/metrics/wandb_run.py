@@ -42,6 +42,14 @@ class WandbRun:
         """One step's flattened record (None values left out, as in TensorBoard)."""
         self.run.log({k: v for k, v in flat.items() if v is not None}, step=int(step))
 
+    def log_table(self, step: int, key: str, rows: list) -> None:
+        """``rows`` (dicts with the same keys) as one W&B table at ``step``."""
+        import wandb
+
+        columns = list(rows[0])
+        self.run.log({key: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])},
+                     step=int(step))
+
     def close(self) -> None:
         """Finish the run and wait until its data is written: ``finish`` alone may return before
         wandb's service flushed the run file, and its exit hook does not run reliably in

@@ -7,8 +7,8 @@ suffix into its prefix) the parameter gradients equal the ordinary packed forwar
 Attention ``tree_sdpa`` is registered with transformers' ``AttentionInterface`` like
 ``varlen_sdpa`` (no mask function: no mask is built): one SDPA call per segment, a causal one for
 a segment without ancestors, else one over the gathered [ancestors ; own] keys with a lower-right
-causal mask.  CPU and any device torch's SDPA runs on; a flash-attn varlen path with separate
-query / key cu_seqlens is the GPU's next step (docs/share_prefix.md).
+causal mask: exact on any device.  On CUDA the default is one FlexAttention call over the whole
+tree instead (``arl_tree_flex``, arl/model/tree_flex.py; ``kernel`` picks).
 """
 from __future__ import annotations
 
@@ -90,16 +90,33 @@ def _register() -> None:
         _REGISTERED = True
 
 
-def tree_hidden_states(model, layout: PrefixLayout, attn: str = "auto") -> torch.Tensor:
+TREE_KERNELS = ("auto", "sdpa", "flex")
+
+
+def _tree_kernel(kernel: str, device: torch.device) -> str:
+    """auto: one FlexAttention call on CUDA (arl/model/tree_flex.py), per-segment SDPA elsewhere
+    (torch has no FlexAttention backward on CPU)."""
+    if kernel not in TREE_KERNELS:
+        raise ValueError(f"tree attention kernel: unknown {kernel!r}; choose from {list(TREE_KERNELS)}")
+    return ("flex" if device.type == "cuda" else "sdpa") if kernel == "auto" else kernel
+
+
+def tree_hidden_states(model, layout: PrefixLayout, attn: str = "auto", kernel: str = "auto") -> torch.Tensor:
     """Final hidden states [C, H] of the layout's computed tokens."""
     if attn not in _TREE_ATTENTION:
         raise ValueError(f"attn: {attn!r} has no shared-prefix path; trainer.share_prefix needs one of "
                          f"{list(_TREE_ATTENTION)}")
-    _register()
     device = next(model.parameters()).device
     ids = layout.token_ids.to(device)
-    plan = _TreePlan(layout, device)
-    with _attention_implementation(model, ARL_TREE_SDPA):
+    if _tree_kernel(kernel, device) == "flex":
+        from .tree_flex import ARL_TREE_FLEX, FlexTreePlan, register
+
+        register()
+        impl, plan = ARL_TREE_FLEX, FlexTreePlan(layout, device)
+    else:
+        _register()
+        impl, plan = ARL_TREE_SDPA, _TreePlan(layout, device)
+    with _attention_implementation(model, impl):
         out = _base_model(model)(input_ids=ids[None], position_ids=layout.position_ids.to(device)[None],
                                  use_cache=False, arl_tree=plan)
     return out.last_hidden_state[0]
@@ -107,14 +124,14 @@ def tree_hidden_states(model, layout: PrefixLayout, attn: str = "auto") -> torch
 
 def tree_logprobs(model, layout: PrefixLayout, temperature: float = 1.0, with_entropy: bool = False,
                   align: str = "target", attn: str = "auto", backend: str = "auto", return_hidden: bool = False,
-                  head_grad=None, **tiles):
+                  head_grad=None, kernel: str = "auto", **tiles):
     """``packed_logprobs`` of the micro-batch's packed tokens, computed over ``layout``: the same
     outputs over the same [T] packed slots (hidden states [T, H] with ``return_hidden``).
     ``head_grad``: the loss's plan over the packed slots; used when no trained slot shares its head
     row with another slot (then every other slot of a shared row is untrained: gradient 0)."""
     if align not in _ALIGN:
         raise ValueError(f"align: unknown {align!r}; choose from {sorted(_ALIGN)}")
-    hidden = tree_hidden_states(model, layout, attn=attn)
+    hidden = tree_hidden_states(model, layout, attn=attn, kernel=kernel)
     device = hidden.device
     T = layout.src.numel()
     head_row = layout.head_row.to(device)

@@ -11,7 +11,7 @@ It hands its share of every batch to trainer rank 0 on ``batches`` and takes ord
                                                  a resumed run's checkpoint holds the ones before it;
   ``("stop",)``.
 
-It sends ``("batch", engine, RolloutBatch)``, ``("eval", version, success)``, ``("stopped", engine)``
+It sends ``("batch", engine, RolloutBatch)``, ``("eval", version, success, samples)``, ``("stopped", engine)``
 or ``("error", text)``.  Tasks start at the policy version of the trainer's first weight sync (a
 resumed run's step).  The stabilizers' judges reach this process as ``RolloutHooks`` built by the
 launcher; the rollout side only acts on what they decide.
@@ -42,7 +42,7 @@ from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .engine_args import build_engine_args, check_engine_kwargs
 from .episode import ChatFormat, EpisodeConfig, run_episode
-from .transcript import transcript
+from .transcript import format_transcript, transcript
 from .expert import StartChooser, expert_start_hook
 from .manager import REWARD_EXCEPTIONS_SHOWN, RolloutManager, fill_batch
 
@@ -175,14 +175,31 @@ async def evaluate(engine, fmt: ChatFormat, cfg: TrainConfig, n: int, tasks: Opt
     """Greedy success rate on the ``n`` held-out tasks (the run's ``success/heldout``).
     ``save_to``: also write every episode's row and transcript there (JSONL)."""
     res = await evaluate_tasks(engine, fmt, cfg, n, tasks, transcripts=save_to is not None)
-    if save_to is not None:
-        try:
-            os.makedirs(os.path.dirname(save_to), exist_ok=True)
-            with open(save_to, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in res)
-        except OSError as e:  # a full disk must not stop the run: say so once per evaluation
-            print(f"arl: held-out transcripts not written to {save_to}: {e}", file=sys.stderr)
-    return float(np.mean([r["success"] for r in res])) if res else float("nan")
+    save_rows(res, save_to)
+    return success_of(res)
+
+
+def success_of(rows: list) -> float:
+    return float(np.mean([r["success"] for r in rows])) if rows else float("nan")
+
+
+def save_rows(rows: list, save_to: Optional[str]) -> None:
+    """Every evaluated episode's row (and transcript) to ``save_to`` as JSONL; a failed write is one
+    line on stderr (a full disk must not stop the run)."""
+    if save_to is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(save_to), exist_ok=True)
+        with open(save_to, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    except OSError as e:
+        print(f"arl: held-out transcripts not written to {save_to}: {e}", file=sys.stderr)
+
+
+def eval_samples(rows: list, k: int) -> list:
+    """The first ``k`` evaluated episodes as W&B table rows (``logging.wandb.samples``)."""
+    return [{"seed": r["seed"], "success": r["success"], "reward": r["reward"],
+             "transcript": format_transcript(r)} for r in rows[:k] if "transcript" in r]
 
 
 def rollout_rate(engine, batch) -> dict:
@@ -340,5 +357,9 @@ class RolloutWorker:
     async def _evaluate(self, version: int, n: int) -> None:
         path = os.path.join(self.cfg.output_dir, "transcripts", f"heldout_step{version}.jsonl") \
             if self.index == 0 else None  # one engine writes (the others evaluate the same tasks)
-        acc = await evaluate(self.engine, self.fmt, self.cfg, n, self.tasks, save_to=path)
-        await asyncio.get_running_loop().run_in_executor(None, self.batches.put, ("eval", version, acc))
+        k = self.cfg.logging.wandb.samples if self.cfg.logging.wandb is not None else 0
+        rows = await evaluate_tasks(self.engine, self.fmt, self.cfg, n, self.tasks,
+                                    transcripts=path is not None or k > 0)
+        save_rows(rows, path)
+        msg = ("eval", version, success_of(rows), eval_samples(rows, k))
+        await asyncio.get_running_loop().run_in_executor(None, self.batches.put, msg)

@@ -76,6 +76,22 @@ def advantage_metrics(trajs: Sequence[Trajectory], adv: np.ndarray, zero_var_gro
             "stab/adv_abs_mean": float(np.abs(a).mean()) if a.size else 0.0}
 
 
+def prompt_ev_ceiling(trajs: Sequence[Trajectory], rewards: np.ndarray) -> dict:
+    """``value/prompt_ev_ceiling``: the share of the step's outcome variance that lies between tasks,
+    1 - mean within-group variance / total variance (groups: the samples of one task).  No value of
+    the prompt alone (a turn-0 state) can explain more of the outcome than this; when every task is
+    as hard as the others it is near 0 and only later turns' states can carry what the value needs.
+    Left out when the outcomes all agree (nothing to explain)."""
+    kept = np.array([t.status is not TrajectoryStatus.FILTERED for t in trajs], dtype=bool)
+    r = np.asarray(rewards, dtype=np.float64)[kept]
+    gids = np.array([int(t.group_id) for t, k in zip(trajs, kept) if k], dtype=np.int64)
+    total = r.var() if r.size else 0.0
+    if total <= 1e-12:
+        return {}
+    within = sum(r[gids == g].var() * (gids == g).sum() for g in np.unique(gids)) / r.size
+    return {"value/prompt_ev_ceiling": float(1.0 - within / total)}
+
+
 def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
                     cfg: Optional[StabilizerConfig] = None, algo: Optional[AlgoConfig] = None) -> StepAdvantages:
     """The step's advantages (see the module doc) with their metrics.  Under a critic estimator
@@ -94,6 +110,7 @@ def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
     if algo.uses_critic():
         per_chunk, chunk_rew, m = critic_chunk_inputs(out, rewards, loss_cfg, cfg.turn_credit, est, eps)
         metrics.update(m)
+        metrics.update(prompt_ev_ceiling(out, rewards))
     elif cfg.turn_credit.enabled:
         tc = cfg.turn_credit
         per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward,

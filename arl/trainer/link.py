@@ -6,7 +6,8 @@ seeds, its own staleness gate) and sends ``("batch", e, RolloutBatch)``; the tra
 takes the ``k``-th batch of every engine and merges them (``merge_batches``).  Orders about the
 weights and the end of the run go to every engine; held-out evaluation to engine 0 only.
 
-Messages on ``batches``: ``("batch", e, batch)``, ``("eval", version, success)``,
+Messages on ``batches``: ``("batch", e, batch)``, ``("eval", version, success, samples)`` (samples:
+a few episodes for the W&B table, ``logging.wandb.samples``),
 ``("error", text)``, ``("stopped", e)``, ``("restarted", e)`` (Ray restarted engine ``e``: its
 next batch is ``next_index(e)``; ``on_restart`` brings it up to date, arl/trainer/restarts.py).
 """
@@ -23,7 +24,7 @@ from ..rollout.channel import Channel
 class RolloutLink:
     """The queues of trainer rank 0 (``orders``: one queue per engine)."""
 
-    def __init__(self, batches: Channel, orders: Sequence[Channel], on_eval: Callable[[int, float], None],
+    def __init__(self, batches: Channel, orders: Sequence[Channel], on_eval: Callable[..., None],
                  on_restart: Optional[Callable[[int], None]] = None):
         if not orders:
             raise ValueError("RolloutLink: needs at least one engine's orders queue")
@@ -52,7 +53,7 @@ class RolloutLink:
             self._pending[msg[1]].append(msg[2])
             self.received[msg[1]] += 1
         elif kind == "eval":
-            self.on_eval(msg[1], msg[2])
+            self.on_eval(*msg[1:])
         elif kind == "stopped":
             self._stopped.add(msg[1])
         elif kind == "restarted" and self.on_restart is not None:

@@ -1,6 +1,8 @@
 """Step records in step order, each with the held-out evaluation of its policy version."""
 from __future__ import annotations
 
+from typing import Optional
+
 
 class OrderedLog:
     """Step records wait for the held-out evaluation of their policy version (which runs in the
@@ -8,13 +10,16 @@ class OrderedLog:
 
     def __init__(self, logger, eval_versions: set):
         self.logger, self.eval_versions, self.pending, self.evals = logger, eval_versions, [], {}
+        self.samples: dict = {}  # version -> a few evaluated episodes (the W&B table)
 
     def add(self, step: int, record: dict, wall_s: float) -> None:
         self.pending.append((step, record, wall_s))
         self.flush()
 
-    def eval_result(self, version: int, success: float) -> None:
+    def eval_result(self, version: int, success: float, samples: Optional[list] = None) -> None:
         self.evals[version] = success
+        if samples:
+            self.samples[version] = samples
         self.flush()
 
     def unanswered(self, upto: int) -> list:
@@ -37,4 +42,6 @@ class OrderedLog:
             if step in self.evals:
                 rec["success/heldout"] = self.evals[step]
             self.logger.log(step, rec, wall_s=wall)
+            if step in self.samples:
+                self.logger.log_samples(step, self.samples.pop(step))
             self.pending.pop(0)
