@@ -19,6 +19,8 @@ import torch
 from ..data.prefix_tree import PrefixLayout
 from .packed import (_ALIGN, _attention_implementation, _base_model, _head_logprobs, packed_hidden_states,
                      packed_logprobs)
+from .tree_flex import ARL_TREE_FLEX, FlexTreePlan
+from .tree_flex import register as register_flex
 
 ARL_TREE_SDPA = "arl_tree_sdpa"
 _TREE_ATTENTION = ("auto", "varlen_sdpa")  # the attn settings the tree forward serves (on any device)
@@ -109,9 +111,7 @@ def tree_hidden_states(model, layout: PrefixLayout, attn: str = "auto", kernel: 
     device = next(model.parameters()).device
     ids = layout.token_ids.to(device)
     if _tree_kernel(kernel, device) == "flex":
-        from .tree_flex import ARL_TREE_FLEX, FlexTreePlan, register
-
-        register()
+        register_flex()
         impl, plan = ARL_TREE_FLEX, FlexTreePlan(layout, device)
     else:
         _register()
