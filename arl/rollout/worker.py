@@ -41,6 +41,7 @@ from .channel import Channel
 from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .engine_args import build_engine_args, check_engine_kwargs
+from .lora_sync import engine_lora_kwargs, lora_sync_mode
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .transcript import transcript
 from .expert import StartChooser, expert_start_hook
@@ -59,13 +60,16 @@ class RolloutHooks:
 
 def engine_kwargs(cfg: TrainConfig) -> dict:
     """vLLM arguments of the layout, then the user's ``rollout.engine_kwargs``: on GPU a node's
-    rollout GPUs as tensor parallel x data parallel (colocated: all of its GPUs, with sleep mode)."""
+    rollout GPUs as tensor parallel x data parallel (colocated: all of its GPUs, with sleep mode);
+    vLLM's LoRA when the run syncs adapters (``rollout.lora_sync: adapter``)."""
     kw = {}
     if cfg.layout.device == "cuda":
         tp = cfg.rollout.tensor_parallel
         gpus = (cfg.ray.gpus_per_engine if cfg.launcher == "ray" else None) or cfg.layout.rollout_gpus
         kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, gpus // tp),
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
+    if lora_sync_mode(cfg) == "adapter":
+        kw.update(engine_lora_kwargs(cfg.model.lora.r))
     return {**kw, **cfg.rollout.engine_kwargs}
 
 
