@@ -7,7 +7,8 @@ goes first each step, so a change of the machine's load hits both.
 
 Per mode: the sync's trainer side (what ``time/sync_s`` of a run measures: the state dict, the
 files, the order), its engine side (``update_weights``: reload, or ``add_lora``), and generation
-tokens/s (every sample runs to ``--max-tokens``: no stop, so both modes generate the same count).
+tokens/s over a fixed batch (no stop strings; a sample ends at ``--max-tokens`` or at EOS, so the
+token counts of the two modes may differ a little: compare tokens/s).
 The first sync (adapter: with the base weights) is reported apart from the per-step medians.
 
     python bench/bench_lora_sync.py                 # SmolLM2-135M-Instruct (models/), r=16, 4 steps

@@ -56,7 +56,8 @@ class ArchConfig(Section):
 
 class LoRAConfig(Section):
     """LoRA adapters on the policy (arl/model/lora.py): only the adapters train; the reference for KL is
-    the model with its adapters disabled; the engine and the export get merged weights."""
+    the model with its adapters disabled; the export gets merged weights, the engine merged weights or
+    the adapter (rollout.lora_sync)."""
 
     r: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")

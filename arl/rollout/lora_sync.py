@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
+from ..model.resolve import resolve_model
+
 # The mode ``rollout.lora_sync: null`` picks where it can work (LoRA, the file path, a model vLLM
 # serves adapters for): the faster one measured by bench/bench_lora_sync.py (docs/lora.md).
 LORA_SYNC_DEFAULT = "merged"
@@ -146,8 +148,6 @@ def model_architecture(name_or_path: str) -> Optional[str]:
     """``architectures[0]`` of the model's config.json; None when the model is not on this machine."""
     if name_or_path == "tiny":
         return TINY_ARCHITECTURE
-    from ..model.resolve import resolve_model
-
     try:
         d = resolve_model(name_or_path)
         archs = json.loads((Path(d) / "config.json").read_text()).get("architectures") or [None]
