@@ -51,7 +51,8 @@ def vllm_lora_engine(tiny_model_dir, arun):
     from arl.rollout.lora_sync import engine_lora_kwargs
 
     async def make():
-        eng = VLLMEngine(tiny_model_dir, seed=0, max_model_len=1024, max_num_seqs=64, engine_kwargs=engine_lora_kwargs(8))
+        eng = VLLMEngine(tiny_model_dir, seed=0, max_model_len=1024, max_num_seqs=64,
+                         engine_kwargs=engine_lora_kwargs(8))
         await eng.generate([[1, 2, 3]], SamplingConfig(max_tokens=2, stop=()))  # warm-up
         return eng
 
