@@ -28,8 +28,10 @@ def test_modes_resolve():
 
 
 def test_adapter_mode_sets_vllm_lora_and_owns_its_arguments():
-    kw = engine_kwargs(load_config(None, ["model.lora={r: 10}", "rollout.lora_sync=adapter"]))
+    adapter = load_config(None, ["model.lora={r: 10}", "rollout.lora_sync=adapter"])
+    kw = engine_kwargs(adapter)
     assert kw["enable_lora"] is True and kw["max_lora_rank"] == 16 and kw["max_loras"] == 1
+    assert "enable_lora" not in engine_kwargs(adapter, serve_adapters=False)  # arl.eval: a merged export
     assert "enable_lora" not in engine_kwargs(load_config(None, [LORA, "rollout.lora_sync=merged"]))
     with pytest.raises(ValueError, match="rollout.engine_kwargs.enable_lora: arl sets this vLLM argument from "
                                          "rollout.lora_sync"):
