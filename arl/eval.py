@@ -83,7 +83,7 @@ async def evaluate_model(cfg: TrainConfig, model_dir: str, n: int, engine=None, 
     fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
     own = engine is None
     if own:
-        engine = run_engine(cfg, model_dir)
+        engine = run_engine(cfg, model_dir, serve_adapters=False)  # an exported model: the adapters merged
     try:
         return await evaluate_tasks(engine, fmt, cfg, n, task_set(cfg), transcripts=transcripts)
     finally:

@@ -57,6 +57,7 @@ from .model.tiny import build_tiny_model
 from .procs import RunFailed, adopt_orphans, exit_process, free_port, kill_orphans
 from .rollout.colocate import ready_file, wait_ready
 from .rollout.engine_args import check_engine_kwargs
+from .rollout.lora_sync import lora_sync_mode
 from .rollout.episode import ChatFormat
 from .rollout.expert import sft_demonstrations, sft_source
 from .rollout.worker import RolloutHooks, rollout_process, task_set
@@ -108,6 +109,9 @@ def preflight(cfg: TrainConfig) -> list:
     if cfg.rollout.engine_kwargs:
         lines.append(f"engine OK: rollout.engine_kwargs {', '.join(cfg.rollout.engine_kwargs)} are vLLM engine "
                      "arguments")
+    lora_sync = lora_sync_mode(cfg)  # adapter for a model vLLM serves no adapters for: one line, now
+    if lora_sync is not None:
+        lines.append(f"lora sync OK: {lora_sync} (rollout.lora_sync: {cfg.rollout.lora_sync or 'null, the default'})")
     tasks = task_set(cfg)
     needs = env_class(cfg.env.name).needs_task
     if tasks is None and needs:

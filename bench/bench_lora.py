@@ -15,9 +15,12 @@ is (full fine-tuning at ``--full-lr``).  Arm ``lora``: ``model.lora={r, alpha}``
   libraries) and the same less the
   resident set before the model was loaded (``mem/trainer_peak_over_base_gib``, the ratio the
   acceptance reads);
-* weight-sync time per step: the trainer side (``time/sync_s``: merged state dict, write, order)
-  and the engine side (``rollout/weights_load_s_max``: the engine's load of those weights).  Only
-  the merged path exists: adapter-only sync through vLLM's LoRA is reported "not implemented".
+* weight-sync time per step: the trainer side (``time/sync_s``: state dict or adapter, write, order)
+  and the engine side (``rollout/weights_load_s_max``: the engine's load of them), per LoRA sync
+  mode: the ``lora`` arm syncs merged weights (``rollout.lora_sync: merged``), the optional
+  ``lora_adapter`` arm (``--arms full,lora,lora_adapter``; same training, vLLM serves the adapter)
+  the adapter alone.  Without that arm the adapter column says where to measure it
+  (bench/bench_lora_sync.py: both modes side by side, with generation tokens/s).
 
     python bench/bench_lora.py --quick                      # 2 steps per arm, tiny budget: the harness
     python bench/bench_lora.py --out runs/lora              # 15 steps per arm (hours on 2 loaded cores)
@@ -44,7 +47,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_methods import _clean, _git_commit, make_start, run_config, summarize_run  # noqa: E402
 
 DEFAULT_CONFIG = "configs/smollm2_tools_cpu.yaml"
-ARMS = ("full", "lora")
+ARMS = ("full", "lora", "lora_adapter")  # lora_adapter: the lora arm with rollout.lora_sync: adapter
+DEFAULT_ARMS = ("full", "lora")
+LORA_SYNC = {"lora": "merged", "lora_adapter": "adapter"}  # each LoRA arm's rollout.lora_sync
 SUCCESS_TOL = 0.10  # held-out success of LoRA within 10 points of full fine-tuning
 MEMORY_RATIO = 0.50  # LoRA's trainer peak memory at most half of full fine-tuning's
 QUICK = ["trainer.steps=2", "trainer.eval_every=1", "sft.steps=1", "sft.episodes=16", "env.eval_tasks=4",
@@ -63,7 +68,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false",
                     help="both arms without model.gradient_checkpointing (default: with it; docs/lora.md)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of both arms (the SFT start's too)")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list from {list(ARMS)}")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma list from {list(ARMS)}")
     ap.add_argument("--out", default=None, help="the SFT start, one folder per arm, result.json (default: a temp dir)")
     ap.add_argument("--resume", action="store_true", help="reuse the SFT start and the arms finished in --out")
     ap.add_argument("--quick", action="store_true", help="2 steps per arm, a tiny SFT and evaluation: the harness")
@@ -91,9 +96,9 @@ def arm_overrides(arm: str, args: argparse.Namespace, start: Path, full_lr: floa
     ov = [f"model.name_or_path={start}", "sft.enabled=false", f"trainer.steps={args.steps}",
           f"trainer.eval_every={args.eval_every}", "trainer.checkpoint_every=1000",  # one checkpoint: the end
           f"model.gradient_checkpointing={str(args.grad_ckpt).lower()}"]
-    if arm == "lora":
+    if arm in LORA_SYNC:
         ov += [f"trainer.optim.lr={args.lora_lr}",
-               f"model.lora={{r: {args.lora_r}, alpha: {args.lora_alpha}}}"]
+               f"model.lora={{r: {args.lora_r}, alpha: {args.lora_alpha}}}", f"rollout.lora_sync={LORA_SYNC[arm]}"]
     else:
         ov += [f"trainer.optim.lr={full_lr}"]
     return ov
@@ -147,10 +152,21 @@ def compare(full: dict, lora: dict, eval_steps: list) -> dict:
             "memory_at_most_half": None if mem is None else mem <= MEMORY_RATIO}
 
 
+NOT_RUN = "not run (--arms ...,lora_adapter, or bench/bench_lora_sync.py)"
+
+
 def sync_table(arms: dict) -> dict:
-    """Weight-sync time per step, per arm: the merged path measured, the adapter path not built."""
-    return {arm: {"merged": {"trainer_s": f["sync_trainer_s"], "engine_load_s": f["sync_engine_load_s"]},
-                  "adapter": "not implemented"} for arm, f in arms.items()}
+    """Weight-sync time per step per sync mode: full fine-tuning's (merged, the only one), and
+    LoRA's merged (the lora arm) vs adapter (the lora_adapter arm; ``NOT_RUN`` without it)."""
+    def times(f):
+        return {"trainer_s": f["sync_trainer_s"], "engine_load_s": f["sync_engine_load_s"]}
+
+    out = {}
+    if "full" in arms:
+        out["full"] = {"merged": times(arms["full"]), "adapter": "n/a (no adapter)"}
+    if any(a in arms for a in LORA_SYNC):
+        out["lora"] = {mode: times(arms[a]) if a in arms else NOT_RUN for a, mode in LORA_SYNC.items()}
+    return out
 
 
 def build_result(arms: dict, args: argparse.Namespace, lrs: dict, meta: dict) -> dict:
@@ -180,13 +196,16 @@ def markdown(res: dict) -> str:
 
     out = ["| arm | lr | trainable params | " + " | ".join(f"held-out @{s}" for s in steps)
            + " | peak RSS (GiB) | peak over pre-model RSS (GiB) | sync: trainer (s/step) | sync: engine load (s/step) "
-           "| sync: adapter-only |",
-           "|---|---|---|" + "---|" * len(steps) + "---|---|---|---|---|"]
+           "|",
+           "|---|---|---|" + "---|" * len(steps) + "---|---|---|---|"]
     for arm, a in res["arms"].items():
         out.append(f"| {arm} | {res['lr'].get(arm, 0):g} | {f(a['params_trainable'], '{:,.0f}')} | "
                    + " | ".join(f(a["heldout"].get(str(s))) for s in steps)
                    + f" | {f(a['peak_rss_gib'])} | {f(a['peak_over_base_gib'])} | {f(a['sync_trainer_s'], '{:.3f}')} "
-                   f"| {f(a['sync_engine_load_s'], '{:.3f}')} | {res['sync'][arm]['adapter']} |")
+                   f"| {f(a['sync_engine_load_s'], '{:.3f}')} |")
+    lora = res["sync"].get("lora")
+    if lora is not None and isinstance(lora["adapter"], str):  # the adapter mode's figures live elsewhere
+        out.append(f"\nLoRA sync, adapter mode: {lora['adapter']}")
     return "\n".join(out) + "\n"
 
 
@@ -209,7 +228,7 @@ def main(argv: Optional[list] = None) -> dict:
     common = common_overrides(args)
     start, sft_wall = make_start(args.config, base / "sft_start", common)  # reused when its export exists
     full_lr = args.full_lr if args.full_lr is not None else run_config(args.config, base / "x", common).trainer.optim.lr
-    lrs = {"full": full_lr, "lora": args.lora_lr}
+    lrs = {"full": full_lr, "lora": args.lora_lr, "lora_adapter": args.lora_lr}
     arms, runs = {}, {}
     for arm in args.arms:
         out = base / arm

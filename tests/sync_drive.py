@@ -10,7 +10,7 @@ import torch
 from arl.config import load_config
 from arl.model.packed import packed_logprobs
 from arl.rollout import SamplingConfig
-from arl.trainer.sync import WeightSender
+from arl.trainer.sync import make_sender
 
 
 class StateTrainer:
@@ -21,6 +21,25 @@ class StateTrainer:
 
     def full_state_dict(self, to_cpu=True, copy=True):
         return {k: v.detach().clone() for k, v in self._state().items()}
+
+
+class LoRATrainer(StateTrainer):
+    """What the senders read of a LoRA PolicyTrainer: merged or base weights, and the adapter."""
+
+    def __init__(self, module):
+        super().__init__(module, None)
+
+    def full_state_dict(self, to_cpu=True, copy=True, adapters=True):
+        from arl.model.lora import base_state_dict, merged_state_dict
+
+        state = merged_state_dict(self.module) if adapters else base_state_dict(self.module)
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    def adapter_state(self):
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.module)
+        return {k: v.detach().clone().contiguous() for k, v in state.items()}, self.module.peft_config["default"]
 
 
 class Link:
@@ -34,16 +53,29 @@ class Link:
 
 
 def sync_into_engine(engine, trainer, mode: str, arun, monkeypatch, overrides=(),
-                     check_source: Optional[Callable] = None) -> int:
+                     check_source: Optional[Callable] = None, between: Optional[Callable] = None) -> int:
     """One sync of ``trainer``'s weights into ``engine`` through ``rollout.weight_sync=mode`` (the
-    engine joins the group when asked); ``check_source(source)`` sees what the engine is given before
-    it loads it.  Returns the version the engine now runs.  The caller restores the engine."""
+    engine joins the group when asked), by the run's own sender (``make_sender``: ``overrides`` may
+    pick ``rollout.lora_sync``); ``check_source(source)`` sees what the engine is given before
+    it loads it.  ``between(version)``: called after it, then the same sender syncs once more
+    (``between`` returning False stops).  Returns the version the engine now runs.  The caller
+    restores the engine."""
     from arl.procs import free_port
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # names the sender's /dev/shm directory
     cfg = load_config(None, [f"rollout.weight_sync={mode}", *overrides])
     link = Link()
-    sender = WeightSender(cfg, trainer, 0, link, ("127.0.0.1", free_port()))
+    sender = make_sender(cfg, trainer, 0, link, ("127.0.0.1", free_port()))
+    try:
+        version = _one_sync(engine, sender, link, arun, check_source)
+        while between is not None and between(version) is not False:
+            version = _one_sync(engine, sender, link, arun, check_source)
+    finally:
+        sender.close()
+    return version
+
+
+def _one_sync(engine, sender, link, arun, check_source) -> int:
     version = engine.version + 1
     th = threading.Thread(target=sender, args=(version, None))  # blocks in the group until the engine joins
     th.start()
@@ -62,7 +94,6 @@ def sync_into_engine(engine, trainer, mode: str, arun, monkeypatch, overrides=()
         assert not th.is_alive()
     finally:
         th.join(timeout=120)
-        sender.close()
     return version
 
 

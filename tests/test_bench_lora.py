@@ -54,13 +54,15 @@ def test_arm_overrides_validate(arm, tmp_path):
     assert cfg.model.gradient_checkpointing  # both arms: the activations would hide LoRA's saving
     off = bl.arm_overrides(arm, bl.parse_args(["--no-grad-ckpt"]), start, 2e-5)
     assert not bl.run_config(a.config, tmp_path / "off", off).model.gradient_checkpointing
-    if arm == "lora":
+    if arm in bl.LORA_SYNC:
         assert cfg.model.lora.r == 16 and cfg.model.lora.alpha == 32.0 and cfg.trainer.optim.lr == 3e-4
+        assert cfg.rollout.lora_sync == {"lora": "merged", "lora_adapter": "adapter"}[arm]
     else:
         assert cfg.model.lora is None and cfg.trainer.optim.lr == 2e-5
-    # the base config is the same for both arms but for these keys
+    # the base config is the same for every arm but for these keys (and the LoRA arms' rollout.lora_sync)
     base = load_config(str(ROOT / a.config), [f"output_dir={tmp_path / arm}"])
-    assert cfg.env == base.env and cfg.loss == base.loss and cfg.rollout == base.rollout
+    assert cfg.env == base.env and cfg.loss == base.loss
+    assert cfg.rollout.model_copy(update={"lora_sync": base.rollout.lora_sync}) == base.rollout
 
 
 def test_arm_figures():
@@ -93,12 +95,20 @@ def test_compare_and_result():
     line = json.dumps(res)
     back = json.loads(line)
     assert back["eval_steps"] == [5, 10, 15] and back["compare"]["success_within_10_points"] is True
-    assert back["sync"]["lora"]["adapter"] == "not implemented"
+    assert back["sync"]["lora"]["adapter"] == bl.NOT_RUN and back["sync"]["full"]["adapter"] == "n/a (no adapter)"
+    assert back["sync"]["lora"]["merged"]["trainer_s"] == pytest.approx(0.61)
     assert back["sync"]["full"]["merged"]["trainer_s"] == pytest.approx(0.51)
     assert back["arms"]["lora"]["heldout"]["15"] == 0.8 and back["date"] == "2026-12-04"
     md = bl.markdown(back)
-    assert md.count("\n") == 4 and "| lora | 0.0002 | 4,900,000 | 0.55 | 0.75 | 0.80 |" in md
-    assert "not implemented" in md
+    assert md.count("\n") == 6 and "| lora | 0.0002 | 4,900,000 | 0.55 | 0.75 | 0.80 |" in md
+    assert f"LoRA sync, adapter mode: {bl.NOT_RUN}" in md
+    # the lora_adapter arm (rollout.lora_sync: adapter): both LoRA sync modes measured, side by side
+    adapter = bl.arm_figures(_recs({5: 0.55, 10: 0.75, 15: 0.8}, 2.5, 1.2, 4.9e6, 0.05, 0.03))
+    both = json.loads(json.dumps(bl.build_result({"full": full, "lora": lora, "lora_adapter": adapter}, args,
+                                                 {"full": 2e-5, "lora": 2e-4, "lora_adapter": 2e-4}, {})))
+    assert both["sync"]["lora"]["adapter"]["trainer_s"] == pytest.approx(0.06)
+    assert both["sync"]["lora"]["merged"]["trainer_s"] == pytest.approx(0.61)
+    assert "adapter mode" not in bl.markdown(both) and "| lora_adapter | 0.0002 |" in bl.markdown(both)
 
 
 def test_result_one_arm_and_quick_steps():

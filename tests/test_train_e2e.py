@@ -209,6 +209,30 @@ def _killed_and_resumed(run: Path, det: list) -> None:
     assert checkpoint_steps(run / "checkpoints") == [4]  # the resumed-from checkpoint rotated out after step 4's
 
 
+def test_lora_run_with_adapter_sync(tmp_path):
+    """``rollout.lora_sync: adapter`` through the launcher (2 ZeRO-2 ranks, SFT warm start whose
+    adapters are merged into the base): the engine serves each version's adapter on the base the
+    first sync sent, so its logprobs are the trainer's at every step.  Staleness 0 and a large rate:
+    steps 2 and 3 train on batches sampled through adapters that moved the policy (KL > 0 against
+    the adapters-off reference)."""
+    out = tmp_path / "run"
+    res = _train(out, "model.tiny.tie_word_embeddings=true", "trainer.steps=3", "trainer.world_size=2",
+                 "trainer.zero_stage=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1",
+                 "model.lora={r: 8}", "rollout.lora_sync=adapter", "rollout.staleness=0", "trainer.optim.lr=5e-3",
+                 "trainer.reference_model=true", "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
+                 "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05")  # a gradient without reward
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "lora sync OK: adapter" in res.stdout + res.stderr
+    recs = _records(out)
+    assert sorted(recs) == [0, 1, 2, 3]
+    for s in (1, 2, 3):
+        assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-4  # the engine's logprobs: the trainer's
+        assert recs[s]["rollout/weights_load_s_max"] > 0 and recs[s]["rollout/staleness_max"] == 0
+    # sampled by a policy the adapters had moved off the base (measured 9.3e-3 on 2026-12-05)
+    assert recs[3]["train/kl_mean"] > 1e-3
+    assert recs[1]["mem/params_trainable"] < recs[1]["mem/params"]  # only the adapters train
+
+
 def test_ipa_resampling_run(tmp_path):
     """IPA chunk-initialization resampling end to end: rollouts start from expert prefixes, the loss
     imitates the prefix (one member per group) and reinforces the resampled chunks, and the

@@ -56,7 +56,8 @@ class ArchConfig(Section):
 
 class LoRAConfig(Section):
     """LoRA adapters on the policy (arl/model/lora.py): only the adapters train; the reference for KL is
-    the model with its adapters disabled; the engine and the export get merged weights."""
+    the model with its adapters disabled; the export gets merged weights, the engine merged weights or
+    the adapter (rollout.lora_sync)."""
 
     r: int = Field(16, ge=1, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / r.")
@@ -168,6 +169,10 @@ class RolloutConfig(Section):
     sync_bucket_mb: Optional[int] = Field(
         None, ge=0, description="Weight sync in flat per-dtype buckets of this many MiB, one broadcast or file each; "
         "0: one per tensor; null: 256 on GPU, 0 on CPU (docs/weight_sync.md).")
+    lora_sync: Optional[Literal["merged", "adapter"]] = Field(
+        None, description="How a LoRA policy (model.lora) reaches the engine: merged (adapters folded into the "
+        "weights, the whole model sent) or adapter (only the adapter, served by vLLM's LoRA; file path only); null: "
+        "the faster measured (docs/lora.md) where it works, else merged.")
     engines: Optional[int] = Field(
         None, ge=1, description="vLLM engines, each generating tasks_per_step / engines groups; null: one on CPU, one "
         "per node on GPU layouts.")
@@ -181,6 +186,20 @@ class RolloutConfig(Section):
         if self.weight_sync != "auto":
             return self.weight_sync
         return "group" if device == "cuda" and not colocate else "file"
+
+
+def check_lora_sync(cfg) -> None:
+    """``rollout.lora_sync`` set: what the config alone decides (whether vLLM serves adapters for the
+    model reads its files: the preflight's, arl/rollout/lora_sync.py)."""
+    mode, r = cfg.rollout.lora_sync, cfg.rollout
+    if cfg.model.lora is None:
+        raise ValueError(f"rollout.lora_sync: {mode} needs model.lora (without LoRA the whole model is synced); "
+                         "remove rollout.lora_sync or set model.lora")
+    path = r.sync_mode(cfg.layout.device, cfg.layout.colocate)
+    if mode == "adapter" and path != "file":
+        raise ValueError(f"rollout.lora_sync: adapter runs over rollout.weight_sync file (the engine reads the "
+                         f"adapter from trainer rank 0's /dev/shm), not {path}; set rollout.weight_sync: file or "
+                         "rollout.lora_sync: merged")
 
 
 class OptimConfig(Section):
@@ -380,6 +399,8 @@ class TrainConfig(Section):
         if self.critic.model == "separate" and self.model.lora is not None:
             raise ValueError("critic.model: separate does not take model.lora yet (the critic would be a full copy "
                              "beside the adapters); use critic.model: shared")
+        if self.rollout.lora_sync is not None:
+            check_lora_sync(self)
         lay = self.layout
         if lay.device == "cuda" and lay.colocate:
             if not lay.rollout_gpus == lay.trainer_gpus == lay.gpus_per_node:

@@ -8,8 +8,10 @@ consequences the rest of arl relies on:
   no second copy of the weights.  After an SFT warm start the adapters are merged into the base and
   fresh ones attached (``merge_and_rewrap``), so the adapter-free model is the SFT model, the policy
   RL starts from, as the reference must be;
-* the engine and the HF export see ordinary merged weights (``merged_state_dict``: W + scale * B A
-  per adapted layer, under the base model's Hugging Face names), so vLLM needs no LoRA support;
+* the HF export, and the engine under ``rollout.lora_sync: merged``, see ordinary merged weights
+  (``merged_state_dict``: W + scale * B A per adapted layer, under the base model's Hugging Face
+  names), so vLLM needs no LoRA support; under ``adapter`` the engine gets ``base_state_dict`` once
+  and then the adapter alone (arl/rollout/lora_sync.py);
 * the fused logprob head reads ``lm_head.weight`` directly, so the head may not carry an adapter.
 """
 from __future__ import annotations
@@ -99,6 +101,12 @@ def merged_state_dict(model) -> dict:
         mod = deltas.get(hf)
         out[hf] = v + mod.get_delta_weight(ADAPTER).to(v.dtype) if mod is not None else v
     return out
+
+
+def base_state_dict(model) -> dict:
+    """The base weights with the adapters off (what the adapter sync serves them on), under the
+    base model's Hugging Face names: the model's own tensors, no copies."""
+    return {_hf_name(k): v for k, v in model.state_dict().items() if ".lora_" not in k}
 
 
 def adapter_state_dict(model) -> dict:

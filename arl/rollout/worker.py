@@ -41,6 +41,7 @@ from .channel import Channel
 from .colocate import make_schedule, mark_ready, sleep_mode_kwargs
 from .engine import RolloutEngine, SamplingConfig, make_engine
 from .engine_args import build_engine_args, check_engine_kwargs
+from .lora_sync import engine_lora_kwargs, lora_sync_mode
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .transcript import format_transcript, transcript
 from .expert import StartChooser, expert_start_hook
@@ -57,15 +58,19 @@ class RolloutHooks:
     start_chooser: Optional[StartChooser] = None
 
 
-def engine_kwargs(cfg: TrainConfig) -> dict:
+def engine_kwargs(cfg: TrainConfig, serve_adapters: bool = True) -> dict:
     """vLLM arguments of the layout, then the user's ``rollout.engine_kwargs``: on GPU a node's
-    rollout GPUs as tensor parallel x data parallel (colocated: all of its GPUs, with sleep mode)."""
+    rollout GPUs as tensor parallel x data parallel (colocated: all of its GPUs, with sleep mode);
+    vLLM's LoRA when the run syncs adapters (``rollout.lora_sync: adapter``) unless
+    ``serve_adapters`` is off (an engine over an exported, merged model: ``arl.eval``)."""
     kw = {}
     if cfg.layout.device == "cuda":
         tp = cfg.rollout.tensor_parallel
         gpus = (cfg.ray.gpus_per_engine if cfg.launcher == "ray" else None) or cfg.layout.rollout_gpus
         kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, gpus // tp),
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
+    if serve_adapters and lora_sync_mode(cfg) == "adapter":
+        kw.update(engine_lora_kwargs(cfg.model.lora.r))
     return {**kw, **cfg.rollout.engine_kwargs}
 
 
@@ -116,12 +121,13 @@ def engine_task_seeds(step: int, tasks_per_step: int, engine: int, engines: int)
         s += 1
 
 
-def run_engine(cfg: TrainConfig, model_dir: str) -> RolloutEngine:
-    """The run's rollout engine over the weights in ``model_dir`` (also ``python -m arl.eval``'s)."""
+def run_engine(cfg: TrainConfig, model_dir: str, serve_adapters: bool = True) -> RolloutEngine:
+    """The run's rollout engine over the weights in ``model_dir`` (also ``python -m arl.eval``'s,
+    over a merged export: ``serve_adapters=False``, no vLLM LoRA, see ``engine_kwargs``)."""
     r = cfg.rollout
     check_engine_kwargs(r.engine_kwargs)  # launchers checked it already (preflight); cached, cheap
     return make_engine(r.engine, model=model_dir, seed=cfg.seed, dtype=cfg.model.dtype,
-                       max_model_len=engine_max_model_len(cfg), engine_kwargs=engine_kwargs(cfg),
+                       max_model_len=engine_max_model_len(cfg), engine_kwargs=engine_kwargs(cfg, serve_adapters),
                        device=cfg.layout.device)
 
 

@@ -19,7 +19,7 @@ from ..config import CriticConfig, OffloadConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig
 from ..metrics import per_turn_sums, success_logprob_sums, turn_means
-from ..model.lora import hf_model, is_lora, merged_state_dict
+from ..model.lora import ADAPTER, base_state_dict, hf_model, is_lora, merged_state_dict
 from ..model.packed import packed_logprobs
 from ..model.shared_prefix import micro_batch_logprobs
 from ..model.tied import is_tied, untied_state
@@ -332,14 +332,15 @@ class PolicyTrainer:
         self.objective.load_state(directory, tag)
         return client_state or {}
 
-    def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True, copy: bool = True) -> Optional[dict]:
+    def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True, copy: bool = True,
+                        adapters: bool = True) -> Optional[dict]:
         """The whole policy's HF-named state dict (never the critic's value head), copied to CPU (or
         detached views on the device when not ``to_cpu``; under ZeRO-3 always copies), ``None`` on
         ranks > 0 when ``rank0_only``.  ``copy=False``: tensors already on CPU are not copied again
         (views of the live weights; under LoRA the merged ones are new anyway), for a caller done with
         them before the next update (the weight sync: a copy would be a model's size of peak memory).
         Under ZeRO-3 the parameters are partitioned over the ranks and gathered here: a collective,
-        every rank calls it."""
+        every rank calls it.  ``adapters=False`` (LoRA): the base weights, adapters off."""
         import deepspeed
 
         keep = not rank0_only or rank() == 0
@@ -351,7 +352,11 @@ class PolicyTrainer:
                 return None
             # the policy only: the critic's value head (arl/trainer/critic.py) is neither synced nor exported
             # under LoRA: the merged weights, under the base model's names (arl/model/lora.py)
-            state = without_value_head(merged_state_dict(module) if is_lora(module) else module.state_dict())
+            if not is_lora(module):
+                state = module.state_dict()
+            else:
+                state = merged_state_dict(module) if adapters else base_state_dict(module)
+            state = without_value_head(state)
             if self.zero3 or (to_cpu and copy):  # gathered ZeRO-3 tensors are released when the context exits
                 return {k: v.detach().to("cpu" if to_cpu else v.device, copy=True).contiguous()
                         for k, v in state.items()}
@@ -377,6 +382,21 @@ class PolicyTrainer:
                 tokenizer.save_pretrained(directory)
         if is_lora(self.engine.module):  # and the adapter alone (peft's format), beside the merged model
             self._export_adapter(os.path.join(directory, "adapter"))
+
+    def adapter_state(self) -> Optional[tuple]:
+        """LoRA: (the adapter's tensors in peft's saved format, on CPU; its peft config) on rank 0,
+        None on the others; collective under ZeRO-3 (the adapters are gathered)."""
+        import deepspeed
+        from peft.utils import get_peft_model_state_dict
+
+        module = self.engine.module
+        params = [p for n, p in module.named_parameters() if ".lora_" in n]
+        with (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else _null()):
+            if rank() != 0:
+                return None
+            state = get_peft_model_state_dict(module, adapter_name=ADAPTER)
+            return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}, \
+                module.peft_config[ADAPTER]
 
     def _export_adapter(self, directory: str) -> None:
         import deepspeed

@@ -45,7 +45,7 @@ from .models import dtype_of, load_policy, reference_model
 from .policy import PolicyTrainer
 from .sft import run_sft
 from .step_log import OrderedLog
-from .sync import WeightSender
+from .sync import make_sender
 
 
 def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, model_dir: str, demos: list, batches,
@@ -189,7 +189,7 @@ class TrainerRank:
                 held = load_rollouts(self.ckpt_dir / checkpoint_tag(resume_step))
                 self.link.preload(held)
                 self.link.start(resume_step + len(held))
-        self.sync = WeightSender(cfg, self.tr, rank, self.link, sync_addr)
+        self.sync = make_sender(cfg, self.tr, rank, self.link, sync_addr)
         self.sync_weights(self.start_step)
         if rank == 0 and resume_step is None and (sft_metrics or 0 in self.evals):
             self.log.add(0, dict(sft_metrics), self.wall())

@@ -7,6 +7,10 @@ having them join it.  Both can move flat buckets of ``rollout.sync_bucket_mb`` (
 broadcast each; by default on GPU only: docs/weight_sync.md).  Either way the order carries the new policy version and the IPA start
 chooser's state (it advances with the trainer's steps).  Colocated (``layout.colocate``) the file
 path is the default: NCCL cannot pair trainer rank 0 and an engine worker on one GPU.
+
+Under LoRA, ``rollout.lora_sync`` picks the sender (``SENDERS``): ``merged`` is this module's
+``WeightSender`` over the merged weights; ``adapter`` writes only the adapter
+(arl/trainer/adapter_sync.py, file path only).
 """
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ from typing import Optional
 from ..config import TrainConfig
 from ..model.tied import is_tied, untied_state
 from ..rollout.colocate import trainer_turn_ends
+from ..rollout.lora_sync import lora_sync_mode
 from ..rollout.engine import write_sync_weights
 from ..rollout.weight_sync import FromGroup, make_group, plan_buckets, send, send_buckets, sender_backend, tensor_meta
 from ..rollout.worker import engine_workers
 from . import faults
+from .adapter_sync import AdapterSender
 from .link import RolloutLink
 from .policy import PolicyTrainer
 
@@ -40,15 +46,22 @@ def sync_bucket_mb(cfg: TrainConfig, device) -> int:
     return GPU_BUCKET_MB if str(device).startswith("cuda") else 0
 
 
+def sync_dir() -> Path:
+    """Trainer rank 0's directory of synced weights: /dev/shm (nothing touches disk), per run."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return shm / f"arl-weights-{os.environ['MASTER_PORT']}"
+
+
 class WeightSender:
+    """The whole model per sync (full fine-tuning; LoRA's merged weights, ``rollout.lora_sync: merged``)."""
+
     def __init__(self, cfg: TrainConfig, trainer: PolicyTrainer, rank: int, link: Optional[RolloutLink],
                  sync_addr: Optional[tuple]):
         self.cfg, self.tr, self.rank, self.link, self.addr = cfg, trainer, rank, link, sync_addr
         self.mode = cfg.rollout.sync_mode(cfg.layout.device, cfg.layout.colocate)
         if self.mode == "group" and sync_addr is None:
             raise ValueError("rollout.weight_sync: 'group' needs the launcher's weight-sync address")
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self.weights_dir = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
+        self.weights_dir = sync_dir()
         self.group = None
         self.last: Optional[tuple] = None  # file mode: (directory, version, chooser state) of the last sync
         # tied embeddings: the head is the embedding, which the engines load under both names
@@ -94,3 +107,16 @@ class WeightSender:
 
     def close(self) -> None:
         shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+# rollout.lora_sync -> the sender of that mode (arl/rollout/lora_sync.py); full fine-tuning: merged
+SENDERS = {
+    "merged": WeightSender,
+    "adapter": lambda cfg, tr, rank, link, addr: AdapterSender(cfg, tr, rank, link, sync_dir(), is_tied(tr.module)),
+}
+
+
+def make_sender(cfg: TrainConfig, trainer: PolicyTrainer, rank: int, link: Optional[RolloutLink],
+                sync_addr: Optional[tuple]):
+    """The run's weight sender: one call per policy version, on every trainer rank."""
+    return SENDERS[lora_sync_mode(cfg) or "merged"](cfg, trainer, rank, link, sync_addr)
