@@ -152,3 +152,16 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
         sim.send_signal(signal.SIGTERM)
         sim.wait(timeout=120)
     assert sim.returncode == 0, log.read_text()[-3000:]
+
+
+def test_roles_asked_but_absent_from_the_cluster_is_one_line():
+    from arl.cluster.launcher import _live_nodes
+
+    cfg = load_config(TINY, ["launcher=ray", "rollout.engines=2", "ray.address=10.0.0.1:6379", THREE])
+    with pytest.raises(ValueError) as e:
+        _live_nodes(cfg, _FakeRay([_live(0, 4), _live(1, 4)]))
+    assert str(e.value) == ("ray.nodes gives node roles, but no node of the cluster at 10.0.0.1:6379 has arl_trainer / "
+                            "arl_rollout: start those nodes with ray start --resources '{\"arl_trainer\": 1}' (or "
+                            "'{\"arl_rollout\": 1}'), or drop the roles (docs/ray.md)")
+    nodes = _live_nodes(cfg, _FakeRay([_live(0, 4, arl_trainer=1), _live(1, 4)]))
+    assert [n.role for n in nodes] == ["trainer", NO_ROLE]

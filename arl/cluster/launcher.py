@@ -174,6 +174,18 @@ def cluster_of(ray) -> list:
             for i, n in enumerate(alive)]
 
 
+def _live_nodes(cfg: TrainConfig, ray) -> list:
+    """The joined cluster's nodes; one line when ``ray.nodes`` asks for node roles that none of
+    them carries (their bundles would otherwise land anywhere)."""
+    nodes = cluster_of(ray)
+    if any(g.role for g in cfg.ray.nodes) and not any(n.role for n in nodes):
+        res = " / ".join(ROLE_RESOURCES.values())
+        raise ValueError(f"ray.nodes gives node roles, but no node of the cluster at {cfg.ray.address} has {res}: "
+                         "start those nodes with ray start --resources '{\"arl_trainer\": 1}' (or "
+                         "'{\"arl_rollout\": 1}'), or drop the roles (docs/ray.md)")
+    return nodes
+
+
 def _role(resources: dict):
     has = [role for role, r in ROLE_RESOURCES.items() if resources.get(r, 0) > 0]
     return None if len(has) == len(ROLE_RESOURCES) else has[0] if has else NO_ROLE
@@ -211,7 +223,7 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     actors: list = []
     try:
         if cfg.ray.address is not None:  # the plan on the live nodes (their roles); one line if it cannot fit
-            placed = placement(cfg, cluster_of(ray), source=f"the cluster at {cfg.ray.address}")
+            placed = placement(cfg, _live_nodes(cfg, ray), source=f"the cluster at {cfg.ray.address}")
             _check_file_sync(cfg, placed)
             print("arl.train: ray: " + placed.render().replace("\n", "\narl.train: ray: "), flush=True)
         _run(ray, cfg, placed, model_dir, demos, resume, actors, run_dir)
