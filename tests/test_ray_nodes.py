@@ -4,9 +4,11 @@ the tiny job on a simulated 3-node cluster with trainer ranks and engines on the
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,6 +105,10 @@ def test_simulated_nodes_resources_and_bad_input(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     with pytest.raises(ValueError, match="set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"):
         start_cluster([Node(0, 1, 0)], str(tmp_path / "t"))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "x" * 64)
+    with pytest.raises(ValueError, match="--temp-dir /tmp/" + "a" * 40 + " is longer than 40 characters"):
+        start_cluster([Node(0, 1, 0)], "/tmp/" + "a" * 40)
     assert sim_main(["--config", TINY, "--address-file", str(tmp_path / "a")]) == 2
     assert capsys.readouterr().err == "arl.cluster.sim: the config has no ray.nodes (the cluster's shape)\n"
 
@@ -122,10 +128,10 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                HOME=str(tmp_path))  # HOME: no ~/.ray/auth_token of this machine's other Ray runs
     addr, log = tmp_path / "address", tmp_path / "sim.log"
+    short = tempfile.mkdtemp(prefix="arl_sim_", dir="/tmp")  # Ray's socket paths under it: keep it short
     with open(log, "w") as f:
         sim = subprocess.Popen([sys.executable, "-m", "arl.cluster.sim", "--config", TINY, "--address-file",
-                                str(addr), "--temp-dir", str(tmp_path / "r"), THREE], env=env, stdout=f,
-                               stderr=subprocess.STDOUT)
+                                str(addr), "--temp-dir", short, THREE], env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         while not addr.exists() and sim.poll() is None and time.time() < deadline:
@@ -151,6 +157,7 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
     finally:
         sim.send_signal(signal.SIGTERM)
         sim.wait(timeout=120)
+        shutil.rmtree(short, ignore_errors=True)
     assert sim.returncode == 0, log.read_text()[-3000:]
 
 

@@ -26,6 +26,7 @@ from ..config import load_config
 from .placement import ROLE_RESOURCES, Node, cluster_nodes
 
 OBJECT_STORE_BYTES = 150 * 2**20  # per node: the run's objects are small (orders, batch refs)
+MAX_TEMP_DIR = 40  # + "/session_<date>_<time>_<pid>/sockets/plasma_store" stays within a socket path's 107
 
 
 def node_resources(node: Node) -> dict:
@@ -41,6 +42,10 @@ def start_cluster(nodes: List[Node], temp_dir: str, roles: bool = True):
     if os.environ.get("RAY_AUTH_MODE") != "token" or not os.environ.get("RAY_AUTH_TOKEN"):
         raise ValueError("arl.cluster.sim: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (the run joining the cluster "
                          "needs the same token)")
+    temp_dir = os.path.abspath(temp_dir)
+    if len(temp_dir) > MAX_TEMP_DIR:
+        raise ValueError(f"arl.cluster.sim: --temp-dir {temp_dir} is longer than {MAX_TEMP_DIR} characters: Ray's "
+                         "socket paths under it would pass the 107 characters of a Unix socket")
     os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     os.environ["RAY_TMPDIR"] = temp_dir  # ray_current_cluster and the sessions go here, not /tmp/ray
     from ray.cluster_utils import Cluster
