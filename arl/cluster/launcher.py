@@ -14,6 +14,7 @@ For now the CPU layout only (what the tests run); GPU layouts plan with ``--dry-
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -27,12 +28,20 @@ from ..launch import _write_config, model_dir_for, rollout_hooks, sft_demos
 from ..procs import free_port
 from ..rollout.worker import rollout_process
 from ..trainer.rank import trainer_rank
-from .placement import Node, placement
+from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
 AFTER_TRAINERS_S = 60.0  # how long the engines get to stop on their own once the trainers are done
 
 
-class TrainerActor:
+class _Where:
+    def node(self) -> str:
+        """The Ray node this actor runs on (where the launcher records it)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class TrainerActor(_Where):
     """One trainer rank (wrapped with ``ray.remote`` at launch: ray is imported only then)."""
 
     def master(self) -> tuple:
@@ -51,7 +60,7 @@ class TrainerActor:
                   (host, sync_port))
 
 
-class EngineActor:
+class EngineActor(_Where):
     """One rollout engine: the rollout process's loop, in this actor.  Ray restarts it when it dies
     (``ray.engine_restarts``) and runs ``run`` again; the new one tells trainer rank 0, which sends
     it where to start and the current weights (arl/trainer/restarts.py)."""
@@ -155,9 +164,43 @@ def _check_reachable(address: str, timeout_s: float) -> None:
 
 
 def cluster_of(ray) -> list:
-    """The connected cluster's alive nodes as placement nodes (their CPUs and GPUs)."""
+    """The connected cluster's alive nodes as placement nodes: CPUs, GPUs and the node role their
+    custom resources give (arl/cluster/placement.py: both or, on a cluster without any, neither:
+    role-less; one: that role; neither on a cluster with roles: no bundle)."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    return [Node(i, int(n["Resources"].get("CPU", 0)), int(n["Resources"].get("GPU", 0))) for i, n in enumerate(alive)]
+    roles = any(r in n["Resources"] for n in alive for r in ROLE_RESOURCES.values())
+    return [Node(i, int(n["Resources"].get("CPU", 0)), int(n["Resources"].get("GPU", 0)),
+                 _role(n["Resources"]) if roles else None, node_id=n["NodeID"], host=n.get("NodeManagerAddress", ""))
+            for i, n in enumerate(alive)]
+
+
+def _live_nodes(cfg: TrainConfig, ray) -> list:
+    """The joined cluster's nodes; one line when ``ray.nodes`` asks for node roles that none of
+    them carries (their bundles would otherwise land anywhere)."""
+    nodes = cluster_of(ray)
+    if any(g.role for g in cfg.ray.nodes) and not any(n.role for n in nodes):
+        res = " / ".join(ROLE_RESOURCES.values())
+        raise ValueError(f"ray.nodes gives node roles, but no node of the cluster at {cfg.ray.address} has {res}: "
+                         "start those nodes with ray start --resources '{\"arl_trainer\": 1}' (or "
+                         "'{\"arl_rollout\": 1}'), or drop the roles (docs/ray.md)")
+    return nodes
+
+
+def _role(resources: dict):
+    has = [role for role, r in ROLE_RESOURCES.items() if resources.get(r, 0) > 0]
+    return None if len(has) == len(ROLE_RESOURCES) else has[0] if has else NO_ROLE
+
+
+def _check_file_sync(cfg: TrainConfig, placed) -> None:
+    """File weight sync goes through trainer rank 0's /dev/shm: every engine must be on its machine
+    (simulated nodes on one machine are; a real second machine is not)."""
+    if cfg.rollout.sync_mode(cfg.layout.device, bool(cfg.layout.colocate)) != "file":
+        return
+    host = next(n.host for n in placed.nodes if placed.trainers[0] in n.bundles)
+    far = [b.name for n in placed.nodes for b in n.bundles if b.role == "rollout" and n.host != host]
+    if far:
+        raise ValueError(f"rollout.weight_sync: file needs every engine on trainer rank 0's machine ({host}); "
+                         f"{far[0]} is placed on another; use 'group'")
 
 
 def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
@@ -174,13 +217,16 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     model_dir = model_dir_for(cfg)
     run_dir = _write_config(cfg)
     demos = sft_demos(cfg, model_dir)
-    placed = placement(cfg)  # the local cluster's shape, sized to fit
+    # a local cluster is one node (this machine), sized to fit; ray.nodes is for a cluster to join
+    placed = placement(cfg, [Node(0, local_cpus(cfg), 0)], "local cluster (this machine)")
     ray = start_ray(cfg, cpus=placed.nodes[0].cpus)
     actors: list = []
     try:
-        if cfg.ray.address is not None:
-            placement(cfg, cluster_of(ray), source=cfg.ray.address)  # one line if the cluster is too small
-        _run(ray, cfg, placed, model_dir, demos, resume, actors)
+        if cfg.ray.address is not None:  # the plan on the live nodes (their roles); one line if it cannot fit
+            placed = placement(cfg, _live_nodes(cfg, ray), source=f"the cluster at {cfg.ray.address}")
+            _check_file_sync(cfg, placed)
+            print("arl.train: ray: " + placed.render().replace("\n", "\narl.train: ray: "), flush=True)
+        _run(ray, cfg, placed, model_dir, demos, resume, actors, run_dir)
     finally:
         for a in actors:  # at once: workers left to notice a stopped cluster linger for tens of seconds
             ray.kill(a)
@@ -188,15 +234,18 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     return run_dir
 
 
-def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: bool, actors: list) -> None:
-    """Places the groups and actors (appended to ``actors``, for the caller to kill) and runs them."""
+def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: bool, actors: list,
+         run_dir: Path) -> None:
+    """Places the groups and actors (appended to ``actors``, for the caller to kill), records where
+    each runs (``ray_actors.json``) and runs them."""
     from ray.util.placement_group import placement_group
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
 
     # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
-    trainers_pg = placement_group([b.resources() for b in placed.trainers], strategy="PACK")
-    engine_pgs = [placement_group([b.resources()], strategy="STRICT_PACK") for b in placed.engines]
+    roles = placed.roles  # the bundles then ask for their role's resource: only nodes of that role take them
+    trainers_pg = placement_group([b.ray_resources(roles) for b in placed.trainers], strategy="PACK")
+    engine_pgs = [placement_group([b.ray_resources(roles)], strategy="STRICT_PACK") for b in placed.engines]
     try:
         ray.get([pg.ready() for pg in [trainers_pg, *engine_pgs]], timeout=cfg.ray.connect_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -215,6 +264,8 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
                              scheduling_strategy=InGroup(placement_group=trainers_pg, placement_group_bundle_index=i))
              .remote() for i, b in enumerate(placed.trainers)]
     actors += engines + ranks
+    _record_nodes(ray, run_dir, {f"engine {e}": a for e, a in enumerate(engines)} |
+                  {f"trainer rank {r}": a for r, a in enumerate(ranks)})
     running = {a.run.remote(cfg_dict, model_dir, batches, orders[e], e, hooks): f"engine {e}"
                for e, a in enumerate(engines)}
     master = ray.get(ranks[0].master.remote())
@@ -222,6 +273,18 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, resume):
                     f"trainer rank {r}" for r, a in enumerate(ranks)})
     _wait(ray, running)
+
+
+def _record_nodes(ray, run_dir: Path, named: dict) -> None:
+    """Where each actor runs, as its node says (not the plan): one line and ``ray_actors.json``
+    ({actor: {node_id, host, role}}; role: the node's, from its resources)."""
+    ids = dict(zip(named, ray.get([a.node.remote() for a in named.values()])))
+    nodes = {n.node_id: n for n in cluster_of(ray)}
+    where = {name: {"node_id": i, "host": nodes[i].host if i in nodes else "",
+                    "role": (nodes[i].role or "any") if i in nodes else "?"} for name, i in ids.items()}
+    (run_dir / "ray_actors.json").write_text(json.dumps(where, indent=2))
+    print("arl.train: ray: actors on nodes " + ", ".join(f"{k} {v['node_id'][:8]}" for k, v in where.items()),
+          flush=True)
 
 
 def _wait(ray, running: dict) -> None:

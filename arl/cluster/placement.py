@@ -10,9 +10,13 @@ it into placement groups).
   of trainer bundles ``[e*g, (e+1)*g)`` (fractional GPU requests inside the trainers' group).
 
 Node roles (``ray.nodes[].role``): trainer bundles go to ``trainer`` or role-less nodes, engine
-bundles to ``rollout`` or role-less ones (dedicated rollout nodes).  The fit below is arl's plan
-(first fit in node order, trainers first); Ray makes the actual choice among nodes that fit, so a
-plan that does not fit here cannot be scheduled there either (same totals per node).
+bundles to ``rollout`` or role-less ones (dedicated rollout nodes).  On a Ray cluster a role is a
+custom resource of the node (``ROLE_RESOURCES``: ``ray start --resources '{"arl_trainer": 1}'``; a
+role-less node has both, a node with neither takes no bundle once any node has one); each bundle
+then asks ``ROLE_SHARE`` of its role's resource, so Ray can only put it on a node of its role.  The
+fit below is arl's plan (first fit in node order, trainers first); Ray makes the actual choice among
+nodes that fit, so a plan that does not fit here cannot be scheduled there either (same totals per
+node, same roles).
 """
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ..config import TrainConfig
+
+# a node's role as Ray sees it: a custom resource of the node (any positive amount)
+ROLE_RESOURCES = {"trainer": "arl_trainer", "rollout": "arl_rollout"}
+ROLE_SHARE = 0.001  # what one bundle asks of its role's resource: a node with 1 of it takes 1000 bundles
+NO_ROLE = "none"  # a live node without either role resource on a cluster that uses roles: it takes no bundle
 
 
 @dataclass(frozen=True)
@@ -34,14 +43,21 @@ class Bundle:
         """The bundle as Ray writes it."""
         return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
 
+    def ray_resources(self, roles: bool) -> dict:
+        """What the bundle asks of Ray: its CPUs/GPUs, and on a cluster with node roles a share of
+        its role's resource (only nodes of its role, or role-less ones, have it)."""
+        return {**self.resources(), **({ROLE_RESOURCES[self.role]: ROLE_SHARE} if roles else {})}
+
 
 @dataclass
 class Node:
     index: int
     cpus: Optional[int]  # None: not known (a GPU layout without ray.nodes): CPUs are not checked
     gpus: int
-    role: Optional[str] = None
+    role: Optional[str] = None  # trainer | rollout | None (either) | NO_ROLE (neither)
     bundles: List[Bundle] = field(default_factory=list)
+    node_id: str = ""  # a live node's Ray id (cluster_of); empty for a planned one
+    host: str = ""  # a live node's address: simulated nodes on one machine share it
 
     def free(self) -> tuple:
         cpus = None if self.cpus is None else self.cpus - sum(b.cpus for b in self.bundles)
@@ -108,6 +124,11 @@ class Placement:
     n_engines: int
     launcher: str = "ray"
 
+    @property
+    def roles(self) -> bool:
+        """Node roles in use: the bundles then carry their role's resource (``Bundle.ray_resources``)."""
+        return any(n.role for n in self.nodes)
+
     def node_of(self, name: str) -> int:
         return next(n.index for n in self.nodes if any(b.name == name for b in n.bundles))
 
@@ -124,11 +145,17 @@ class Placement:
             dp = max(1, e[0].gpus // self.tensor_parallel) if e[0].gpus else 1
             par = f" (tensor parallel {self.tensor_parallel} x data parallel {dp})" if e[0].gpus else ""
             lines.append(f"  engines: {len(e)} placement group(s), STRICT_PACK, 1 bundle {_res(e[0])} each{par}")
+        if self.roles:
+            res = ", ".join(f"{v} ({k})" for k, v in ROLE_RESOURCES.items())
+            lines.append(f"  node roles: Ray custom resources {res}; each bundle asks {ROLE_SHARE:g} of its role's "
+                         "(a role-less node has both)")
         for n in self.nodes:
             gpus, cpus = n.free()
             shape = f"{n.gpus} GPUs, {'?' if n.cpus is None else n.cpus} CPUs"
+            shape += f", id {n.node_id[:8]}" if n.node_id else ""
             used = f"{n.gpus - gpus}/{n.gpus} GPUs" + ("" if n.cpus is None else f", {n.cpus - cpus}/{n.cpus} CPUs")
-            lines.append(f"  node {n.index} ({n.role or 'any role'}; {shape}): {_names(n.bundles)}  [{used} used]")
+            role = "no arl role" if n.role == NO_ROLE else n.role or "any role"
+            lines.append(f"  node {n.index} ({role}; {shape}): {_names(n.bundles)}  [{used} used]")
         return "\n".join(lines)
 
 

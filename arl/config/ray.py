@@ -19,7 +19,8 @@ class NodeGroup(_Section):
     gpus: int = Field(0, ge=0, description="GPUs of each node.")
     role: Optional[Literal["trainer", "rollout"]] = Field(
         None, description="trainer: only trainer ranks are placed here; rollout: only engines (dedicated rollout "
-        "nodes); null: either.")
+        "nodes); null: either. On a Ray cluster: the node's custom resource arl_trainer / arl_rollout (both: "
+        "null; docs/ray.md).")
 
 
 class RayConfig(_Section):
@@ -32,8 +33,9 @@ class RayConfig(_Section):
         60.0, gt=0, description="Seconds to reach ray.address (and for the placement groups to be scheduled) before "
         "the run fails with one line.")
     nodes: list[NodeGroup] = Field(
-        [], description="Cluster shape --dry-run plans against when no cluster is reachable: a list of {count, cpus, "
-        "gpus, role}; empty: layout.nodes x layout.gpus_per_node (CPU layout: this machine).")
+        [], description="Cluster shape --dry-run plans against (a joined cluster's live nodes replace it at launch; "
+        "python -m arl.cluster.sim starts it on this machine): a list of {count, cpus, gpus, role}; empty: "
+        "layout.nodes x layout.gpus_per_node (CPU layout: this machine).")
     gpus_per_engine: Optional[int] = Field(
         None, ge=1, description="GPUs of one rollout engine (tensor parallel x vLLM data parallel), one node's; "
         "null: layout.rollout_gpus, else rollout.tensor_parallel.")
