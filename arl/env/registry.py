@@ -10,6 +10,7 @@ from typing import Callable, Dict, Type
 
 from ..config import EnvConfig
 from .base import Environment
+from .unavailable import UNAVAILABLE
 
 ENVIRONMENTS: Dict[str, Type[Environment]] = {}
 
@@ -26,6 +27,8 @@ def env_class(name: str) -> Type[Environment]:
     """The class ``name`` stands for; a one-line ValueError naming what is wrong otherwise."""
     if ":" not in name:
         if name not in ENVIRONMENTS:
+            if name in UNAVAILABLE:  # an ecosystem package arl cannot carry yet: say why
+                raise ValueError(UNAVAILABLE[name])
             raise ValueError(f"env: unknown {name!r}; choose from {sorted(ENVIRONMENTS)} or give 'module:Class'")
         return ENVIRONMENTS[name]
     module, _, attr = name.partition(":")
