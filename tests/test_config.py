@@ -128,9 +128,9 @@ def test_one_error_formatter_for_every_section():
 def test_wandb_without_the_package_is_a_dry_run_error(monkeypatch, capsys):
     """logging.wandb set but wandb not installed: one line at config time (so --dry-run catches it),
     with the pip line; off (the default) needs no wandb."""
-    import arl.config.schema as schema
+    import arl.config.log_config as log_config
 
-    monkeypatch.setattr(schema, "find_spec", lambda name: None)
+    monkeypatch.setattr(log_config, "find_spec", lambda name: None)
     assert load_config(None).logging.wandb is None
     assert main(["--dry-run", "logging.wandb={project: p}"]) == 2
     err = capsys.readouterr().err.strip()
