@@ -199,6 +199,20 @@ def test_whitened_advantages_by_hand():
     one = Critic(cfg)
     one.begin_step(mbs[1:2], olds[1:2], torch.device("cpu"))
     assert one.micro_batch(olds[1], olds[1], mbs[1], torch.zeros(1, dtype=torch.float64))[0].tolist() == [0.0]
+    # a step whose advantages barely spread (all episodes agree: critic noise) is divided by the floor,
+    # not by its own std: the noise stays small instead of becoming unit advantages
+    quiet = [torch.tensor([0.01, 0.0], dtype=torch.float64), torch.tensor([-0.01], dtype=torch.float64)]
+    flat = [_MB([0, 1], [0, 1], [0, 0], [0.0, 0.0], normalizer=3.0), _MB([0], [0], [0], [0.0], normalizer=3.0)]
+    for floor in (0.1, 0.0):
+        q = Critic(CriticConfig(gamma=1.0, lam=1.0, clip=None, whiten=True, whiten_min_std=floor))
+        q.begin_step(flat, quiet, torch.device("cpu"))
+        raw_q = np.array([-0.01, 0.0, 0.01])
+        scale = max(np.sqrt(raw_q.var() + 1e-8), floor)
+        got = q.micro_batch(quiet[0], quiet[0], flat[0], torch.zeros(2, dtype=torch.float64))[0].tolist()
+        assert got == pytest.approx(((raw_q[:2] - raw_q.mean()) / scale).tolist())
+    assert max(abs(x) for x in got) > 1.0  # no floor: the noise is scaled up to unit size
+    with pytest.raises(ValueError, match="whiten_min_std: set, but critic.whiten is false"):
+        CriticConfig(whiten_min_std=0.2)
     # whitening without the step's old values, or before begin_step: one line each
     with pytest.raises(ValueError, match="critic.whiten: needs the step's old values"):
         Critic(cfg).begin_step(mbs[:1], None, torch.device("cpu"))

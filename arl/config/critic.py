@@ -36,6 +36,10 @@ class CriticConfig(BaseModel):
     whiten: bool = Field(
         False, description="Shift and scale the GAE advantages to mean 0, variance 1 over the step's chunks (all "
         "ranks); costs a no-grad forward per step; value targets stay the raw returns.")
+    whiten_min_std: float = Field(
+        0.1, ge=0, description="With whiten: the advantages are divided by max(their std, this), in reward units. A "
+        "step whose episodes all agree (all fail, or all succeed) has advantages that are only the critic's own "
+        "bootstrap noise (std ~0.005 measured); dividing by their std would turn that noise into unit advantages.")
 
     @model_validator(mode="after")
     def _check(self) -> "CriticConfig":
@@ -44,4 +48,6 @@ class CriticConfig(BaseModel):
             # policy's param group (Adam's state and step count) and its lr schedule
             raise ValueError("warmup_steps: needs critic.model: separate (the shared value head is stepped by "
                              "the policy's optimizer, which a warm-up must leave untouched)")
+        if not self.whiten and self.whiten_min_std != type(self).model_fields["whiten_min_std"].default:
+            raise ValueError("whiten_min_std: set, but critic.whiten is false (the floor acts only on whitened advantages)")
         return self

@@ -28,11 +28,14 @@ normalizer).  With one update per batch V_old is the gradient pass's own value, 
 logprobs are), so the clip cannot bite on that update; with more updates the old pass gives V_old.
 
 ``whiten``: the chunks' GAE advantages are shifted and scaled to mean 0 and variance 1 over the whole
-step (every rank's chunks, each chunk once), A' = (A - mean) / sqrt(var + 1e-8), before the loss
-takes them; the value target stays G = A + V_old.  The step's mean and variance need every chunk's
+step (every rank's chunks, each chunk once), A' = (A - mean) / max(sqrt(var + 1e-8), whiten_min_std),
+before the loss takes them; the value target stays G = A + V_old.  The step's mean and variance need every chunk's
 old value before the first micro-batch's loss, so whitening always runs the old pass.  Why: with
 raw advantages a head that lags the returns makes nearly every chunk's advantage positive, and one
-that overshoots makes nearly every one negative; whitened, the step always pushes both ways.
+that overshoots makes nearly every one negative; whitened, the step always pushes both ways.  The
+floor (``whiten_min_std``, reward units) is for steps whose episodes all agree: their advantages are
+the critic's bootstrap noise alone (std 0.005 on the long-horizon task's all-fail steps), which a
+plain whitening scales up to unit advantages that push the policy at random.
 
 Whether the critic learns (``step_metrics``): ``value/explained_var`` (1 - Var(G - V) / Var(G)),
 calibration by turn index (``value/calib/turn{k}_pred`` vs ``_return``: the mean value and mean
@@ -119,7 +122,7 @@ class Critic:
             return {}
         mean = tot / n
         var = max(sq / n - mean * mean, 0.0)
-        self.white = (mean, (var + WHITEN_EPS) ** -0.5)
+        self.white = (mean, max(var + WHITEN_EPS, self.cfg.whiten_min_std ** 2) ** -0.5)
         return {"value/adv_raw_mean": mean, "value/adv_raw_std": var ** 0.5}
 
     def values(self, model, hidden: torch.Tensor, mb) -> torch.Tensor:
