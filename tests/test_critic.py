@@ -380,3 +380,34 @@ def test_prompt_ev_ceiling_by_hand():
     got = prompt_ev_ceiling(trajs([0, 0, 0, 1, 1, 1]), np.array([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
     assert got["value/prompt_ev_ceiling"] == pytest.approx(0.5)
     assert prompt_ev_ceiling(trajs(gids), np.ones(4)) == {}
+
+
+def test_state_ev_ceiling_by_hand():
+    """Chunks share a state when every token before them agrees; the ceiling is 1 - the mean unbiased
+    within-state variance of the outcome over the revisited states' chunks / their unbiased variance."""
+    from arl.stabilizers.advantages import state_ev_ceiling
+
+    def traj(turn2: int):  # prompt [1 2], turn 1 [3 4], observation [5], turn 2 [turn2 6]
+        return Trajectory(tokens=np.array([1, 2, 3, 4, 5, turn2, 6]), chunk_ids=np.array([-1, -1, 0, 0, -1, 1, 1]),
+                          rollout_logp=np.zeros(7))
+
+    # four samples share turn 1's state; turn 2's state is shared too (same turn 1 and observation)
+    trajs = [traj(7), traj(8), traj(7), traj(8)]
+    r = np.array([1.0, 0.0, 1.0, 0.0])
+    got = state_ev_ceiling(trajs, r)
+    # two states, each {1, 0, 1, 0}: nothing explained (unbiased: within 1/3 per state against 2/7 over
+    # the 8 chunks, so a little below 0), full coverage
+    assert got == {"value/state_ev_ceiling": pytest.approx(1 - (1 / 3) / (2 / 7)), "value/state_ev_coverage": 1.0}
+    # a different turn 1 makes turn 2's state differ: [1 2 3 9 5 ...] vs [1 2 3 4 5 ...]
+    t2 = [traj(7), traj(7)]
+    t2 += [Trajectory(tokens=np.array([1, 2, 3, 9, 5, 7, 6]), chunk_ids=t2[0].chunk_ids, rollout_logp=np.zeros(7))
+           for _ in range(2)]
+    got = state_ev_ceiling(t2, np.array([1.0, 1.0, 0.0, 0.0]))
+    # states: turn-1 {1,1,0,0} (4 chunks), turn-2 A {1,1}, turn-2 B {0,0}; g = [1,1,0,0,1,1,0,0]
+    g = np.array([1, 1, 0, 0, 1, 1, 0, 0], dtype=float)
+    within = (4 * np.var([1, 1, 0, 0], ddof=1) + 0 + 0) / 8
+    assert got["value/state_ev_ceiling"] == pytest.approx(1 - within / g.var(ddof=1))
+    assert got["value/state_ev_coverage"] == 1.0
+    # no state visited twice, or all outcomes equal: no figure
+    assert state_ev_ceiling(t2[:1], np.array([1.0])) == {}
+    assert state_ev_ceiling(trajs, np.ones(4)) == {}

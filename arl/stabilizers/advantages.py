@@ -92,6 +92,36 @@ def prompt_ev_ceiling(trajs: Sequence[Trajectory], rewards: np.ndarray) -> dict:
     return {"value/prompt_ev_ceiling": float(1.0 - within / total)}
 
 
+def state_ev_ceiling(trajs: Sequence[Trajectory], rewards: np.ndarray) -> dict:
+    """``value/state_ev_ceiling``: how much of the outcome a value of the exact state could explain, on
+    the states the step visited more than once.  A chunk's state is everything before its first token
+    (prompt, earlier turns, observations), so two chunks share a state only when their prefixes are the
+    same tokens; the samples of such a state differ only by what the policy and the env do after it.
+    1 - E[Var(G | state)] / Var(G) over those chunks, each variance with n - 1 (unbiased: what a value
+    function could explain on fresh samples from these states).  ``value/state_ev_coverage``: the share
+    of the step's chunks that are in a revisited state (early turns, where groups still agree, more
+    than late ones).  Left out when no state is revisited or their outcomes all agree."""
+    keys: dict = {}
+    for t, r in zip(trajs, np.asarray(rewards, dtype=np.float64)):
+        if t.status is TrajectoryStatus.FILTERED:
+            continue
+        ids = t.chunk_ids
+        starts = np.flatnonzero((ids >= 0) & (np.r_[-1, ids[:-1]] != ids))
+        for s in starts:
+            keys.setdefault(t.tokens[:s].tobytes(), []).append(float(r))
+    n_all = sum(len(v) for v in keys.values())
+    seen = [np.asarray(v) for v in keys.values() if len(v) > 1]
+    n = sum(v.size for v in seen)
+    if n < 2:
+        return {}
+    g = np.concatenate(seen)
+    total = g.var(ddof=1)
+    if total <= 1e-12:
+        return {}
+    within = sum(v.size * v.var(ddof=1) for v in seen) / n
+    return {"value/state_ev_ceiling": float(1.0 - within / total), "value/state_ev_coverage": n / n_all}
+
+
 def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
                     cfg: Optional[StabilizerConfig] = None, algo: Optional[AlgoConfig] = None) -> StepAdvantages:
     """The step's advantages (see the module doc) with their metrics.  Under a critic estimator
@@ -111,6 +141,7 @@ def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
         per_chunk, chunk_rew, m = critic_chunk_inputs(out, rewards, loss_cfg, cfg.turn_credit, est, eps)
         metrics.update(m)
         metrics.update(prompt_ev_ceiling(out, rewards))
+        metrics.update(state_ev_ceiling(out, rewards))
     elif cfg.turn_credit.enabled:
         tc = cfg.turn_credit
         per_chunk, m = turn_advantages(out, adv, loss_cfg, weight=tc.weight, process_reward=tc.process_reward,
