@@ -270,6 +270,9 @@ def _critic_bytes(pl: Plan, cfg: TrainConfig, a: ArchConfig, P: int, per_param: 
                         "second forward and backward per micro-batch")
         if cfg.critic.warmup_steps:
             pl.notes.append(f"critic.warmup_steps: the first {cfg.critic.warmup_steps} steps train the critic alone")
+        if cfg.critic.epochs > 1:
+            pl.notes.append(f"critic.epochs: {cfg.critic.epochs} critic passes per step ({cfg.critic.epochs - 1} more "
+                            "critic forwards and backwards of the step's tokens, and the old pass every step)")
     else:
         head = per_param * (H + 1)
         kept = {"critic head+grads+optim": head}

@@ -22,6 +22,8 @@ def test_config_options_and_one_line_errors():
         (*GAE, "critic.warmup_steps=-1"): "critic.warmup_steps",
         (*GAE, "critic.model=twin"): "critic.model",
         (*GAE, "critic.model=separate", "model.lora.r=8"): "critic.model: separate does not take model.lora",
+        (*GAE, "critic.epochs=2"): "critic.epochs: needs critic.model: separate",
+        (*GAE, "critic.model=separate", "critic.epochs=0"): "critic.epochs",
     }
     for ov, msg in bad.items():
         with pytest.raises(ConfigError, match=msg) as e:
@@ -47,6 +49,9 @@ def test_dry_run_plan_counts_the_second_model():
     assert b["total (fused)"] == pytest.approx(off + b["critic model (ZeRO-2)"] + b["critic activations"])
     text = sep.render()
     assert "critic: a separate model" in text and "critic.warmup_steps: the first 2 steps" in text
+    assert "critic.epochs" not in text
+    four = plan(load_config("configs/tiny_cpu.yaml", GAE + ["critic.model=separate", "critic.epochs=4"])).render()
+    assert "critic.epochs: 4 critic passes per step (3 more critic forwards" in four
     # ZeRO-3 partitions the second model over the ranks as it does the policy
     z3 = plan(load_config("configs/tiny_cpu.yaml", GAE + ["critic.model=separate", "trainer.zero_stage=3"]))
     assert z3.trainer_bytes["critic model (ZeRO-3)"] == pytest.approx(16 / 2 * Pc)

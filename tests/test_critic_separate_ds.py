@@ -163,3 +163,53 @@ def test_separate_critic_two_ranks_as_one_zero_0_and_3(tmp_path):
                     torch.testing.assert_close(r[f"{k}_restored"][n], w, rtol=1e-6, atol=1e-7, msg=f"{what} {k} {n}")
             assert r["m2_restored"]["value/loss"] == pytest.approx(m2["value/loss"], rel=1e-6)
             assert r["copt_nonempty"] and r["copt_restored"], what
+
+
+EPOCHS = (1, 3)
+
+
+def _epochs_worker(rank, world, port, result_dir):
+    """ZeRO-3 on 2 ranks (empty micro-batches included): the same two steps with ``critic.epochs`` 1
+    and 3, no warm-up."""
+    from arl.trainer import PolicyTrainer
+    from arl.trainer.dist import init_distributed, set_rank_env
+    from arl.trainer.rank import update_on_batch
+
+    set_rank_env(rank, world, port)
+    init_distributed("cpu")
+    steps = [r[rank] for r in batches(world)]
+    steps = [s + [_empty(s[0])] if rank == 0 else [_empty(s[0])] + s for s in steps]
+    res = {}
+    for n in EPOCHS:
+        cfg = SEPARATE.model_copy(update={"warmup_steps": 0, "epochs": n})
+        tr = PolicyTrainer(tiny_qwen(), optim=OPTIM, zero_stage=3, total_steps=10, objective="critic", critic=cfg)
+        m1 = update_on_batch(tr, steps[0], LOSS, updates=1)
+        w1, c1 = _weights(tr), _critic_weights(tr)
+        again = update_on_batch(tr, steps[0], LOSS, updates=1)  # its first pass: the fit the step left
+        res[n] = {"m1": m1, "w1": w1, "c1": c1, "again": again, "steps": tr.objective.separate.steps}
+    if rank == 0:
+        torch.save(res, os.path.join(result_dir, "epochs.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    from arl.procs import exit_process
+
+    exit_process(0)
+
+
+def test_critic_epochs_fit_the_step_again_and_leave_the_policy_update(tmp_path):
+    """``critic.epochs: 3``: the policy's update is the one epoch's (its advantages come from the values
+    before the step), the reported value figures are the first pass's, the warm-up count moves by one
+    trainer step, and the critic fits the batch closer than after one epoch."""
+    from arl.procs import free_port
+
+    mp.spawn(_epochs_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    res = torch.load(tmp_path / "epochs.pt")
+    one, three = res[1], res[3]
+    for n, w in one["w1"].items():
+        torch.testing.assert_close(three["w1"][n], w, rtol=1e-5, atol=1e-7, msg=n)
+    assert three["m1"]["value/loss"] == pytest.approx(one["m1"]["value/loss"], rel=1e-6)
+    assert one["steps"] == three["steps"] == 2
+    assert any(not torch.equal(three["c1"][n], c) for n, c in one["c1"].items())
+    assert three["again"]["value/loss"] < one["again"]["value/loss"]

@@ -19,6 +19,11 @@ class CriticConfig(BaseModel):
     warmup_steps: int = Field(
         0, ge=0, description="The first N optimizer steps fit only the critic, on rollouts of the frozen start "
         "policy (its weights, optimizer state and lr schedule untouched); needs model: separate.")
+    epochs: int = Field(
+        1, ge=1, description="Passes of the separate critic over each step's micro-batches, one optimizer step each "
+        "(verl's critic ppo_epochs): the later passes fit the same targets (the first pass's GAE returns, value clip "
+        "around its values); costs one more critic forward and backward of the step's tokens per pass; needs model: "
+        "separate.")
 
     gamma: float = Field(
         1.0, gt=0, le=1, description="GAE discount per chunk (model turn), in (0, 1]; the loss's own gamma does not "
@@ -48,6 +53,9 @@ class CriticConfig(BaseModel):
             # policy's param group (Adam's state and step count) and its lr schedule
             raise ValueError("warmup_steps: needs critic.model: separate (the shared value head is stepped by "
                              "the policy's optimizer, which a warm-up must leave untouched)")
+        if self.epochs > 1 and self.model != "separate":
+            # the shared head's extra passes would run the policy's trunk and step its optimizer
+            raise ValueError("epochs: needs critic.model: separate (the shared head is stepped by the policy's optimizer)")
         if not self.whiten and self.whiten_min_std != type(self).model_fields["whiten_min_std"].default:
             raise ValueError("whiten_min_std: set, but critic.whiten is false (the floor acts only on whitened advantages)")
         return self

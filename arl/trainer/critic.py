@@ -191,6 +191,10 @@ class Critic:
         for row, x in enumerate((torch.ones_like(vd), vd, r)):
             self.calib[row].index_add_(0, b, x)
 
+    def discard(self) -> None:
+        """Drop the sums recorded since the last ``step_metrics`` (the separate critic's later epochs)."""
+        self._restart()
+
     def step_metrics(self, device) -> dict:
         """``value/*`` over the whole step (every rank; a collective), then the sums restart."""
         both = all_sum(torch.cat([self.sums, self.calib.flatten()]), device)

@@ -88,14 +88,16 @@ class CriticModel:
         if torch.is_grad_enabled():
             self.backward(zero)
 
-    def step(self, apply: bool) -> dict:
+    def step(self, apply: bool, count: bool = True) -> dict:
         """The critic's optimizer step; without a value point on any rank (``apply`` false) at lr 0, so
-        Adam's momentum does not move it (the policy's rule, PolicyTrainer._finish_step)."""
+        Adam's momentum does not move it (the policy's rule, PolicyTrainer._finish_step).  ``count``:
+        the step is a trainer step's first (the warm-up counts trainer steps, not ``critic.epochs``'
+        extra passes; the critic's lr schedule advances on every optimizer step)."""
         if not apply:
             for g in self.opt.param_groups:
                 g["lr"] = 0.0
         self.engine.step()
-        self.steps += 1
+        self.steps += int(count)
         out = {"critic/lr": float(self.sched.get_last_lr()[0])}
         gn = self.engine.get_global_grad_norm()  # None where DeepSpeed keeps no norm (ZeRO 0)
         if gn is not None:

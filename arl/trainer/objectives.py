@@ -223,8 +223,9 @@ class CriticObjective(Objective):
             raise ValueError("algo.objective: critic needs the critic section (CriticConfig)")
         self.critic = Critic(critic)
         self.model = None
-        # whitening needs every chunk's old value before the step's first loss
-        self.needs_old_pass = bool(critic.whiten)
+        # whitening needs every chunk's old value before the step's first loss; the critic's later
+        # epochs fit the first pass's targets, which the old values fix
+        self.needs_old_pass = bool(critic.whiten) or critic.epochs > 1
 
     @classmethod
     def resolve(cls, critic) -> type:
@@ -285,6 +286,7 @@ class SeparateCriticObjective(CriticObjective):
     def __init__(self, backend: str, critic=None):
         super().__init__(backend, critic)
         self.separate = None
+        self._fit = None  # the step's (micro-batches, old values): what the critic's later epochs fit again
 
     def prepare_model(self, model, lr):
         self.separate = CriticModel(self.critic, model, lr)  # the start weights, before DeepSpeed wraps either
@@ -293,8 +295,24 @@ class SeparateCriticObjective(CriticObjective):
     def build(self, build_engine, device, attn: str) -> None:
         self.separate.build(build_engine, device, attn)
 
+    def begin_step(self, mbs, old_values, device) -> dict:
+        self._fit = (mbs, old_values)
+        return self.critic.begin_step(mbs, old_values, device)
+
     def _values(self, mb, fwd) -> torch.Tensor:
         return self.separate.values(mb)
+
+    def _value_pass(self, mbs, old_values, device) -> None:
+        """One critic forward and backward over the step's micro-batches (values against the targets
+        from ``old_values``; without them, from this pass's own values)."""
+        for i, mb in enumerate(mbs):
+            if mb.is_empty:
+                self.separate.empty()
+                continue
+            v = self.separate.values(mb)
+            old_v = v.detach() if old_values is None else old_values[i].to(device)
+            _, vloss = self.critic.micro_batch(v, old_v, mb, _segments(mb)["advantages"])
+            self.separate.backward(self.critic.cfg.value_coef * vloss)
 
     def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
         out, vloss = self._losses(mb, fwd, loss_cfg, device)
@@ -310,7 +328,15 @@ class SeparateCriticObjective(CriticObjective):
 
     def end_step(self, device) -> dict:
         value = self.critic.step_metrics(device)  # a collective: the same on every rank
-        return {**value, **self.separate.step(apply=bool(value)), "critic/warmup": 0.0}
+        out = self.separate.step(apply=bool(value))
+        if value and self.critic.cfg.epochs > 1:
+            mbs, old_values = self._fit
+            for _ in range(self.critic.cfg.epochs - 1):
+                self._value_pass(mbs, old_values, device)
+                self.separate.step(apply=True, count=False)
+            self.critic.discard()  # the metrics are the first pass's (the values before this step's fit)
+        self._fit = None
+        return {**value, **out, "critic/warmup": 0.0}
 
     @staticmethod
     def has_signal(metrics: dict, loss_cfg: LossConfig, end: Optional[dict] = None) -> bool:
@@ -322,15 +348,8 @@ class SeparateCriticObjective(CriticObjective):
     def frozen_step(self, mbs, old_values, device) -> dict:
         """A warm-up step: the critic alone fits values on the frozen policy's rollouts; the policy runs
         no forward, backward or optimizer step, so its weights, Adam state and lr schedule stay."""
-        begin = self.critic.begin_step(mbs, old_values, device)
-        for i, mb in enumerate(mbs):
-            if mb.is_empty:
-                self.separate.empty()
-                continue
-            v = self.separate.values(mb)
-            old_v = v.detach() if old_values is None else old_values[i].to(device)
-            _, vloss = self.critic.micro_batch(v, old_v, mb, _segments(mb)["advantages"])
-            self.separate.backward(self.critic.cfg.value_coef * vloss)
+        begin = self.begin_step(mbs, old_values, device)
+        self._value_pass(mbs, old_values, device)
         return {**self.end_step(device), **begin, "critic/warmup": 1.0}
 
     def save_state(self, directory: str, tag: str) -> None:
