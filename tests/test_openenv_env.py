@@ -77,11 +77,48 @@ def test_a_server_that_dies_mid_episode_is_a_recoverable_fault_and_the_next_rese
     asyncio.run(go())
 
 
+class DieOnce:
+    """A scripted engine: the first turn ever says "die" (the server exits); every later turn "go"."""
+
+    version = 0
+
+    def __init__(self, tok):
+        self.tok, self.died = tok, False
+
+    async def generate_one(self, tokens, sampling):
+        out, self.died = ("go" if self.died else "die"), True
+        ids = self.tok.encode(out, add_special_tokens=False)
+        return Sample(ids, [0.0] * len(ids), out, "stop")
+
+
+def test_the_rollout_manager_retries_the_episode_on_a_restarted_server(tiny_tokenizer):
+    """arl's fault rules: the recoverable episode is retried on the pooled instance, whose reset
+    starts a new server, and the batch is whole."""
+    from arl.config import RolloutConfig
+    from arl.rollout import RolloutManager
+
+    fmt = ChatFormat(tiny_tokenizer)
+
+    async def go():
+        m = RolloutManager(DieOnce(tiny_tokenizer), lambda: make_env("openenv", **FAKE), fmt, tasks=range(10),
+                           groups_per_step=1, pool_size=1,
+                           config=RolloutConfig(group_size=1, tasks_per_step=1, retries=1, staleness=0),
+                           episode=EpisodeConfig(max_turns=4, sampling=SamplingConfig(max_tokens=8, stop=())))
+        async with m:
+            return await m.get_batch()
+
+    b = asyncio.run(go())
+    (t,) = b.trajectories
+    assert t.metadata["attempts"] == 2 and t.metadata["fault"] == "none" and t.reward == 1.5
+    assert b.metrics["rollout/retries"] == 1
+
+
 @pytest.mark.parametrize("turn,why", [("badjson", "JSONDecodeError: Expecting value"),
                                       ("error", "RuntimeError: EXECUTION_ERROR: step raised KeyError: 'x'"),
-                                      ("nan", "ValueError: reward nan is not a finite number")])
+                                      ("nan", "ValueError: reward nan is not a finite number"),
+                                      ("slow", "TimeoutError: no reply within 2s")])
 def test_bad_replies_are_recoverable_faults_and_the_next_episode_goes_on(turn, why):
-    env = make_env("openenv", **FAKE)
+    env = make_env("openenv", **dict(FAKE, timeout_s=2.0))  # a late reply is not read as the next one's
 
     async def go():
         try:
@@ -185,7 +222,12 @@ def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert sorted(recs) == [0, 1, 2, 3] and "success/heldout" in recs[0] and "success/heldout" in recs[3]
     assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
-    row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
-    assert row["fault"] == "none"  # the held-out episode reached the server and back
-    obs = [t["text"] for t in row["transcript"]["turns"] if t["role"] == "observation"]
+    # no episode failed to reset (masked) or broke mid-episode (retried): every one reached the server
+    assert all(recs[s]["rollout/num_masked"] == 0 and recs[s]["rollout/retries"] == 0 for s in (1, 2, 3)), recs
+    rows = [json.loads(x) for x in (out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()]
+    assert rows and all(r["fault"] == "none" for r in rows)
+    tr = rows[0]["transcript"]
+    assert "I am thinking of a whole number from 1 to 20." in tr["prompt"]  # the server's reset observation
+    obs = [t["text"] for t in tr["turns"] if t["role"] == "observation"]
     assert obs and all("user" in o and "tool" not in o for o in obs)
+    assert all(any(w in o for w in ("Higher.", "Lower.", "Answer with one number.")) for o in obs), obs

@@ -1,7 +1,7 @@
-"""The client side of ``env.name: openenv`` (arl/env/openenv_env.py): OpenEnv's reply format and its
-server processes, one per process and app, started from OpenEnv's own venv as ``python -m uvicorn APP`` on a free local port, waited
-for on ``/health``, replaced when it dies, stopped when arl exits (and exiting by itself when arl dies
-without a word: arl holds its stdin).  Its stderr is kept for the one-line errors."""
+"""The client side of ``env.name: openenv`` (arl/env/openenv_env.py): OpenEnv's reply format and
+its server processes, one per arl process and app: uvicorn from OpenEnv's own venv on a free local
+port, waited for on ``/health``, replaced when it dies, stopped when arl exits (and exiting by itself
+when arl dies without a word: arl holds its stdin).  Their stderr is kept for the one-line errors."""
 from __future__ import annotations
 
 import atexit
@@ -21,7 +21,8 @@ INSTALL_HINT = "bash install.sh --openenv"
 _SERVERS: Dict[tuple, "_Server"] = {}
 _LOCK = threading.Lock()
 # uvicorn's own command line, plus a watchdog: the server exits when arl (holding its stdin) is gone
-_BOOT = "import os, sys, threading, uvicorn; threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start(); uvicorn.main()"
+_BOOT = ("import os, sys, threading, uvicorn; "
+         "threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start(); uvicorn.main()")
 
 
 class _Server:
@@ -34,7 +35,8 @@ class _Server:
         self.url, self.err = f"http://127.0.0.1:{port}", tempfile.TemporaryFile()
         self.proc = subprocess.Popen([python, "-c", _BOOT, app, "--host", "127.0.0.1", "--port", str(port),
                                       "--log-level", "warning"], cwd=cwd, stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=self.err, env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))
+                                     stdout=subprocess.DEVNULL, stderr=self.err,
+                                     env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))  # no Gradio UI
         deadline = time.monotonic() + start_timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             try:
@@ -43,7 +45,8 @@ class _Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        why = f"exited with code {self.proc.returncode}" if self.proc.poll() is not None else f"no /health within {start_timeout_s:g}s"
+        why = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
+               else f"no /health within {start_timeout_s:g}s")
         self.stop()
         raise ValueError(f"env.kwargs.server: OpenEnv server {app!r} failed to start ({why}; stderr: {self.tail()})")
 
@@ -87,7 +90,8 @@ def openenv_python(python: Optional[str] = None) -> str:
     venv = os.environ.get("ARL_OPENENV_VENV") or str(Path(__file__).resolve().parents[2] / ".venv-openenv")
     py = python or os.path.join(venv, "bin", "python")
     if not os.access(py, os.X_OK):
-        raise ValueError(f"env.name: openenv runs OpenEnv servers from their own venv, which is missing ({py}): {INSTALL_HINT}")
+        raise ValueError(f"env.name: openenv runs OpenEnv servers from their own venv, which is missing ({py}): "
+                         f"{INSTALL_HINT}")
     return py
 
 
@@ -108,5 +112,13 @@ def text_field(schema: dict, given: Optional[str], where: str) -> Optional[str]:
     props = {k: v for k, v in schema.get("properties", {}).items() if k not in ("metadata", "done", "reward")}
     texts = [k for k, v in props.items() if v.get("type") == "string"]
     if given is not None and given not in props:
-        raise ValueError(f"env.kwargs.{where}: {schema.get('title')!r} has no field {given!r} (fields: {sorted(props)})")
+        raise ValueError(f"env.kwargs.{where}: {schema.get('title')!r} has no field {given!r} "
+                         f"(fields: {sorted(props)})")
     return given if given is not None else (texts[0] if len(texts) == 1 else None)
+
+
+def observation_text(obs: dict, field: Optional[str]) -> str:
+    """What the model reads of an observation: its text field, else its fields as JSON."""
+    if field is not None:
+        return str(obs.get(field, ""))
+    return json.dumps({k: v for k, v in obs.items() if k != "metadata"})

@@ -43,7 +43,7 @@ from typing import Any, Dict, Optional
 import httpx
 
 from .base import Environment, Fault, StepResult
-from .openenv_client import openenv_python, reply_data, running, shared_server, text_field
+from .openenv_client import observation_text, openenv_python, reply_data, running, shared_server, text_field
 from .registry import register_env
 
 
@@ -72,11 +72,13 @@ class OpenEnvEnv(Environment):
         self.action_field = text_field(act, action_field, "action_field")
         missing = [k for k in act.get("required", []) if k not in (self.action_field, *self.defaults)]
         if self.action_field is None or missing:
-            raise ValueError(f"env.kwargs.action_field: OpenEnv action {act.get('title')!r} needs {missing or 'one text field'}; "
-                             "arl fills one text field (action_field) with the turn, the rest from action_defaults")
+            raise ValueError(f"env.kwargs.action_field: OpenEnv action {act.get('title')!r} needs "
+                             f"{missing or 'one text field'}; arl fills one text field (action_field) with the turn, "
+                             "the rest from action_defaults")
         self.observation_field = text_field(schema.get("observation", {}), observation_field, "observation_field")
         self.system_prompt, self.max_turns, self.timeout_s = system_prompt or "", int(max_turns), float(timeout_s)
-        self.reset_kwargs, self._url, self._ws, self._loop, self._active = dict(reset_kwargs or {}), url, None, None, False
+        self.reset_kwargs, self._url = dict(reset_kwargs or {}), url
+        self._ws, self._loop, self._active = None, None, False
 
     async def _send(self, msg: dict) -> dict:
         loop = asyncio.get_running_loop()
@@ -84,16 +86,15 @@ class OpenEnvEnv(Environment):
             from websockets.asyncio.client import connect
             self._ws, self._loop = await connect("ws" + self._url[4:] + "/ws", open_timeout=self.timeout_s,
                                                  max_size=None, proxy=None), loop
-        await self._ws.send(json.dumps(msg))
-        return reply_data(await asyncio.wait_for(self._ws.recv(), self.timeout_s))
+        try:
+            await self._ws.send(json.dumps(msg))
+            return reply_data(await asyncio.wait_for(self._ws.recv(), self.timeout_s))
+        except BaseException:  # broken, or cancelled (a step timeout) with a reply still due: a new session next time
+            self._drop()
+            raise
 
-    def _text(self, obs: dict) -> str:
-        if self.observation_field is not None:
-            return str(obs.get(self.observation_field, ""))
-        return json.dumps({k: v for k, v in obs.items() if k != "metadata"})
-
-    def _drop(self) -> None:  # a broken or out-of-step session: closed in the background, a new one next time
-        ws, self._ws, self._active = self._ws, None, False
+    def _drop(self) -> None:  # the session is closed in the background
+        ws, self._ws = self._ws, None
         if ws is not None and self._loop is asyncio.get_running_loop():
             self._closing = asyncio.ensure_future(ws.close())
 
@@ -105,10 +106,9 @@ class OpenEnvEnv(Environment):
         try:
             data = await self._send({"type": "reset", "data": {**self.reset_kwargs, "seed": int(seed)}})
         except Exception as e:
-            self._drop()
             raise ValueError(f"OpenEnv server {self.what!r} reset failed ({type(e).__name__}: {e})") from None
         self._return, self._turns, self._active = 0.0, 0, True
-        return self._text(data["observation"])
+        return observation_text(data["observation"], self.observation_field)
 
     async def step(self, action_text: str) -> StepResult:
         if not self._active:
@@ -122,9 +122,11 @@ class OpenEnvEnv(Environment):
         except Exception as e:
             await asyncio.sleep(0.05)  # a server killed under a call: let its exit be seen
             srv = running(self._key)
-            why = (f"OpenEnv server {self.what!r} died mid-episode (stderr: {srv.tail()})" if srv is not None and srv.dead
-                   else f"OpenEnv server {self.what!r}: {type(e).__name__}: {e}")
-            self._drop()
+            detail = str(e) or f"no reply within {self.timeout_s:g}s"
+            dead = srv is not None and srv.dead
+            why = (f"OpenEnv server {self.what!r} died mid-episode (stderr: {srv.tail()})" if dead
+                   else f"OpenEnv server {self.what!r}: {type(e).__name__}: {detail}")
+            self._active = False
             return StepResult(why, 0.0, True, {"fault": Fault.RECOVERABLE, "fault_reason": why})
         self._return += float(reward)
         obs = data["observation"]
@@ -136,7 +138,7 @@ class OpenEnvEnv(Environment):
         if data.get("done"):
             self._active = False
             return StepResult("", self._return, True, out)
-        return StepResult(self._text(obs), 0.0, False, out)
+        return StepResult(observation_text(obs, self.observation_field), 0.0, False, out)
 
     async def close(self) -> None:
         ws, self._ws, self._active = self._ws, None, False
