@@ -206,7 +206,7 @@ def test_the_real_openenv_server_plays_an_episode_in_the_user_role(tiny_tokenize
     assert "<|im_start|>tool" not in text
 
 
-@pytest.mark.slow  # a whole training run (vLLM engine, trainer rank, OpenEnv servers): minutes on 2 CPU cores
+@pytest.mark.slow  # a whole training run (vLLM engine, trainer rank, OpenEnv servers): 1-1.5 min on 2 CPU cores
 def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     """examples/openenv/config.yaml as shipped but on the tests' tiny model: 3 RL steps against the
     real OpenEnv server, held-out evaluations before and after, the game's answers in the user role."""
