@@ -166,6 +166,10 @@ def test_what_cannot_start_fails_in_one_line(monkeypatch, capsys):
     # no OpenEnv venv: the install flag is named, at --dry-run too
     one_line(r"^env.name: openenv runs OpenEnv servers from their own venv, which is missing \(/nonexistent/python\): "
              r"bash install.sh --openenv$", **dict(FAKE, python="/nonexistent/python"))
+    with monkeypatch.context() as m:  # arl's side of the wire missing: the extra is named
+        m.setitem(sys.modules, "websockets.asyncio.client", None)
+        one_line(r"^env.name: openenv needs httpx and websockets>=13 in arl's environment \(.*\): "
+                 r"pip install 'arl\[openenv\]' or bash install.sh --openenv$", **FAKE)
     monkeypatch.setenv("ARL_OPENENV_VENV", "/nonexistent-venv")
     argv = ["--dry-run", "--config", str(ROOT / "examples" / "openenv" / "config.yaml"), "model.name_or_path=tiny"]
     assert main(argv) == 2

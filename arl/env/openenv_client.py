@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import httpx
-
 INSTALL_HINT = "bash install.sh --openenv"
 _SERVERS: Dict[tuple, "_Server"] = {}
 _LOCK = threading.Lock()
@@ -37,7 +35,7 @@ class _Server:
                                       "--log-level", "warning"], cwd=cwd, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=self.err,
                                      env=dict(os.environ, ENABLE_WEB_INTERFACE="false"))  # no Gradio UI
-        deadline = time.monotonic() + start_timeout_s
+        httpx, deadline = client_libs()[0], time.monotonic() + start_timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
@@ -83,6 +81,17 @@ def shared_server(key: tuple) -> _Server:
 def running(key: Optional[tuple]) -> Optional[_Server]:
     """The server last started for ``key`` (dead or alive), None for a ``base_url`` env."""
     return _SERVERS.get(key) if key is not None else None
+
+
+def client_libs():
+    """arl's side of the wire (the ``openenv`` extra): httpx and websockets' asyncio client."""
+    try:
+        import httpx
+        from websockets.asyncio.client import connect
+    except ImportError as e:
+        raise ValueError(f"env.name: openenv needs httpx and websockets>=13 in arl's environment ({e}): "
+                         f"pip install 'arl[openenv]' or {INSTALL_HINT}") from None
+    return httpx, connect
 
 
 def openenv_python(python: Optional[str] = None) -> str:

@@ -40,10 +40,9 @@ import json
 import math
 from typing import Any, Dict, Optional
 
-import httpx
-
 from .base import Environment, Fault, StepResult
-from .openenv_client import observation_text, openenv_python, reply_data, running, shared_server, text_field
+from .openenv_client import (client_libs, observation_text, openenv_python, reply_data, running, shared_server,
+                             text_field)
 from .registry import register_env
 
 
@@ -60,6 +59,7 @@ class OpenEnvEnv(Environment):
         if (server is None) == (base_url is None):
             raise ValueError("env.kwargs: give server (an OpenEnv ASGI app, 'pkg.server.app:app', which arl starts) "
                              "or base_url (a running OpenEnv server), one of them")
+        httpx, self._connect = client_libs()
         self.what, self._key = str(server or base_url), None
         if server is not None:
             self._key = (openenv_python(python), str(server), cwd, float(start_timeout_s))
@@ -83,8 +83,7 @@ class OpenEnvEnv(Environment):
     async def _send(self, msg: dict) -> dict:
         loop = asyncio.get_running_loop()
         if self._ws is None or self._loop is not loop:  # a session per instance (and per event loop)
-            from websockets.asyncio.client import connect
-            self._ws, self._loop = await connect("ws" + self._url[4:] + "/ws", open_timeout=self.timeout_s,
+            self._ws, self._loop = await self._connect("ws" + self._url[4:] + "/ws", open_timeout=self.timeout_s,
                                                  max_size=None, proxy=None), loop
         try:
             await self._ws.send(json.dumps(msg))
