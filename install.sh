@@ -16,12 +16,15 @@
 #                 `python -m arl.model.gguf` writes models/smollm2-135m-instruct)
 #   --gym         also gymnasium, for Gymnasium-style text environments (env.name: gym)
 #   --mcp         also the mcp SDK, for MCP tool servers over stdio (env.name: mcp)
+#   --openenv     also OpenEnv's server side in a venv of its own, .venv-openenv (or ARL_OPENENV_VENV;
+#                 openenv==0.10.0 conflicts with arl's pins, so never in arl's venv), for OpenEnv
+#                 environments (env.name: openenv): tools/install_openenv.sh
 #   --wandb       also wandb 0.31.0, for logging.wandb (offline mode needs no account)
 #   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
 #                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
 #                 beside arl's 5.19), plus what their imports need
 #   --test-extras every extra the test suite exercises (what .ci/run installs): --gym --mcp
-#                 --wandb --peer
+#                 --openenv --wandb --peer
 # The C++ op is built for x86-64-v3 (portable); ARL_CPU_ARCH=native builds for this CPU (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,6 +32,7 @@ HERE=$(pwd)
 SMOLLM2=0
 GYM=0
 MCP=0
+OPENENV=0
 WANDB=0
 PEER=0
 ISOLATED=0
@@ -39,13 +43,14 @@ while [ $# -gt 0 ]; do
     --smollm2) SMOLLM2=1 ;;
     --gym) GYM=1 ;;
     --mcp) MCP=1 ;;
+    --openenv) OPENENV=1 ;;
     --wandb) WANDB=1 ;;
     --peer) PEER=1 ;;
-    --test-extras) GYM=1; MCP=1; WANDB=1; PEER=1 ;;
+    --test-extras) GYM=1; MCP=1; OPENENV=1; WANDB=1; PEER=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --wandb, --peer, --test-extras)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --openenv, --wandb, --peer, --test-extras)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -239,6 +244,21 @@ if [ "$MCP" = 1 ]; then
     pip_install "${MCP_PINS[@]}"
   fi
   say "mcp ready: env.name: mcp (examples/mcp)"
+fi
+if [ "$OPENENV" = 1 ]; then
+  # arl's side: its client (arl/env/openenv_env.py) needs only httpx and websockets, at arl's pins
+  OPENENV_PINS=(httpx==0.29.0 websockets==17.4)
+  mapfile -t todo < <(check missing "${OPENENV_PINS[@]}")
+  if [ ${#todo[@]} -gt 0 ]; then
+    say "installing: ${todo[*]}"
+    if [ "$OWN" = 0 ]; then
+      mapfile -t bad < <(check conflicts "${OPENENV_PINS[@]}")
+      [ ${#bad[@]} -eq 0 ] || report_conflicts "${bad[@]}"
+    fi
+    pip_install "${OPENENV_PINS[@]}"
+  fi
+  # the server side: its own venv, pinned by tools/openenv-constraints.txt (~35 s from scratch)
+  PYTHON=${PYTHON:-python3} bash tools/install_openenv.sh
 fi
 if [ "$WANDB" = 1 ]; then
   WANDB_PINS=(wandb==0.31.0 cwevals==0.0.1b1 distro==1.9.0 platformdirs==4.14.9)
