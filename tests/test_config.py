@@ -20,6 +20,12 @@ try:  # examples/mcp needs the mcp extra (bash install.sh --mcp)
     import mcp  # noqa: F401
 except ImportError:
     CONFIGS = [c for c in CONFIGS if os.sep + "mcp" + os.sep not in c]
+try:  # examples/openenv needs the OpenEnv venv (bash install.sh --openenv)
+    from arl.env.openenv_client import openenv_python
+
+    openenv_python()
+except ValueError:
+    CONFIGS = [c for c in CONFIGS if os.sep + "openenv" + os.sep not in c]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
