@@ -170,11 +170,19 @@ def test_value_loss_and_metrics_by_hand():
     assert m["value/loss"] == pytest.approx(0.5 * (0.81 + 0.2025) / 2)
     res = np.array([1 - 0.3, 1 - 0.55])
     assert "value/explained_var" not in m  # returns that all agree: no figure
+    two = _MB([0, 1], [0, 1], [0, 1], [0.0, 1.0], 2.0, episode_return=[0.0, 1.0])
     cr.micro_batch(torch.tensor([0.0, 0.1], dtype=torch.float64), torch.tensor([0.0, 0.1], dtype=torch.float64),
-                   _MB([0, 1], [0, 1], [0, 1], [0.0, 1.0], 2.0), torch.zeros(2, dtype=torch.float64))
+                   two, torch.zeros(2, dtype=torch.float64))
     m = cr.step_metrics(torch.device("cpu"))
     ret, res = np.array([0.0, 1.0]), np.array([0.0, 0.9])
     assert m["value/explained_var"] == pytest.approx(1 - res.var() / ret.var())
+    # every episode failed: the targets vary only by the bootstrap values, so no figure
+    fail = _MB([0, 1], [0, 1], [0, 0], [0.0, 0.0], 2.0, episode_return=[0.0, 0.0])
+    boot = Critic(CriticConfig(gamma=1.0, lam=0.5, clip=None))  # target of chunk 0: 0.5 * V_1 = 0.05
+    boot.micro_batch(torch.tensor([0.2, 0.1], dtype=torch.float64), torch.tensor([0.2, 0.1], dtype=torch.float64),
+                     fail, torch.zeros(2, dtype=torch.float64))
+    m = boot.step_metrics(torch.device("cpu"))
+    assert m["value/return_mean"] == pytest.approx(0.025) and "value/explained_var" not in m
 
 
 def test_whitened_advantages_by_hand():

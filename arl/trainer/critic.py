@@ -208,10 +208,13 @@ class Critic:
                "value/return_mean": s["ret"] / n}
         var_ret = s["ret2"] / n - (s["ret"] / n) ** 2
         var_res = s["res2"] / n - (s["res"] / n) ** 2
-        if var_ret > 1e-12:  # returns that all agree explain nothing: no figure rather than a NaN
-            out["value/explained_var"] = 1.0 - var_res / var_ret
         var_a = s["a2"] / n - (s["a"] / n) ** 2
         var_o = s["o2"] / n - (s["o"] / n) ** 2
+        # returns that all agree explain nothing: no figure rather than a NaN; nor when every episode's
+        # outcome agrees: the targets then vary only by the critic's own bootstrap (noise against noise:
+        # -17 measured on an all-fail step of the long-horizon task)
+        if var_ret > 1e-12 and var_o > 1e-12:
+            out["value/explained_var"] = 1.0 - var_res / var_ret
         if var_a > 1e-12 and var_o > 1e-12:  # Pearson's r; undefined when either side is constant
             out["value/adv_outcome_corr"] = (s["ao"] / n - s["a"] / n * s["o"] / n) / (var_a * var_o) ** 0.5
         for k, (cnt, sv, sg) in enumerate(zip(*calib)):
