@@ -79,9 +79,9 @@ _IPA = ("loss.ratio_level=chunk", "loss.surrogate=ppo_clip", "loss.clip_low=0.2"
         "loss.mismatch_high=5.0", "loss.loss_agg=token-mean", "algo.advantage=grpo")
 # the separate critic: its own trunk from the SFT start at 10x the policy's lr (at 1x a zero-started
 # value moved ~0.03 per step and lagged the returns by 0.6, docs/methods.md), 4 fitting passes per
-# step, warmed up, whitened
-_SEPARATE = ("critic.model=separate", "critic.warmup_steps=5", "critic.lr_mult=10", "critic.epochs=4",
-             "critic.whiten=true")
+# step, warmed up; raw GAE advantages (whitened, seeds 0 and 1 collapsed after reaching 100%: the
+# critic's per-chunk noise scaled to unit advantages on a near-deterministic policy, docs/methods.md)
+_SEPARATE = ("critic.model=separate", "critic.warmup_steps=5", "critic.lr_mult=10", "critic.epochs=4")
 
 METHODS: dict[str, Method] = {
     "grpo_token": Method("token-level GRPO: token ratio, symmetric clip 0.2, group-std advantages, no mask",
@@ -103,8 +103,10 @@ METHODS: dict[str, Method] = {
                                 (*_IPA, _NO_TC, "algo.advantage=gae", "critic.whiten=true")),
     "ipa_critic_separate": Method(
         "IPA chunk level + separate critic trunk (from the SFT start, 5 warm-up steps, 10x the policy's lr, 4 "
-        "passes per step), whitened GAE",
+        "passes per step), raw GAE advantages",
         (*_IPA, _NO_TC, "algo.advantage=gae", *_SEPARATE)),
+    "ipa_critic_separate_whiten": Method("the separate critic above with GAE advantages whitened over the step",
+                                         (*_IPA, _NO_TC, "algo.advantage=gae", *_SEPARATE, "critic.whiten=true")),
     "ipa_critic_turn_credit": Method("IPA chunk level + separate critic with warm-up + turn credit's process reward",
                                      (*_IPA, _TC, "algo.advantage=gae", *_SEPARATE)),
     "sft_continue": Method("continued SFT on the demonstrations for the same wall time", kind="sft"),
