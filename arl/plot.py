@@ -36,7 +36,8 @@ PANELS = (
     ("train tokens / s", ("train/*tokens_per_s", "train_tokens_per_s")),
     ("logprob of successful trajectories", ("logp/success_mean",)),
     ("filtered / masked", ("status/filtered", "status/masked")),
-    ("critic fit", ("value/explained_var", "value/adv_outcome_corr", "value/prompt_ev_ceiling", "value/state_ev_ceiling")),
+    ("critic fit", ("value/explained_var", "value/adv_outcome_corr", "value/prompt_ev_ceiling", "value/state_ev_ceiling",
+                    "value/progress_ev_ceiling")),
     ("value vs return by turn", ("value/calib/turn*",)),
 )
 X_AXES = {"step": "step", "wall": "wall_s"}

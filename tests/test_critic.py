@@ -418,4 +418,17 @@ def test_state_ev_ceiling_by_hand():
     assert got["value/state_ev_coverage"] == 1.0
     # no state visited twice, or all outcomes equal: no figure
     assert state_ev_ceiling(t2[:1], np.array([1.0])) == {}
+    # progress states (task, turn, new states before it): turn 1 of all four shares (0, 0, 0); turn 2
+    # is (0, 1, 1) after a turn 1 that reached a new state, (0, 1, 0) after one that did not
+    prog = [Trajectory(tokens=t.tokens, chunk_ids=t.chunk_ids, rollout_logp=np.zeros(7),
+                       metadata={"turn_info": [{"new_state": ns}, {"new_state": False}]})
+            for t, ns in zip(t2 + t2[:2], (True, False, True, False, True, False))]
+    r6 = np.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    got = state_ev_ceiling(prog, r6)
+    # turn 1: {1,0,1,0,1,0}; turn 2 after progress: {1,1,1}, after none: {0,0,0}
+    g = np.r_[r6, [1, 1, 1, 0, 0, 0]]
+    within = (6 * np.var(r6, ddof=1)) / 12
+    assert got["value/progress_ev_ceiling"] == pytest.approx(1 - within / g.var(ddof=1))
+    assert got["value/progress_ev_coverage"] == 1.0
+    assert "value/progress_ev_ceiling" not in state_ev_ceiling(t2, np.array([1.0, 1.0, 0.0, 0.0]))  # no new_state
     assert state_ev_ceiling(trajs, np.ones(4)) == {}

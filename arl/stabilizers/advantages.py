@@ -92,34 +92,56 @@ def prompt_ev_ceiling(trajs: Sequence[Trajectory], rewards: np.ndarray) -> dict:
     return {"value/prompt_ev_ceiling": float(1.0 - within / total)}
 
 
+def _ceiling(visits: dict, name: str) -> dict:
+    """1 - E[Var(G | key)] / Var(G) over the chunks whose key was visited more than once (unbiased, with
+    n - 1), and the share of all chunks they are; nothing when no key repeats or their outcomes agree."""
+    n_all = sum(len(v) for v in visits.values())
+    seen = [np.asarray(v) for v in visits.values() if len(v) > 1]
+    n = sum(v.size for v in seen)
+    if n < 2:
+        return {}
+    total = np.concatenate(seen).var(ddof=1)
+    if total <= 1e-12:
+        return {}
+    within = sum(v.size * v.var(ddof=1) for v in seen) / n
+    return {f"value/{name}_ev_ceiling": float(1.0 - within / total), f"value/{name}_ev_coverage": n / n_all}
+
+
 def state_ev_ceiling(trajs: Sequence[Trajectory], rewards: np.ndarray) -> dict:
-    """``value/state_ev_ceiling``: how much of the outcome a value of the exact state could explain, on
-    the states the step visited more than once.  A chunk's state is everything before its first token
-    (prompt, earlier turns, observations), so two chunks share a state only when their prefixes are the
-    same tokens; the samples of such a state differ only by what the policy and the env do after it.
-    1 - E[Var(G | state)] / Var(G) over those chunks, each variance with n - 1 (unbiased: what a value
-    function could explain on fresh samples from these states).  ``value/state_ev_coverage``: the share
-    of the step's chunks that are in a revisited state (early turns, where groups still agree, more
-    than late ones).  Left out when no state is revisited or their outcomes all agree."""
-    keys: dict = {}
+    """How much of the outcome a value of the state could explain, on the states the step visited more
+    than once: 1 - E[Var(G | state)] / Var(G) over their chunks, each variance with n - 1 (unbiased:
+    what a value function could explain on fresh samples from these states); ``*_coverage``: the share
+    of the step's chunks in such states.  Two views of a chunk's state:
+
+    * ``value/state_ev_*``: the exact state, everything before the chunk's first token (prompt,
+      earlier turns, observations); chunks share it only when their prefixes are the same tokens, so
+      the states after a group's samples diverge are singletons and are not measured;
+    * ``value/progress_ev_*`` (when the env reports ``new_state`` for every turn): the task, the turn
+      index and the number of turns that reached a new state before it.  That is the environment's
+      whole state for envs whose state is their progress through the task (``long_lookup``,
+      ``toy_lookup``: the position on the chain and the turns used), and it pools the singletons.
+
+    Left out when no state is revisited or their outcomes all agree."""
+    exact: dict = {}
+    progress: dict = {}
+    has_progress = True
     for t, r in zip(trajs, np.asarray(rewards, dtype=np.float64)):
         if t.status is TrajectoryStatus.FILTERED:
             continue
         ids = t.chunk_ids
         starts = np.flatnonzero((ids >= 0) & (np.r_[-1, ids[:-1]] != ids))
-        for s in starts:
-            keys.setdefault(t.tokens[:s].tobytes(), []).append(float(r))
-    n_all = sum(len(v) for v in keys.values())
-    seen = [np.asarray(v) for v in keys.values() if len(v) > 1]
-    n = sum(v.size for v in seen)
-    if n < 2:
-        return {}
-    g = np.concatenate(seen)
-    total = g.var(ddof=1)
-    if total <= 1e-12:
-        return {}
-    within = sum(v.size * v.var(ddof=1) for v in seen) / n
-    return {"value/state_ev_ceiling": float(1.0 - within / total), "value/state_ev_coverage": n / n_all}
+        info = t.metadata.get("turn_info") or []
+        has_progress = has_progress and len(info) >= len(starts) and all("new_state" in i for i in info[:len(starts)])
+        done = 0
+        for k, s in enumerate(starts):
+            exact.setdefault(t.tokens[:s].tobytes(), []).append(float(r))
+            if has_progress:
+                progress.setdefault((int(t.group_id), k, done), []).append(float(r))
+                done += bool(info[k]["new_state"])
+    out = _ceiling(exact, "state")
+    if has_progress:
+        out.update(_ceiling(progress, "progress"))
+    return out
 
 
 def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
