@@ -27,6 +27,7 @@ from ..config import TrainConfig
 from ..launch import _write_config, model_dir_for, rollout_hooks, sft_demos
 from ..procs import free_port
 from ..rollout.worker import rollout_process
+from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
 from ..trainer.rank import trainer_rank
 from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
@@ -118,8 +119,6 @@ def _kill_hook(batches, engine: int):
 def fault_env() -> dict:
     """Test only: the resume tests' kill point (arl/trainer/faults.py) for the trainer actors, with
     this driver's process group, which the hook kills as a user's kill of the job would."""
-    from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
-
     if not os.environ.get(KILL_ENV):
         return {}
     return {KILL_ENV: os.environ[KILL_ENV], LAUNCHER_PGID_ENV: str(os.getpgrp())}
