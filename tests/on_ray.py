@@ -2,7 +2,7 @@
 (not under torchrun, not ``--dry-run``) gets ``launcher=ray`` appended, and the overrides in
 ``ARL_RAY_EXTRA`` (space-separated) after it.  Not loaded by default:
 
-    python -m pytest -p tests.on_ray tests/test_gym_env.py::test_three_rl_steps_with_held_out_evaluation
+    PYTHONPATH=$PWD/tests:$PWD python -m pytest -p on_ray tests/test_gym_env.py::test_three_rl_steps_with_held_out_evaluation
 """
 import os
 import subprocess
