@@ -27,6 +27,7 @@ from ..config import TrainConfig
 from ..launch import _write_config, model_dir_for, rollout_hooks, sft_demos
 from ..procs import free_port
 from ..rollout.worker import rollout_process
+from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
 from ..trainer.rank import trainer_rank
 from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
@@ -51,8 +52,9 @@ class TrainerActor(_Where):
         return ray.util.get_node_ip_address(), free_port(), free_port()
 
     def run(self, rank: int, world: int, master: tuple, cfg_dict: dict, model_dir: str, demos: list, batches,
-            orders, resume: bool) -> None:
+            orders, resume: bool, env: dict) -> None:
         host, port, sync_port = master
+        os.environ.update(env)  # the test hook's kill point (fault_env), when set
         cuda = cfg_dict["layout"]["device"] == "cuda"  # Ray shows each rank its own GPU as device 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if cuda else str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=str(port))
@@ -112,6 +114,14 @@ def _kill_hook(batches, engine: int):
     spec = os.environ.get(KILL_ENGINE_ENV, "")
     e, _, n = spec.partition(":")
     return _KillAfter(batches, int(n)) if spec and int(e) == engine else batches
+
+
+def fault_env() -> dict:
+    """Test only: the resume tests' kill point (arl/trainer/faults.py) for the trainer actors, with
+    this driver's process group, which the hook kills as a user's kill of the job would."""
+    if not os.environ.get(KILL_ENV):
+        return {}
+    return {KILL_ENV: os.environ[KILL_ENV], LAUNCHER_PGID_ENV: str(os.getpgrp())}
 
 
 def start_ray(cfg: TrainConfig, cpus: int):
@@ -270,7 +280,8 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
                for e, a in enumerate(engines)}
     master = ray.get(ranks[0].master.remote())
     world = len(ranks)
-    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, resume):
+    env = fault_env()
+    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, resume, env):
                     f"trainer rank {r}" for r, a in enumerate(ranks)})
     _wait(ray, running)
 

@@ -7,6 +7,10 @@ spawn launcher: the launcher, every trainer rank and the rollout processes):
   ``backward``  after the first micro-batch's backward (the update half done)
   ``sync``      in the weight sync, the new weights written, the engines not yet told
 
+Under ``launcher: ray`` a trainer rank is a Ray worker in a process group of its own; the launcher's
+group (the driver, with the local cluster's GCS and raylet) is in ``LAUNCHER_PGID_ENV``: the hook
+kills that group first, as a user's kill of the job would, then its own (the other actors exit
+when their raylet is gone: docs/ray.md).
 A signal from outside lands wherever the processes happen to be; this lands mid-step every time.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import signal
 
 KILL_ENV = "ARL_TEST_KILL_AT"
+LAUNCHER_PGID_ENV = "ARL_LAUNCHER_PGID"  # set by the Ray launcher for its actors
 _version = None  # the policy version the running step makes
 
 
@@ -29,4 +34,7 @@ def reached(point: str) -> None:
         return
     name, _, version = spec.partition(":")
     if name == point and version.isdigit() and int(version) == _version:
+        launcher = int(os.environ.get(LAUNCHER_PGID_ENV) or os.getpgrp())
+        if launcher != os.getpgrp():
+            os.killpg(launcher, signal.SIGKILL)
         os.killpg(os.getpgrp(), signal.SIGKILL)
