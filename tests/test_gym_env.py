@@ -5,7 +5,6 @@ return is the reward.  What the adapter cannot carry fails in one line; so does 
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 
 import pytest
@@ -14,26 +13,10 @@ gym = pytest.importorskip("gymnasium")  # the gym extra (bash install.sh --gym)
 
 from arl.env import make_env  # noqa: E402
 from arl.rollout import ChatFormat, EpisodeConfig, SamplingConfig  # noqa: E402
-from arl.rollout.engine import Sample  # noqa: E402
 from arl.rollout.episode import run_episode  # noqa: E402
+from example_runs import BinarySearch, three_rl_steps  # noqa: E402
 
 GUESS = "examples.gym.guess:GuessNumber-v0"
-
-
-class BinarySearch:
-    """Guesses by bisection from the game's "Higher."/"Lower." (read back from the prompt)."""
-
-    def __init__(self, tok, high=20):
-        self.tok, self.high = tok, high
-
-    async def generate_one(self, tokens, sampling):
-        text = self.tok.decode(tokens)
-        lo, hi = 1, self.high
-        for guess, said in re.findall(r"(\d+)\D*?(Higher|Lower)\.", text.split("higher or lower.", 1)[1]):
-            lo, hi = (int(guess) + 1, hi) if said == "Higher" else (lo, int(guess) - 1)
-        out = str((lo + hi) // 2)
-        ids = self.tok.encode(out, add_special_tokens=False)
-        return Sample(ids, [0.0] * len(ids), out, "stop")
 
 
 def test_the_game_answers_as_the_user_and_the_return_is_the_reward(tiny_tokenizer, arun):
@@ -89,22 +72,8 @@ def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     """examples/gym/config.yaml as shipped but on the tests' tiny model: 3 RL steps, held-out
     evaluations before and after, the game's answers in the user role of the transcripts."""
     import json
-    import os
-    import subprocess
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "arl.train", "--config", str(root / "examples" / "gym" / "config.yaml"),
-           f"model.name_or_path={tiny_model_dir}", "model.arch=null", f"output_dir={out}", "trainer.steps=3",
-           "env.eval_tasks=4", "trainer.eval_every=3", "rollout.tasks_per_step=2", "rollout.group_size=4",
-           "env.pool_size=8", "logging.progress=false", "logging.tensorboard=false"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-3000:]
-    recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(recs) == [0, 1, 2, 3] and "success/heldout" in recs[0] and "success/heldout" in recs[3]
-    assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
+    out = three_rl_steps("gym", tmp_path, tiny_model_dir, "env.pool_size=8")
     row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
     obs = [t["text"] for t in row["transcript"]["turns"] if t["role"] == "observation"]
     assert obs and all("user" in o and "tool" not in o for o in obs)

@@ -17,6 +17,7 @@ pytest.importorskip("mcp")  # the mcp extra (bash install.sh --mcp)
 
 from arl.env import check_env, make_env  # noqa: E402
 from arl.rollout import ChatFormat, Episode, EpisodeConfig, Sample  # noqa: E402
+from example_runs import three_rl_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = str(ROOT / "examples" / "mcp" / "server.py")
@@ -176,21 +177,8 @@ def test_a_server_that_fails_to_start_and_a_missing_package_are_one_line(tmp_pat
 def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     """examples/mcp/config.yaml as shipped but on the tests' tiny model: 3 RL steps whose tool calls
     (if the tiny model writes any) go to the example server, held-out evaluations before and after."""
-    import os
-    import subprocess
-
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "examples" / "mcp" / "config.yaml"),
-           f"model.name_or_path={tiny_model_dir}", "model.arch=null", f"output_dir={out}", "trainer.steps=3",
-           f"env.kwargs.args=[{json.dumps(SERVER)}]", "env.eval_tasks=4", "trainer.eval_every=3",
-           "rollout.tasks_per_step=2", "rollout.group_size=4", "env.pool_size=4", "rollout.max_turn_tokens=32",
-           "rollout.max_total_tokens=1536", "logging.progress=false", "logging.tensorboard=false"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-3000:]
-    recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(recs) == [0, 1, 2, 3] and "success/heldout" in recs[0] and "success/heldout" in recs[3]
-    assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
+    out = three_rl_steps("mcp", tmp_path, tiny_model_dir, f"env.kwargs.args=[{json.dumps(SERVER)}]",
+                         "env.pool_size=4", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=1536")
     row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
     assert "convert" in json.dumps(row)  # the server's tools reached the prompt
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from arl.rollout import ChatFormat, EpisodeConfig, SamplingConfig
 from arl.rollout.engine import Sample
 from arl.rollout.episode import run_episode
 from arl.train import main
+from example_runs import BinarySearch, three_rl_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = dict(server="openenv_fake:app", python=sys.executable, cwd=str(ROOT / "tests" / "fixtures"), timeout_s=10.0)
@@ -177,22 +176,6 @@ def test_what_cannot_start_fails_in_one_line(monkeypatch, capsys):
     assert "\n" not in err and "(/nonexistent-venv/bin/python): bash install.sh --openenv" in err, err
 
 
-class BinarySearch:
-    """Guesses by bisection from the game's "Higher."/"Lower." (read back from the prompt)."""
-
-    def __init__(self, tok, high=20):
-        self.tok, self.high = tok, high
-
-    async def generate_one(self, tokens, sampling):
-        text = self.tok.decode(tokens)
-        lo, hi = 1, self.high
-        for guess, said in re.findall(r"(\d+)\D*?(Higher|Lower)\.", text.split("higher or lower.", 1)[1]):
-            lo, hi = (int(guess) + 1, hi) if said == "Higher" else (lo, int(guess) - 1)
-        out = f"I guess {(lo + hi) // 2}"
-        ids = self.tok.encode(out, add_special_tokens=False)
-        return Sample(ids, [0.0] * len(ids), out, "stop")
-
-
 def test_the_real_openenv_server_plays_an_episode_in_the_user_role(tiny_tokenizer, arun):
     _need_openenv_venv()
     fmt = ChatFormat(tiny_tokenizer)
@@ -200,7 +183,7 @@ def test_the_real_openenv_server_plays_an_episode_in_the_user_role(tiny_tokenize
     assert (env.action_field, env.observation_field) == ("message", "text")  # GuessAction / GuessObservation
     cfg = EpisodeConfig(max_turns=6, max_total_tokens=1024, sampling=SamplingConfig(max_tokens=8, stop=()))
     try:
-        t = arun(run_episode(BinarySearch(tiny_tokenizer), env, fmt, seed=3, config=cfg))
+        t = arun(run_episode(BinarySearch(tiny_tokenizer, say="I guess {}"), env, fmt, seed=3, config=cfg))
     finally:
         arun(env.close())
     # seed 3's number is 8: 10, 5, 7, then 8
@@ -215,17 +198,8 @@ def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     """examples/openenv/config.yaml as shipped but on the tests' tiny model: 3 RL steps against the
     real OpenEnv server, held-out evaluations before and after, the game's answers in the user role."""
     _need_openenv_venv()
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "examples" / "openenv" / "config.yaml"),
-           f"model.name_or_path={tiny_model_dir}", "model.arch=null", f"output_dir={out}", "trainer.steps=3",
-           "env.eval_tasks=4", "trainer.eval_every=3", "rollout.tasks_per_step=2", "rollout.group_size=4",
-           "env.pool_size=8", "logging.progress=false", "logging.tensorboard=false"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-3000:]
+    out = three_rl_steps("openenv", tmp_path, tiny_model_dir, "env.pool_size=8")
     recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(recs) == [0, 1, 2, 3] and "success/heldout" in recs[0] and "success/heldout" in recs[3]
-    assert all(recs[s]["rollout/num_trajectories"] == 8 and recs[s]["fault/reward_exception"] == 0 for s in (1, 2, 3))
     # no episode failed to reset (masked) or broke mid-episode (retried): every one reached the server
     assert all(recs[s]["rollout/num_masked"] == 0 and recs[s]["rollout/retries"] == 0 for s in (1, 2, 3)), recs
     rows = [json.loads(x) for x in (out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()]
