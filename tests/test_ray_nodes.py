@@ -21,6 +21,9 @@ from arl.cluster.sim import node_resources, start_cluster
 from arl.config import load_config
 from arl.train import main
 
+# under the README's `-n 2 --dist loadgroup`, every test that starts a Ray cluster runs on one
+# worker, one after another: two local clusters at once share /tmp/ray's session files
+pytestmark = pytest.mark.xdist_group("ray")
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 THREE = "ray.nodes=[{count: 1, cpus: 2, role: trainer}, {count: 2, cpus: 1, role: rollout}]"

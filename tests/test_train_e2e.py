@@ -18,6 +18,7 @@ import torch
 from arl.trainer.checkpoints import checkpoint_steps
 
 pytestmark = pytest.mark.slow  # whole training runs (subprocesses: trainer ranks, vLLM engines)
+RAY = pytest.mark.xdist_group("ray")  # tests/test_ray_launcher.py: one Ray cluster at a time
 
 ROOT = Path(__file__).resolve().parents[1]
 # the tiny model of the session vLLM engine (tests/vllm_fixture.py), so its weights can be swapped
@@ -45,7 +46,7 @@ def _records(out: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("stage,launcher", [(2, "ray"), (3, "local")])
+@pytest.mark.parametrize("stage,launcher", [pytest.param(2, "ray", marks=RAY), (3, "local")])
 def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_engine, arun, tiny_model_dir):
     """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
     handed over whole), both with the frozen reference model and the adaptive KL controller; a
@@ -62,7 +63,9 @@ def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_en
                  "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient even without reward
                  "trainer.checkpoint_every=1", "trainer.keep_last=1")
     # a successful run ends cleanly: no traceback (vLLM's engine is shut down before exit)
-    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr + res.stdout, (res.stderr + res.stdout)[-3000:]
+    if launcher == "ray":
+        assert "arl.train: ray: local cluster started (3 CPUs, token auth, no dashboard)" in res.stdout
     recs = _records(out)
     assert sorted(recs) == [0, 1, 2]
     for s in (1, 2):
@@ -405,6 +408,7 @@ def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path):
         p.wait()
 
 
+@RAY
 def test_wall_time_stop_evaluates_and_checkpoints_the_last_policy(tmp_path):
     """trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation and a
     checkpoint of the policy it ends with, even off the eval/checkpoint schedule.  Run with two
