@@ -140,12 +140,79 @@ def _clamp(x: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     return x if c is None else x.clamp(-c, c)
 
 
+def _mismatch_weight(cfg: LossConfig, lay: PackLayout, old: torch.Tensor, roll) -> tuple:
+    """w_t (no gradient) and which tokens it masked or truncated; ``roll``: the trained tokens'
+    rollout logprobs (a callable, read only when the level is not none)."""
+    if cfg.mismatch_level == "none":
+        return torch.ones_like(old), torch.zeros_like(old, dtype=torch.bool)
+    m = torch.exp(_clamp(lay.segment_mean(old - roll(), cfg.mismatch_level), cfg))
+    if cfg.mismatch_mode == "mask":
+        keep = (m >= cfg.mismatch_low) & (m <= cfg.mismatch_high)
+        return keep.to(old.dtype), ~keep
+    return m.clamp_max(cfg.mismatch_high), m > cfg.mismatch_high
+
+
+def _ppo_clip(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
+    pg1 = -A * r
+    pg2 = -A * r.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    clipped = pg2 > pg1
+    pg = torch.where(clipped, pg2, pg1)
+    dual = torch.zeros_like(logp, dtype=torch.bool)
+    if cfg.dual_clip is not None:
+        pg3 = -A * cfg.dual_clip
+        dual = (A < 0) & (pg > pg3)
+        pg = torch.where(dual, pg3, pg)
+    return pg, clipped, dual
+
+
+def _topr(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
+    v = torch.where(A >= 0, torch.ones_like(r), r.detach().clamp_max(1.0))
+    return -A * v * logp, (A < 0) & (r > 1), torch.zeros_like(logp, dtype=torch.bool)
+
+
+# surrogate name -> (A, r, logp, cfg) -> (pg_t, clipped, dual-clipped)
+SURROGATES = {"ppo_clip": _ppo_clip, "topr": _topr}
+
+def _k3(logp: torch.Tensor, ref: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    x = _clamp(ref - logp, cfg)
+    return torch.exp(x) - x - 1
+
+
+# kl estimator name -> (logp, ref, cfg) -> kl_t
+KL_ESTIMATORS = {
+    "k1": lambda logp, ref, cfg: logp - ref,
+    "k2": lambda logp, ref, cfg: 0.5 * (logp - ref) ** 2,
+    "k3": _k3,
+}
+
+
+def _metrics(cfg, logp, old, r, A, w, pg, clipped, dual, altered, kl, ent) -> dict:
+    """The op's metrics, detached, over the micro-batch's trained tokens (METRIC_KEYS)."""
+    n_tr, cdt, dev = logp.numel(), logp.dtype, logp.device
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    nf = float(max(n_tr, 1))
+    d_tok = _clamp(logp - old, cfg)
+    metrics = {
+        "clip_frac": clipped.sum().to(cdt) / nf,
+        "dual_clip_frac": dual.sum().to(cdt) / nf,
+        "mismatch_masked_frac": altered.sum().to(cdt) / nf,
+        "approx_kl": (torch.exp(d_tok) - 1 - d_tok).sum() / nf,
+        "ratio_mean": r.sum() / nf,
+        "ratio_max": r.max() if n_tr else zero,
+        "adv_nonzero_frac": (A != 0).sum().to(cdt) / nf,
+        "tokens_kept": (w > 0).sum().to(cdt),
+        "pg_loss": (w * pg).sum() / nf,
+        "kl_mean": kl.sum() / nf if kl is not None else zero,
+        "entropy_mean": ent.sum() / nf if ent is not None else zero,
+    }
+    return {k: v.detach().to(cdt).reshape(()) for k, v in metrics.items()}
+
+
 def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
     cdt = torch.float64 if inp.logp.dtype == torch.float64 else torch.float32
     lay = PackLayout(inp.cu_seqlens, inp.chunk_ids, inp.advantages.numel())
     tidx = lay.tidx
     n_tr = tidx.numel()
-
     logp = inp.logp.to(cdt)[tidx]
     old = inp.old_logp.to(cdt)[tidx]
 
@@ -153,51 +220,14 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
     A = discounted_advantage(inp.advantages.to(cdt), lay, cfg.gamma)
     if cfg.positive_only:
         A = A.clamp_min(0)
-
-    # policy ratio at the configured level
-    lr = _clamp(lay.segment_mean(logp - old, cfg.ratio_level), cfg)
-    r = torch.exp(lr)
-
-    # rollout/trainer mismatch weight (no gradient)
-    if cfg.mismatch_level == "none":
-        w = torch.ones_like(logp)
-        altered = torch.zeros_like(logp, dtype=torch.bool)
-    else:
-        roll = inp.rollout_logp.to(cdt)[tidx]
-        m = torch.exp(_clamp(lay.segment_mean(old - roll, cfg.mismatch_level), cfg))
-        if cfg.mismatch_mode == "mask":
-            keep = (m >= cfg.mismatch_low) & (m <= cfg.mismatch_high)
-            w, altered = keep.to(cdt), ~keep
-        else:
-            w, altered = m.clamp_max(cfg.mismatch_high), m > cfg.mismatch_high
-
-    # surrogate
-    dual = torch.zeros_like(logp, dtype=torch.bool)
-    if cfg.surrogate == "ppo_clip":
-        pg1 = -A * r
-        pg2 = -A * r.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-        clipped = pg2 > pg1
-        pg = torch.where(clipped, pg2, pg1)
-        if cfg.dual_clip is not None:
-            pg3 = -A * cfg.dual_clip
-            dual = (A < 0) & (pg > pg3)
-            pg = torch.where(dual, pg3, pg)
-    else:  # topr
-        v = torch.where(A >= 0, torch.ones_like(r), r.detach().clamp_max(1.0))
-        pg = -A * v * logp
-        clipped = (A < 0) & (r > 1)
+    r = torch.exp(_clamp(lay.segment_mean(logp - old, cfg.ratio_level), cfg))  # at the configured level
+    w, altered = _mismatch_weight(cfg, lay, old, lambda: inp.rollout_logp.to(cdt)[tidx])
+    pg, clipped, dual = SURROGATES[cfg.surrogate](A, r, logp, cfg)
 
     tok = w * pg
     kl = None
     if cfg.kl_beta > 0:
-        ref = inp.ref_logp.to(cdt)[tidx]
-        if cfg.kl_estimator == "k1":
-            kl = logp - ref
-        elif cfg.kl_estimator == "k2":
-            kl = 0.5 * (logp - ref) ** 2
-        else:
-            x = _clamp(ref - logp, cfg)
-            kl = torch.exp(x) - x - 1
+        kl = KL_ESTIMATORS[cfg.kl_estimator](logp, inp.ref_logp.to(cdt)[tidx], cfg)
         tok = tok + cfg.kl_beta * kl
     ent = None
     if inp.entropy is not None:
@@ -212,23 +242,6 @@ def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> 
         tok = tok / n_s[lay.seq_of_tok[tidx]]
     D = agg_denominator(cfg, S, n_tr, n_s, normalizer)
     loss = tok.sum() / max(D, 1e-30) if n_tr else inp.logp.to(cdt)[:0].sum()
-
-    # metrics (detached; over trained tokens of this micro-batch)
     with torch.no_grad():
-        nf = float(max(n_tr, 1))
-        d_tok = _clamp(logp - old, cfg)
-        metrics = {
-            "clip_frac": clipped.sum().to(cdt) / nf,
-            "dual_clip_frac": dual.sum().to(cdt) / nf,
-            "mismatch_masked_frac": altered.sum().to(cdt) / nf,
-            "approx_kl": (torch.exp(d_tok) - 1 - d_tok).sum() / nf,
-            "ratio_mean": r.sum() / nf,
-            "ratio_max": r.max() if n_tr else torch.zeros((), dtype=cdt, device=inp.logp.device),
-            "adv_nonzero_frac": (A != 0).sum().to(cdt) / nf,
-            "tokens_kept": (w > 0).sum().to(cdt),
-            "pg_loss": (w * pg).sum() / nf,
-            "kl_mean": kl.sum() / nf if kl is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
-            "entropy_mean": ent.sum() / nf if ent is not None else torch.zeros((), dtype=cdt, device=inp.logp.device),
-        }
-        metrics = {k: v.detach().to(cdt).reshape(()) for k, v in metrics.items()}
+        metrics = _metrics(cfg, logp, old, r, A, w, pg, clipped, dual, altered, kl, ent)
     return LossOutput(loss=loss, metrics=metrics)
