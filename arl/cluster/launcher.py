@@ -29,6 +29,7 @@ from ..procs import free_port
 from ..rollout.worker import rollout_process
 from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
 from ..trainer.rank import trainer_rank
+from . import reaper
 from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
 AFTER_TRAINERS_S = 60.0  # how long the engines get to stop on their own once the trainers are done
@@ -124,6 +125,9 @@ def fault_env() -> dict:
     return {KILL_ENV: os.environ[KILL_ENV], LAUNCHER_PGID_ENV: str(os.getpgrp())}
 
 
+_REAPER = None  # the watcher of the local cluster this process started (arl/cluster/reaper.py)
+
+
 def start_ray(cfg: TrainConfig, cpus: int):
     """Ray, connected: a local cluster started here (``ray.address`` null), or the given one.
     Returns the ``ray`` module; ray is imported here, after RAY_AUTH_* are set, because Ray reads
@@ -134,6 +138,8 @@ def start_ray(cfg: TrainConfig, cpus: int):
         _refresh_auth_if_imported()
         import ray
 
+        global _REAPER
+        _REAPER = reaper.start()  # this cluster goes with this process, even when it is SIGKILLed
         # Ray binds its services to the node's address, not loopback: the token is what keeps others out
         ray.init(num_cpus=cpus, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
                  namespace="arl", configure_logging=False)
