@@ -18,4 +18,3 @@ os.environ.setdefault("ARL_CHECK_COLLECTIVES", "1")
 
 # session-scoped vLLM engine + tiny model fixtures (rollout tests)
 from vllm_fixture import arun, engine_loop, tiny_model_dir, tiny_tokenizer, vllm_engine  # noqa: E402,F401
-

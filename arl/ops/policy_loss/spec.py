@@ -173,6 +173,7 @@ def _topr(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig)
 # surrogate name -> (A, r, logp, cfg) -> (pg_t, clipped, dual-clipped)
 SURROGATES = {"ppo_clip": _ppo_clip, "topr": _topr}
 
+
 def _k3(logp: torch.Tensor, ref: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     x = _clamp(ref - logp, cfg)
     return torch.exp(x) - x - 1
