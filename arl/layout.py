@@ -315,12 +315,16 @@ def _colocated(pl: Plan, cfg: TrainConfig, budget: float, w: float, resident: fl
     t = pl.trainer_bytes
     whole = t["total (fused)"]
     if schedule_name(cfg) == "alternate":
-        peak = max(resident + budget, whole)
-        pl.colocated_bytes = {"engine's turn: trainer state": resident,
+        parked = cfg.trainer.offload.while_generating  # the trainer's state in host memory (arl/trainer/park.py)
+        on_gpu = 0.0 if parked else resident
+        peak = max(on_gpu + budget, whole)
+        pl.colocated_bytes = {"engine's turn: trainer state" + (" (parked in host memory)" if parked else ""): on_gpu,
                               f"engine's turn: vLLM ({cfg.rollout.gpu_memory_utilization:g} of the GPU)": budget,
                               "trainer's turn: trainer (all)": whole,
                               "trainer's turn: vLLM asleep (on GPU)": 0.0,
                               "host memory: vLLM weights asleep": w}
+        if parked:
+            pl.colocated_bytes["host memory: trainer state parked"] = resident
     else:
         peak = whole + budget
         pl.colocated_bytes = {"trainer (all)": whole,

@@ -96,7 +96,7 @@ XDIST=$(python3 -c "import xdist; print('-n 12')" 2>/dev/null)
 stage tests 190 env ARL_FUZZ_EXAMPLES=1500 ARL_FUZZ_TRITON_EXAMPLES=30 python3 -m pytest -p no:cacheprovider -q \
   $XDIST --timeout 200 -rfE --junitxml="$OUT/junit.xml" \
   tests/ops/test_policy_loss_backends.py tests/ops/test_policy_loss_options.py tests/ops/test_fused_logprob.py \
-  tests/test_tree_flex.py \
+  tests/test_tree_flex.py tests/test_park.py \
   "tests/ops/test_loss_fuzz.py::test_fuzz_backend_matches_reference[cuda]" \
   "tests/ops/test_loss_fuzz.py::test_fuzz_backend_matches_reference[triton]"
 stage bench_logprob 80 python3 bench/bench_logprob.py --dtype bfloat16

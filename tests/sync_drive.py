@@ -14,13 +14,16 @@ from arl.trainer.sync import make_sender
 
 
 class StateTrainer:
-    """What WeightSender reads of a PolicyTrainer: ``state()``, the HF-named weights, copied per sync."""
+    """What WeightSender uses of a PolicyTrainer: ``state()``, the HF-named weights, copied per sync."""
 
     def __init__(self, module, state: Callable[[], dict]):
         self.module, self.device, self._state = module, torch.device("cpu"), state
 
     def full_state_dict(self, to_cpu=True, copy=True):
         return {k: v.detach().clone() for k, v in self._state().items()}
+
+    def park(self):  # trainer.offload.while_generating off: nothing moves
+        pass
 
 
 class LoRATrainer(StateTrainer):

@@ -66,6 +66,12 @@ def test_one_gpu_config_dry_run_prints_the_colocated_layout_and_vllm_share(capsy
     c, t = pl.colocated_bytes, pl.trainer_bytes
     # the engine's turn: vLLM's budget on top of what the trainer keeps; the trainer's turn: all of it
     assert c["peak"] == max(0.5 * 80 * GiB + t["weights+grads+optim (ZeRO-0)"], t["total (fused)"])
+    # parked (trainer.offload.while_generating), the engine's turn holds vLLM's budget alone
+    pk = plan(load_config(ONE_GPU, ["trainer.offload.while_generating=true", "trainer.zero_stage=1"]))
+    kept = pk.trainer_bytes["weights+grads+optim (ZeRO-1)"]
+    assert pk.colocated_bytes["engine's turn: trainer state (parked in host memory)"] == 0.0
+    assert pk.colocated_bytes["host memory: trainer state parked"] == kept
+    assert pk.colocated_bytes["peak"] == max(0.5 * 80 * GiB, pk.trainer_bytes["total (fused)"]) < c["peak"]
 
 
 def test_colocated_peak_over_the_gpu_is_a_dry_run_error(capsys):
@@ -125,7 +131,9 @@ def test_colocated_run_end_to_end(tmp_path):
     """``python -m arl.train`` with ``layout.colocate``: the engine starts and sleeps before the
     trainer loads, sleeps again after handing over every batch and wakes for the new weights.  At
     staleness 0 the engine's logprobs must be the trainer's (a sync that did not reach the engine
-    measured 0.21 on this model, a working one ~1e-7), and the learning signal flows."""
+    measured 0.21 on this model, a working one ~1e-7), and the learning signal flows.  The trainer
+    parks its state (``trainer.offload.while_generating``) at every sync and takes it back for the
+    next update."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), f"output_dir={out}",
            "model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0", "rollout.tasks_per_step=2",
@@ -133,7 +141,8 @@ def test_colocated_run_end_to_end(tmp_path):
            "env.kwargs.max_hops=3", "env.pool_size=8", "trainer.micro_batch_tokens=2048", "logging.progress=false",
            "logging.tensorboard=false", "layout.colocate=true", "rollout.staleness=0", "trainer.world_size=1",
            "trainer.steps=3", "sft.enabled=false", "env.eval_tasks=0", "trainer.checkpoint_every=100",
-           "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05"]  # a gradient even without reward
+           "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient even without reward
+           "trainer.offload.while_generating=true", "trainer.zero_stage=2"]  # parked during the engine's turns
     res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -143,6 +152,7 @@ def test_colocated_run_end_to_end(tmp_path):
         r = recs[s]
         assert r["rollout/staleness_max"] == 0 and r["rollout/num_trajectories"] == 8
         assert r["rollout/engine_sleeps"] == s  # at the start, then after each batch before this one
+        assert r["mem/trainer_parks"] == s + 1  # at the first sync, then at this step's
         assert r["train/grad_norm"] > 0 and r["train/loss"] != 0
         assert r["train/logp_abs_diff_vs_rollout"] < 1e-3, r["train/logp_abs_diff_vs_rollout"]
     assert (out / "hf" / "config.json").exists()

@@ -221,6 +221,10 @@ class OffloadConfig(Section):
         "CPU Adam op, JIT-built with ninja on first use).")
     params: Literal["none", "cpu"] = Field(
         "none", description="cpu: the parameters wait in host memory between uses (ZeRO stage 3 only).")
+    while_generating: bool = Field(
+        False, description="Colocated and alternating (layout.colocate, rollout.staleness 0): the trainer's weights, "
+        "gradients and optimizer state wait in host memory from the weight sync to the next batch, while the engine "
+        "generates on the same GPU (ZeRO stage 1 or 2; arl/trainer/park.py).")
 
 
 class TrainerConfig(Section):
@@ -355,6 +359,13 @@ class TrainConfig(Section):
                              "optimizer's partition)")
         if off.params == "cpu" and stage != 3:
             raise ValueError(f"trainer.offload.params: cpu needs trainer.zero_stage 3 (got {stage})")
+        if off.while_generating:
+            if not (self.layout.colocate and self.rollout.staleness == 0):
+                raise ValueError("trainer.offload.while_generating needs layout.colocate: true and rollout.staleness: 0 "
+                                 "(only the alternating schedule leaves the trainer idle while the engine generates)")
+            if stage not in (1, 2):
+                raise ValueError(f"trainer.offload.while_generating needs trainer.zero_stage 1 or 2 (got {stage}; "
+                                 "at one rank ZeRO-1 keeps what stage 0 keeps)")
         if self.loss.kl_beta > 0 and not self.trainer.reference_model:
             raise ValueError("loss.kl_beta > 0 needs trainer.reference_model: true")
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:

@@ -52,6 +52,7 @@ class AdapterSender:
             base = self.tr.full_state_dict(to_cpu=True, copy=False, adapters=False)
             self.base_sent = True
         adapter = self.tr.adapter_state()
+        self.tr.park()  # trainer.offload.while_generating (arl/trainer/park.py)
         trainer_turn_ends(self.cfg, self.tr.device)
         if self.rank != 0:
             return

@@ -28,6 +28,7 @@ from .critic import VALUE_HEAD, without_value_head
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 from .engine import deepspeed_config, lr_lambda, make_engine, make_optimizer  # noqa: F401 (re-exported)
 from .objectives import Forward, LossOut, make_objective
+from .park import Parking
 
 
 # config keys whose positive value makes a model's train-mode forward random (HF names: dropout,
@@ -54,7 +55,7 @@ class PolicyTrainer:
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", objective: str = "policy_gradient",
                  critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True,
-                 offload: Optional[OffloadConfig] = None):
+                 offload: Optional[OffloadConfig] = None, park_while_generating: bool = False):
         from deepspeed.accelerator import get_accelerator
 
         # where DeepSpeed puts the module (cuda:LOCAL_RANK on GPU nodes; the model arrives on CPU)
@@ -83,6 +84,8 @@ class PolicyTrainer:
         self.last_old_logps: list = []  # the old logprobs the last rl_step trained against
         if zero_stage == 0 and dtype == torch.float32:
             self._record_grad_norm_on_clip()
+        # trainer.offload.while_generating: state in host memory during the engine's turn (arl/trainer/park.py)
+        self.parking = Parking(self) if park_while_generating else None
 
     def _frozen(self, model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         """The frozen reference policy: a plain copy, or under ZeRO-3 partitioned like the policy by
@@ -122,6 +125,15 @@ class PolicyTrainer:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    def park(self) -> None:
+        """The engine's turn begins: with parking on, the state goes to host memory."""
+        if self.parking is not None:
+            self.parking.park()
+
+    def awake(self):
+        """A block that runs the model: the state on the device for it (parked again after)."""
+        return self.parking.awake() if self.parking is not None else _null()
 
     # ------------------------------------------------------------ forward helpers
     def _begin_forward(self, model) -> None:

@@ -180,7 +180,8 @@ class TrainerRank:
                                 total_steps=self.steps, dtype=dtype_of(cfg), loss_backend=cfg.trainer.backend,
                                 temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
                                 objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled), critic=cfg.critic,
-                                head_grad_in_forward=cfg.trainer.head_grad_in_forward, offload=cfg.trainer.offload)
+                                head_grad_in_forward=cfg.trainer.head_grad_in_forward, offload=cfg.trainer.offload,
+                                park_while_generating=cfg.trainer.offload.while_generating)
         if rank == 0:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, algo=cfg.algo)
         if resume_step is not None:
@@ -215,7 +216,8 @@ class TrainerRank:
             if action == "rollback":
                 last = latest_checkpoint(self.ckpt_dir)
                 if last is not None:  # model + optimizer back to the last checkpoint; versions keep counting
-                    self._restore(last, restore_clock=False)
+                    with self.tr.awake():
+                        self._restore(last, restore_clock=False)
                     self.sync_weights(version)
                 if self.rank == 0:  # the alarm's or the stall guard's reason, one line
                     what = (f"rolled back at step {version} to the step {last} checkpoint" if last is not None
@@ -230,6 +232,8 @@ class TrainerRank:
         faults.step_started(step + 1)
         mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
         wait_s = time.perf_counter() - ts
+        if self.tr.parking is not None:  # the engine is asleep now: the state comes back for the update
+            self.tr.parking.unpark()
         m = all_mean(update_on_batch(self.tr, mbs, loss_cfg, self.cfg.trainer.updates_per_batch), self.tr.device)
         version = step + 1
         # one decision for every rank (each has its own clock: ranks that disagree would hang)
@@ -269,7 +273,8 @@ class TrainerRank:
         loaded, and the parameter counts behind it."""
         peak = peak_rss_bytes()
         params = list(self.tr.module.parameters())
-        return {"mem/trainer_rss_peak_gib": peak / 2**30, "mem/trainer_peak_over_base_gib": (peak - self.rss_base) / 2**30,
+        parks = {} if self.tr.parking is None else {"mem/trainer_parks": float(self.tr.parking.num_parks)}
+        return {**parks, "mem/trainer_rss_peak_gib": peak / 2**30, "mem/trainer_peak_over_base_gib": (peak - self.rss_base) / 2**30,
                 "mem/params": float(sum(getattr(p, "ds_numel", p.numel()) for p in params)),
                 "mem/params_trainable": float(sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad))}
 

@@ -74,6 +74,7 @@ class WeightSender:
         For NCCL the tensors stay on the GPU."""
         # sent before the next update: no copy of what is already on the CPU
         state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda", copy=False)
+        self.tr.park()  # trainer.offload.while_generating: the state to host memory, the engine's turn
         trainer_turn_ends(self.cfg, self.tr.device)  # every rank's GPU: colocated, the engine wakes on this sync
         if self.rank != 0:
             return
