@@ -73,6 +73,24 @@ def test_tree_forward_equals_packed_forward(dtype, tol, float64_norms):
             assert_grad_close(g[n], g_ref[n], tol, n)
 
 
+def test_tree_forward_under_gradient_checkpointing():
+    """``model.gradient_checkpointing`` re-runs each layer in backward: the tree attention's plan must
+    hold then too (float32, the tolerance above)."""
+    seqs, _ = tree_batch()
+    layout = build_layout(seqs)
+    model = tiny_qwen().train()
+    ids = torch.from_numpy(np.concatenate(seqs))
+    cu = torch.tensor([0] + np.cumsum([len(s) for s in seqs]).tolist(), dtype=torch.int32)
+    w = torch.randn(ids.numel(), generator=torch.Generator().manual_seed(0))
+    ref, g_ref = _grads(model, lambda: packed_logprobs(model, ids, cu, with_entropy=True, return_hidden=True), w)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    out, g = _grads(model, lambda: tree_logprobs(model, layout, with_entropy=True, return_hidden=True), w)
+    for a, b in zip(ref, out):
+        torch.testing.assert_close(b, a, **F32)
+    for n in g_ref:
+        assert_grad_close(g[n], g_ref[n], F32, n)
+
+
 def _micro_batch(share: bool):
     seqs, gids = tree_batch()
     trajs = _trajs(seqs, gids)
