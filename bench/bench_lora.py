@@ -61,6 +61,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="the task's config (SFT start + env + loss)")
     ap.add_argument("--steps", type=int, default=15, help="RL steps per arm")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every this many steps")
+    ap.add_argument("--arm-steps", action="append", default=[], metavar="ARM=N",
+                    help="fewer RL steps for one arm (e.g. lora_adapter=5: its sync times need few steps)")
     ap.add_argument("--full-lr", type=float, default=None, help="full fine-tuning's rate (default: the config's)")
     ap.add_argument("--lora-lr", type=float, default=2e-4, help="LoRA's rate")
     ap.add_argument("--lora-r", type=int, default=16)
@@ -83,6 +85,12 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         ap.error("--steps and --eval-every: must be >= 1")
     if args.quick:
         args.steps, args.eval_every = 2, 1
+    try:
+        args.arm_steps = {a: int(n) for a, n in (x.split("=", 1) for x in args.arm_steps)}
+    except ValueError:
+        ap.error("--arm-steps: ARM=N, e.g. lora_adapter=5")
+    if set(args.arm_steps) - set(ARMS) or any(n < 1 for n in args.arm_steps.values()):
+        ap.error(f"--arm-steps: an arm of {list(ARMS)} and N >= 1")
     return args
 
 
@@ -93,7 +101,7 @@ def common_overrides(args: argparse.Namespace) -> list:
 
 def arm_overrides(arm: str, args: argparse.Namespace, start: Path, full_lr: float) -> list:
     """One arm's overrides on top of the common ones: from the SFT start, the steps, the rate, LoRA."""
-    ov = [f"model.name_or_path={start}", "sft.enabled=false", f"trainer.steps={args.steps}",
+    ov = [f"model.name_or_path={start}", "sft.enabled=false", f"trainer.steps={args.arm_steps.get(arm, args.steps)}",
           f"trainer.eval_every={args.eval_every}", "trainer.checkpoint_every=1000",  # one checkpoint: the end
           f"model.gradient_checkpointing={str(args.grad_ckpt).lower()}"]
     if arm in LORA_SYNC:
@@ -237,7 +245,7 @@ def main(argv: Optional[list] = None) -> dict:
                 import shutil
 
                 shutil.rmtree(out)  # an unfinished run: its metrics would mix with the new one's
-            print(f"[lora] arm {arm}: lr {lrs[arm]:g}, {args.steps} steps -> {out}", flush=True)
+            print(f"[lora] arm {arm}: lr {lrs[arm]:g}, {args.arm_steps.get(arm, args.steps)} steps -> {out}", flush=True)
             run_arm(arm, args.config, out, [*common, *arm_overrides(arm, args, start, full_lr)])
         arms[arm] = arm_figures(read_metrics(out / "metrics.jsonl"))
         runs[arm] = json.loads((out / "run.json").read_text())

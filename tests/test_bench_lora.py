@@ -42,6 +42,17 @@ def test_parse_args_defaults_and_quick():
         bl.parse_args(["--arms", "qlora"])
     with pytest.raises(SystemExit):
         bl.parse_args(["--steps", "0"])
+    for bad in ("lora_adapter", "qlora=5", "lora=0"):
+        with pytest.raises(SystemExit):
+            bl.parse_args(["--arm-steps", bad])
+
+
+def test_arm_steps_shortens_one_arm(tmp_path):
+    a = bl.parse_args(["--arm-steps", "lora_adapter=5"])
+    assert a.arm_steps == {"lora_adapter": 5}
+    steps = {arm: bl.run_config(a.config, tmp_path / arm, bl.arm_overrides(arm, a, tmp_path / "hf", 2e-5)).trainer.steps
+             for arm in bl.ARMS}
+    assert steps == {"full": 15, "lora": 15, "lora_adapter": 5}
 
 
 @pytest.mark.parametrize("arm", bl.ARMS)
