@@ -19,6 +19,7 @@ import traceback
 
 import verifiers.v1 as vf
 from verifiers.v1.agent import Segment
+from verifiers.v1.dialects import parse_message
 from verifiers.v1.graph import MessageNode
 from verifiers.v1.trace import AgentInfo, Trace, TraceTask
 from verifiers.v1.utils import loaders
@@ -58,6 +59,8 @@ class Episode:
             episode.traces.append(self.trace)
             await self.env.finalize(self.task, episode)
         except Exception as e:  # a reward (or finalize) bug: the episode ends, the message reaches arl's log
+            while e.__cause__ is not None:  # the user's exception, not verifiers' TaskError boundary around it
+                e = e.__cause__
             return await self.events.put({"error": _line(e), "where": "reward"})
         rewards = {k: r.value for k, r in self.trace.rewards.items() if r is not None}
         metrics = {k: v for k, v in self.trace.metrics.items() if v is not None}
@@ -89,7 +92,7 @@ class _Interaction:
             self.ep.add(vf.UserMessage(content=message))
         elif message is not None:
             for m in message:
-                self.ep.add(vf.types.parse_message(m) if isinstance(m, dict) else m)
+                self.ep.add(parse_message(m) if isinstance(m, dict) else m)
         text = await self.ep.model_turn()
         return Segment(messages=[vf.AssistantMessage(content=text)])
 
