@@ -78,10 +78,11 @@ def test_the_observation_role_follows_the_env_messages():
     ("raise", r"^verifiers taskset 'vf_faults': RuntimeError: KeyError: 'x' \(in the env's run\)$"),
     ("mixed", r"^verifiers taskset 'vf_faults': an observation of roles \['tool', 'user'\]; arl renders one"),
     ("nan", r"^verifiers taskset 'vf_faults': reward nan is not a finite number$"),
-    ("badreward", r"^verifiers reward: ValueError: the reward broke$")])
+    ("badreward", r"^verifiers reward: ValueError: the reward broke$"),
+    ("slow", r"^verifiers taskset 'vf_faults': TimeoutError: no reply within 2s$")])
 def test_what_breaks_mid_episode_is_a_recoverable_fault_and_the_next_episode_goes_on(turn, why):
     _need_venv()
-    env = make_env("verifiers", **FAULTS)
+    env = make_env("verifiers", **dict(FAULTS, timeout_s=2.0 if turn == "slow" else 30.0))  # answers arrive in ms
     _, (r, ) = _play(env, 0, turn)
     assert r.done and r.fault is Fault.RECOVERABLE and r.reward == 0.0
     assert re.search(why, r.info["fault_reason"]) and "\n" not in r.info["fault_reason"], r.info["fault_reason"]

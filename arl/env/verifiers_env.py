@@ -33,15 +33,12 @@ import asyncio
 import json
 import math
 import os
-import sys
 import uuid
 from typing import Any, Dict, Optional
 
 from .base import Environment, Fault, StepResult
 from .registry import register_env
 from .verifiers_client import shared_server, verifiers_python
-
-EVAL_SEED_BASE = 1_000_000  # arl.data.tasks.EVAL_SEED_BASE (not imported: arl.env loads before arl.data)
 
 
 @register_env("verifiers")
@@ -56,8 +53,9 @@ class VerifiersEnv(Environment):
         if not isinstance(taskset, str) or not taskset:
             raise ValueError(f"env.kwargs.taskset: a verifiers taskset id (an importable package), got {taskset!r}")
         py = verifiers_python(python)
-        # the taskset is found on the paths given, then the cwd and PYTHONPATH (the YAML's directory is on it)
-        dirs = [os.path.abspath(p) for p in (path or [])] + [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
+        # the taskset is found on the paths given, the cwd, then PYTHONPATH, which the server inherits (the
+        # YAML's directory is on it).  Never arl's sys.path: arl's site-packages would shadow the venv's.
+        dirs = [os.path.abspath(p) for p in (path or [])] + [os.getcwd()]
         spec = json.dumps({"taskset": taskset, "args": dict(taskset_args or {}), "path": dirs,
                            "eval_args": None if eval_taskset_args is None else dict(eval_taskset_args)}, sort_keys=True)
         self.what, self._key = taskset, (py, spec, float(start_timeout_s))
@@ -76,6 +74,8 @@ class VerifiersEnv(Environment):
         self._ep = None
 
     async def reset(self, seed: int) -> list:
+        from ..data.tasks import EVAL_SEED_BASE  # held-out seeds (imported here: arl.env loads before arl.data)
+
         self._drop()  # an episode arl ended early (max_turns, a token limit) is abandoned on the server
         self._server = shared_server(self._key)  # restarted if it died
         self._ep, held = uuid.uuid4().hex, seed >= EVAL_SEED_BASE
@@ -99,7 +99,7 @@ class VerifiersEnv(Environment):
             detail = str(e) or f"no reply within {self.timeout_s:g}s"
             why = (f"verifiers server for {self.what!r} died mid-episode ({detail})" if self._server.dead
                    else f"verifiers taskset {self.what!r}: {type(e).__name__}: {detail}")
-            self._ep = None
+            self._drop()  # a late reply is not read as the next one's; the server forgets the episode
             return StepResult(why, 0.0, True, {"fault": Fault.RECOVERABLE, "fault_reason": why})
         out = {"fault": Fault.NONE, "tool": None, "tool_error": False}
         if reply.get("where") == "reward":  # a @vf.reward raised: retried or filtered, its message in arl's log

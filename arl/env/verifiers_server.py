@@ -192,8 +192,10 @@ async def serve(env, tasks):
         _OUT.write(json.dumps(msg) + "\n")
         _OUT.flush()
 
-    async def answer(rid, ep):
+    async def answer(rid, key, ep):
         ev = await ep.events.get()
+        if "messages" not in ev:  # the episode is over: forget it
+            episodes.pop(key, None)
         out({"id": rid, **ev})
 
     async def handle(req):
@@ -216,7 +218,7 @@ async def serve(env, tasks):
                 ep.reply.set_result(str(req["text"]))
             else:
                 raise ValueError(f"unknown op {op!r}")
-            await answer(rid, ep)
+            await answer(rid, key, ep)
         except Exception as e:
             out({"id": rid, "error": _line(e), "where": op})
 
