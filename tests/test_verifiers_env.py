@@ -168,6 +168,43 @@ def test_a_taskset_that_does_not_load_or_cannot_be_carried_fails_in_one_line():
         assert "\n" not in str(e.value) and re.search(match, str(e.value)), str(e.value)
 
 
+class Script:
+    """A scripted engine: says each of ``turns`` in order."""
+
+    version = 0
+
+    def __init__(self, tok, *turns):
+        self.tok, self.turns = tok, list(turns)
+
+    async def generate_one(self, tokens, sampling):
+        out = self.turns.pop(0)
+        ids = self.tok.encode(out, add_special_tokens=False)
+        return Sample(ids, [0.0] * len(ids), out, "stop")
+
+
+def test_tool_calls_run_in_the_tasks_toolsets_their_results_are_tool_turns(tiny_tokenizer, arun):
+    """tests/fixtures/vf_tools: a vf.Toolset on the task (vf-init's layout), verifiers' SingleAgentEnv.
+    arl parses the model's calls (env.tool_parser, hermes here), the server runs them in the toolset."""
+    _need_venv()
+    fmt = ChatFormat(tiny_tokenizer)
+    env = make_env("verifiers", taskset="vf_tools", path=FAULTS["path"], max_turns=4)
+    call = '<tool_call>\n{"name": "calc_add", "arguments": {"a": 12, "b": 32}}\n</tool_call>'
+    bad = '<tool_call>\n{"name": "calc_fail", "arguments": {"why": "boom"}}\n</tool_call>'
+    cfg = EpisodeConfig(max_turns=4, max_total_tokens=2048, sampling=SamplingConfig(max_tokens=64, stop=()))
+    try:
+        t = arun(run_episode(Script(tiny_tokenizer, bad + call, "44"), env, fmt, seed=2, config=cfg))
+    finally:
+        arun(env.close())
+    assert env.tools and [s["function"]["name"] for s in env.tools] == ["calc_add", "calc_fail"]
+    assert t.metadata["fault"] == "none" and t.reward == 1.0 and len(t.turns) == 2, t.metadata
+    assert t.metadata["reward_components"] == {"correct": 1.0}
+    assert t.metadata["tool_calls"] == 2 and t.metadata["tool_errors"] == 1 and t.metadata["tools"] == {
+        "calc_fail": 1, "calc_add": 1}
+    text = tiny_tokenizer.decode(t.tokens)
+    assert "calc_add" in text.split("What is 12 + 32?")[0] + text  # the schemas went to the template
+    assert "error: calc_fail raised ToolError: Error executing tool fail: boom" in text and "44" in text
+
+
 def test_the_real_verifiers_env_plays_an_episode_in_the_user_role(tiny_tokenizer, arun):
     _need_venv()
     fmt = ChatFormat(tiny_tokenizer)

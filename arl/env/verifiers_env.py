@@ -13,19 +13,19 @@ a venv of its own (``bash install.sh --verifiers``; arl/env/verifiers_server.py,
 taskset, arl/env/verifiers_client.py).  There verifiers loads the taskset and its ``Env`` as its own CLI
 does, and the ``Env.run`` plays with arl as the one agent: each ``interaction.turn(...)`` (a plain taskset:
 one turn) sends the messages since the model's last reply -- with their roles -- to arl, and arl's reply
-text back; when ``run`` returns, the task's ``@vf.reward``s score the trace (their sum is the episode's
-reward, each one a ``reward_components`` entry; ``@vf.metric``s are ``env/<name>`` counts).  Task seeds:
-training seed s is task s (wrapping), held-out seed ``EVAL_SEED_BASE + i`` is task i of the held-out set.
+back.  The task's ``vf.Toolset``s' schemas go to the chat template; arl parses a turn's calls
+(``env.tool_parser``) and the server runs them (arl/env/verifiers_tools.py), their results the next
+``tool`` turn, until a turn without calls ends the segment.  When ``run`` returns, the ``@vf.reward``s
+score the trace (their weighted sum is the reward, each a ``reward_components`` entry; ``@vf.metric``s are
+``env/<name>`` counts).  Seeds: training seed s is task s (wrapping), ``EVAL_SEED_BASE + i`` held-out task i.
 
-Faults, one line each: no verifiers venv (naming the install flag) or a taskset that fails to load (its
-error) or that arl cannot carry fail the constructor (so ``--dry-run``); a server that dies or an
-exception in the env's ``run`` mid-episode is a recoverable fault (retried, then filtered; the next
-``reset`` restarts a dead server); so is a reward that raises, its message in arl's log
-(``fault/reward_exception``, as the tools env's ``reward_fn``).  Not carried (one-line error at load): a taskset that ships its
-own ``Harness`` (its program owns the sampling loop), ``vf.Toolset``s (MCP servers a harness runs: serve
-them with ``env.name: mcp``), container tasks, envs with several agent seats; rewards that need a runtime
-are skipped (verifiers' offline scoring).  Messages with several roles in one observation are a
-recoverable fault (arl renders one role per observation).
+Faults, one line each: no verifiers venv (naming the install flag), a taskset that fails to load (its
+error) or that arl cannot carry fail the constructor (so ``--dry-run``); a server that dies, an exception
+in the env's ``run``, a late or non-finite reply, or a ``@vf.reward`` that raises (logged as a reward
+exception) mid-episode is a recoverable fault (retried, then filtered; a dead server restarts at the next
+``reset``).  Not carried (one line at load): a taskset that ships its own ``Harness`` (its program owns the
+sampling loop), container tasks, envs with several agent seats; rewards that need a runtime are skipped
+(verifiers' offline scoring); an observation mixing roles is a recoverable fault.
 """
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ import os
 import uuid
 from typing import Any, Dict, Optional
 
+from ..config import EVAL_SEED_BASE
 from .base import Environment, Fault, StepResult
 from .registry import register_env
+from .vllm_parsers import make_parser
 from .verifiers_client import shared_server, verifiers_python
 
 
@@ -49,10 +51,15 @@ class VerifiersEnv(Environment):
     def __init__(self, taskset: str, taskset_args: Optional[Dict[str, Any]] = None,
                  eval_taskset_args: Optional[Dict[str, Any]] = None, python: Optional[str] = None,
                  path: Optional[list] = None, start_timeout_s: float = 120.0, timeout_s: float = 60.0,
-                 max_turns: int = 8):
+                 max_turns: int = 8, parser: str = "hermes", tokenizer: Any = None):
         if not isinstance(taskset, str) or not taskset:
             raise ValueError(f"env.kwargs.taskset: a verifiers taskset id (an importable package), got {taskset!r}")
         py = verifiers_python(python)
+        try:  # how the model writes tool calls (env.tool_parser), for a taskset with vf.Toolsets
+            self.parser = make_parser(parser, tokenizer)
+        except ValueError as e:
+            raise ValueError(f"env.{'' if str(e).startswith('tool_parser') else 'tool_'}{e}") from None
+        self.keep_tokens = self.parser.keep_tokens() if hasattr(self.parser, "keep_tokens") else ()
         # the taskset is found on the paths given, the cwd, then PYTHONPATH, which the server inherits (the
         # YAML's directory is on it).  Never arl's sys.path: arl's site-packages would shadow the venv's.
         dirs = [os.path.abspath(p) for p in (path or [])] + [os.getcwd()]
@@ -74,8 +81,6 @@ class VerifiersEnv(Environment):
         self._ep = None
 
     async def reset(self, seed: int) -> list:
-        from ..data.tasks import EVAL_SEED_BASE  # held-out seeds (imported here: arl.env loads before arl.data)
-
         self._drop()  # an episode arl ended early (max_turns, a token limit) is abandoned on the server
         self._server = shared_server(self._key)  # restarted if it died
         self._ep, held = uuid.uuid4().hex, seed >= EVAL_SEED_BASE
@@ -86,13 +91,17 @@ class VerifiersEnv(Environment):
             raise ValueError(f"verifiers taskset {self.what!r} reset failed ({type(e).__name__}: {e})") from None
         if "messages" not in reply:
             raise ValueError(f"verifiers taskset {self.what!r}: the env ended before the model's first turn ({reply})")
+        self.tools = reply.get("tools") or None  # the episode's vf.Toolsets, rendered by the chat template
+        self.parser.tools = self.tools or []
         return reply["messages"]
 
     async def step(self, action_text: str) -> StepResult:
         if self._ep is None:
             raise ValueError("step: no episode in progress; call reset(seed) first")
+        parsed = self.parser.parse(action_text) if self.tools else None
+        calls = [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in (parsed.calls if parsed else [])]
         try:
-            reply = await self._ask(op="step", ep=self._ep, text=action_text)
+            reply = await self._ask(op="step", ep=self._ep, text=parsed.content if calls else action_text, calls=calls)
             if reply.get("error") and reply.get("where") != "reward":  # the env's run() raised: this episode is lost
                 raise RuntimeError(f"{reply['error']} (in the env's run)")
         except Exception as e:
@@ -123,6 +132,8 @@ class VerifiersEnv(Environment):
             return StepResult(why, 0.0, True, {"fault": Fault.RECOVERABLE, "fault_reason": why})
         self.observation_role = roles.pop()  # read by the episode right after this step
         texts = [m["content"] for m in msgs]
+        if calls:  # arl's tool-call counts; a call that failed (malformed, unknown, raised) reads "error: ..."
+            out["calls"] = [dict(c, error=t.startswith("error")) for c, t in zip(calls, texts)]
         return StepResult(texts[0] if len(texts) == 1 else texts, 0.0, False, out)
 
     async def close(self) -> None:

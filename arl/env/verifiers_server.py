@@ -23,6 +23,9 @@ from verifiers.v1.dialects import parse_message
 from verifiers.v1.graph import MessageNode
 from verifiers.v1.trace import AgentInfo, Trace, TraceTask
 from verifiers.v1.utils import loaders
+from verifiers_tools import Tools, shared_tools  # next to this script
+
+del sys.path[0]  # this script's directory: arl/env's modules must not shadow a taskset's name
 
 _OUT, sys.stdout = sys.stdout, sys.stderr  # the wire owns stdout: a print() in env code goes to stderr
 
@@ -39,13 +42,17 @@ def _wire(m) -> dict:
 class Episode:
     """One rollout of ``env.run(task, agents)``, its model turns answered by arl."""
 
-    def __init__(self, env, task):
-        self.env, self.task, self.events = env, task, asyncio.Queue()
+    def __init__(self, env, task, shared):
+        self.env, self.task, self.events, self.shared = env, task, asyncio.Queue(), shared
         self.reply, self.pending, self.turns = None, [], 0
-        self.trace = None
+        self.trace, self.tools = None, Tools()
 
     async def drive(self):
         try:
+            for ts in self.shared:
+                await self.tools.add(ts)
+            for ts in type(self.task).toolsets(self.task.config):  # the task's own: a fresh set per episode
+                await self.tools.add(ts, self.task)
             agents = vf.Agents(self.env.config, lambda name, cfg: _Agent(self, name))
             await self.env.setup(agents)
             await self.env.run(self.task, agents)
@@ -73,14 +80,25 @@ class Episode:
             self.pending.append(message)
 
     async def model_turn(self) -> str:
-        """The messages since the model's last reply go to arl; its reply text comes back."""
-        self.reply = asyncio.get_running_loop().create_future()
-        obs, self.pending = [_wire(m) for m in self.pending], []
-        await self.events.put({"messages": obs})
-        text = await self.reply
-        self.turns += 1
-        self.add(vf.AssistantMessage(content=text), sampled=True)
-        return text
+        """The messages since the model's last reply go to arl; its reply comes back: text, and the tool
+        calls arl parsed from it.  Calls run here and their results go back to the model (the harness's
+        loop); a reply without calls ends the segment, its text is the env's."""
+        while True:
+            self.reply = asyncio.get_running_loop().create_future()
+            obs, self.pending = [_wire(m) for m in self.pending], []
+            await self.events.put({"messages": obs, **({"tools": self.tools.schemas} if not self.turns else {})})
+            text, calls = await self.reply
+            self.turns += 1
+            if not calls:
+                self.add(vf.AssistantMessage(content=text), sampled=True)
+                return text
+            ids = [f"call_{self.turns}_{k}" for k in range(len(calls))]
+            self.add(vf.AssistantMessage(content=text, tool_calls=[
+                vf.ToolCall(id=i, name=c.get("name") or "", arguments=json.dumps(c.get("arguments") or {}))
+                for i, c in zip(ids, calls)]), sampled=True)
+            for i, c in zip(ids, calls):
+                out = c["error"] if c.get("error") else await self.tools.call(c["name"], c.get("arguments"))
+                self.add(vf.ToolMessage(tool_call_id=i, content=out, name=c.get("name") or None))
 
 
 class _Interaction:
@@ -149,9 +167,6 @@ def load(taskset_id: str, args: dict, eval_args):
     task_cls = type(env.taskset).task_type()
     if task_cls.NEEDS_CONTAINER:
         raise ValueError(f"{task_cls.__name__} needs a container runtime")
-    if task_cls.toolsets(env.taskset.config.task) or env.taskset.toolsets(env.taskset.config):
-        raise ValueError(f"{task_cls.__name__} uses vf.Toolsets (MCP tool servers run by a harness); serve them "
-                         "with env.name: mcp instead")
     held = env.taskset if eval_args is None else loaders.load_taskset(
         loaders.resolve_env_config({"taskset": {"id": taskset_id, **args, **eval_args}}).taskset)
     return env, {"train": _Tasks(env.taskset), "eval": _Tasks(held)}
@@ -179,6 +194,7 @@ class _Tasks:
 
 async def serve(env, tasks):
     loop, episodes = asyncio.get_running_loop(), {}
+    shared = await shared_tools(env)
     lines = asyncio.Queue()
 
     def read():  # stdin in a thread; its end (arl gone) ends the server
@@ -209,13 +225,13 @@ async def serve(env, tasks):
             if op == "reset":
                 split = req.get("split", "train")
                 task = tasks[split].get(int(req["seed"]), wrap=split == "train")
-                ep = episodes[key] = Episode(env, task)
+                ep = episodes[key] = Episode(env, task, shared)
                 ep.runner = asyncio.ensure_future(ep.drive())
             elif op == "step":
                 ep = episodes[key]
                 if ep.reply is None or ep.reply.done():
                     raise RuntimeError("no model turn is due")
-                ep.reply.set_result(str(req["text"]))
+                ep.reply.set_result((str(req["text"]), list(req.get("calls") or [])))
             else:
                 raise ValueError(f"unknown op {op!r}")
             await answer(rid, key, ep)
