@@ -37,7 +37,10 @@ class Server:
             line = first.result(timeout=start_timeout_s)
         except TimeoutError:
             line = None
-        ready = json.loads(line) if line else {}
+        try:
+            ready = json.loads(line) if line else {}
+        except ValueError:
+            ready = {"error": f"not a verifiers server reply: {line.strip()[:200]!r}"}
         if "ready" not in ready:
             why = (ready.get("error") if ready.get("error") else
                    f"no reply within {start_timeout_s:g}s" if line is None else

@@ -17,7 +17,9 @@ import sys
 import threading
 import traceback
 
-import verifiers.v1 as vf
+_OUT, sys.stdout = sys.stdout, sys.stderr  # the wire owns stdout: a print() in env code goes to stderr
+
+import verifiers.v1 as vf  # noqa: E402 (after the stdout swap: an import-time print must not break the wire)
 from verifiers.v1.agent import Segment
 from verifiers.v1.dialects import parse_message
 from verifiers.v1.graph import MessageNode
@@ -26,8 +28,6 @@ from verifiers.v1.utils import loaders
 from verifiers_tools import Tools, shared_tools  # next to this script
 
 del sys.path[0]  # this script's directory: arl/env's modules must not shadow a taskset's name
-
-_OUT, sys.stdout = sys.stdout, sys.stderr  # the wire owns stdout: a print() in env code goes to stderr
 
 
 def _line(e: BaseException) -> str:
