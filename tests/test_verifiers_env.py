@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from arl.config import EVAL_SEED_BASE
 from arl.env import Fault, make_env
 from arl.env.verifiers_client import verifiers_python
 from arl.rollout import ChatFormat, EpisodeConfig, SamplingConfig
@@ -55,6 +56,26 @@ def test_turns_go_to_the_env_its_answers_keep_their_role_the_rewards_are_its_rub
     assert c.observation == "2 to go."
     assert e.done and e.reward == 1.5 and e.fault is Fault.NONE
     assert e.info["reward_components"] == {"went": 1.5} and e.info["counts"] == {"gos": 3.0}
+
+
+def test_training_seeds_wrap_over_the_taskset_held_out_seeds_index_the_held_out_taskset():
+    _need_venv()
+    env = make_env("verifiers", **FAULTS, eval_taskset_args={"offset": 100})
+
+    async def go():
+        try:
+            firsts = [(await env.reset(s))[0]["content"] for s in (1, 5, EVAL_SEED_BASE + 1)]
+            with pytest.raises(ValueError, match=r"^verifiers taskset 'vf_faults' reset failed \(RuntimeError: "
+                                                 r"IndexError: task 4: the taskset has 4\)$"):
+                await env.reset(EVAL_SEED_BASE + 4)  # past the held-out tasks: that episode fails to start
+            return firsts
+        finally:
+            await env.close()
+
+    assert asyncio.run(go()) == ["Say go 3 times (task 1).", "Say go 3 times (task 1).", "Say go 3 times (task 101)."]
+    with pytest.raises(ValueError, match=r"^env.kwargs.taskset: verifiers taskset 'vf_faults' failed to load "
+                                         r"\(ValidationError: 1 validation error for"):
+        make_env("verifiers", **FAULTS, eval_taskset_args={"offsett": 100})  # a field the config does not have
 
 
 def test_the_observation_role_follows_the_env_messages():
