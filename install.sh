@@ -19,12 +19,15 @@
 #   --openenv     also OpenEnv's server side in a venv of its own, .venv-openenv (or ARL_OPENENV_VENV;
 #                 openenv==0.10.0 conflicts with arl's pins, so never in arl's venv), for OpenEnv
 #                 environments (env.name: openenv): tools/install_openenv.sh
+#   --verifiers   also verifiers' side in a venv of its own, .venv-verifiers (or ARL_VERIFIERS_VENV;
+#                 verifiers==0.4.0 conflicts with arl's pins, so never in arl's venv), for verifiers
+#                 environments (env.name: verifiers): tools/install_verifiers.sh
 #   --wandb       also wandb 0.31.0, for logging.wandb (offline mode needs no account)
 #   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
 #                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
 #                 beside arl's 5.19), plus what their imports need
 #   --test-extras every extra the test suite exercises (what .ci/run installs): --gym --mcp
-#                 --openenv --wandb --peer
+#                 --openenv --verifiers --wandb --peer
 # The C++ op is built for x86-64-v3 (portable); ARL_CPU_ARCH=native builds for this CPU (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -33,6 +36,7 @@ SMOLLM2=0
 GYM=0
 MCP=0
 OPENENV=0
+VERIFIERS=0
 WANDB=0
 PEER=0
 ISOLATED=0
@@ -44,13 +48,14 @@ while [ $# -gt 0 ]; do
     --gym) GYM=1 ;;
     --mcp) MCP=1 ;;
     --openenv) OPENENV=1 ;;
+    --verifiers) VERIFIERS=1 ;;
     --wandb) WANDB=1 ;;
     --peer) PEER=1 ;;
-    --test-extras) GYM=1; MCP=1; OPENENV=1; WANDB=1; PEER=1 ;;
+    --test-extras) GYM=1; MCP=1; OPENENV=1; VERIFIERS=1; WANDB=1; PEER=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --openenv, --wandb, --peer, --test-extras)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --openenv, --verifiers, --wandb, --peer, --test-extras)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -259,6 +264,11 @@ if [ "$OPENENV" = 1 ]; then
   fi
   # the server side: its own venv, pinned by tools/openenv-constraints.txt (~35 s from scratch)
   PYTHON=${PYTHON:-python3} bash tools/install_openenv.sh
+fi
+if [ "$VERIFIERS" = 1 ]; then
+  # all of it in its own venv, pinned by tools/verifiers-constraints.txt (~45 s from scratch); arl's
+  # side (arl/env/verifiers_env.py) needs nothing beyond arl's own pins
+  PYTHON=${PYTHON:-python3} bash tools/install_verifiers.sh
 fi
 if [ "$WANDB" = 1 ]; then
   WANDB_PINS=(wandb==0.31.0 cwevals==0.0.1b1 distro==1.9.0 platformdirs==4.14.9)

@@ -26,6 +26,12 @@ try:  # examples/openenv needs the OpenEnv venv (bash install.sh --openenv)
     openenv_python()
 except ValueError:
     CONFIGS = [c for c in CONFIGS if os.sep + "openenv" + os.sep not in c]
+try:  # examples/verifiers needs the verifiers venv (bash install.sh --verifiers)
+    from arl.env.verifiers_client import verifiers_python
+
+    verifiers_python()
+except ValueError:
+    CONFIGS = [c for c in CONFIGS if os.sep + "verifiers" + os.sep not in c]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)

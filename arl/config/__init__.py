@@ -3,7 +3,7 @@ from .algo import AlgoConfig, check_algo
 from .critic import CriticConfig
 from .ray import NodeGroup, RayConfig
 from .load import BUILTIN_DEFAULT, ConfigError, dump_config, load_config
-from .schema import (WANDB_PIN, ArchConfig, DatasetConfig, EnvConfig, LayoutConfig, LoggingConfig, LoRAConfig,
+from .schema import (EVAL_SEED_BASE, WANDB_PIN, ArchConfig, DatasetConfig, EnvConfig, LayoutConfig, LoggingConfig, LoRAConfig,
                      ModelConfig, OffloadConfig, OptimConfig, RolloutConfig, SFTConfig, TinyModelConfig, TrainConfig,
                      TrainerConfig, WandbConfig)
 from .stabilizers import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, DynamicSamplingConfig, EntropyScheduleConfig,
@@ -11,7 +11,7 @@ from .stabilizers import (AdaptiveKLConfig, AlarmRule, CurriculumConfig, Dynamic
                           StallConfig, TurnCreditConfig, check_turn_credit_loss)
 
 __all__ = [
-    "WANDB_PIN", "AdaptiveKLConfig", "AlgoConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError",
+    "EVAL_SEED_BASE", "WANDB_PIN", "AdaptiveKLConfig", "AlgoConfig", "AlarmRule", "ArchConfig", "BUILTIN_DEFAULT", "ConfigError",
     "CriticConfig", "CurriculumConfig", "DatasetConfig", "DynamicSamplingConfig", "EntropyScheduleConfig",
     "EnvConfig", "ExtremeTrajectoryConfig", "IPAResampleConfig", "LayoutConfig", "LoggingConfig", "LoRAConfig",
     "ModelConfig", "NodeGroup", "RayConfig", "OffloadConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig", "ShapingConfig",

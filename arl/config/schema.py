@@ -14,6 +14,9 @@ from .log_config import WANDB_PIN, LoggingConfig, WandbConfig  # noqa: F401 (re-
 from .ray import LAUNCHER_DESCRIPTION, LauncherName, RayConfig, check_ray
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
+# held-out task seeds start here; training task seeds count up from 0 (arl.data.tasks, env adapters)
+EVAL_SEED_BASE = 1_000_000
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())

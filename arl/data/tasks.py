@@ -24,10 +24,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from ..config import DatasetConfig
+from ..config import EVAL_SEED_BASE, DatasetConfig  # noqa: F401 (re-exported; below env and data, read by both)
 from .task_files import Record, json_type as _json_type, records as _records
 
-EVAL_SEED_BASE = 1_000_000  # held-out task seeds start here; training task seeds count up from 0
 ROLES = ("system", "user", "assistant", "tool")
 MAX_SKIP_REASONS = 5  # skipped rows keep the first few reasons for the log
 _SPLIT, _EPOCH = 0, 1  # the two uses of the seed, so the split and the epoch orders are independent

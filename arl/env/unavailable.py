@@ -1,22 +1,19 @@
-"""Ecosystem environment packages arl has no adapter for yet, and why: ``env.name: verifiers``
-fails with this one line (at ``--dry-run``) instead of "unknown env".
+"""Ecosystem environment packages arl has no adapter for yet, and why: such an ``env.name`` fails with
+its one line here (at ``--dry-run``) instead of "unknown env".  Empty today.
 
-Its declared dependencies conflict with arl's pins (checked 2026-12-05 with
-``python -m pip install --dry-run PKG==X -c /work/venv-constraints.txt`` against this machine's
-package sources), so no install extra can add it without changing an installed package.  (OpenEnv
-conflicts too, but its environments are servers: ``env.name: openenv`` runs them from a venv of
-their own, ``bash install.sh --openenv``, and talks to them over HTTP/WebSocket; docs/envs.md.)
+Both packages that conflict with arl's pins (checked 2026-12-05 with ``python -m pip install --dry-run
+PKG==X -c /work/venv-constraints.txt`` against this machine's package sources) now have adapters that
+run them from a venv of their own, so no install extra changes arl's packages (docs/envs.md):
 
-- ``verifiers==0.4.0``: it needs ``mcp==2.0.0`` (arl pins 2.3.0) and ``openai<3.0.0`` (arl pins
-  3.63.0).  Its 0.4 stack (``verifiers.v1``) also owns the sampling loop (harnesses calling a model
-  client through an interception server), which an arl adapter would have to drive token-in/out.
+- ``openenv==0.10.0``: its servers run from ``.venv-openenv`` (``bash install.sh --openenv``); arl
+  speaks their HTTP/WebSocket protocol (``env.name: openenv``).
+- ``verifiers==0.4.0`` (needs ``mcp==2.0.0`` and ``openai<3``; arl pins 2.3.0 and 3.63.0): a server
+  script runs from ``.venv-verifiers`` (``bash install.sh --verifiers``) and plays its ``Env.run``
+  with arl's engine as the model (``env.name: verifiers``); without that venv the adapter fails with
+  one line naming the flag.
 """
 from __future__ import annotations
 
 from typing import Dict
 
-UNAVAILABLE: Dict[str, str] = {
-    "verifiers": ("env.name: verifiers has no arl adapter yet: verifiers==0.4.0 needs mcp==2.0.0 "
-                  "(arl pins 2.3.0) and openai<3 (arl pins 3.63.0) -- see docs/envs.md; serve its tools "
-                  "over MCP (env.name: mcp) with the dataset and reward as the tools env's"),
-}
+UNAVAILABLE: Dict[str, str] = {}
