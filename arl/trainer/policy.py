@@ -131,6 +131,11 @@ class PolicyTrainer:
         if self.parking is not None:
             self.parking.park()
 
+    def unpark(self) -> None:
+        """The trainer's turn (the engine is asleep): the state back on the device before the update."""
+        if self.parking is not None:
+            self.parking.unpark()
+
     def awake(self):
         """A block that runs the model: the state on the device for it (parked again after)."""
         return self.parking.awake() if self.parking is not None else _null()

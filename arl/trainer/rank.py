@@ -232,8 +232,7 @@ class TrainerRank:
         faults.step_started(step + 1)
         mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
         wait_s = time.perf_counter() - ts
-        if self.tr.parking is not None:  # the engine is asleep now: the state comes back for the update
-            self.tr.parking.unpark()
+        self.tr.unpark()  # trainer.offload.while_generating: the engine is asleep now, the state comes back
         m = all_mean(update_on_batch(self.tr, mbs, loss_cfg, self.cfg.trainer.updates_per_batch), self.tr.device)
         version = step + 1
         # one decision for every rank (each has its own clock: ranks that disagree would hang)
