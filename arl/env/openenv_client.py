@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .server_proc import ServerProcess
+
 INSTALL_HINT = "bash install.sh --openenv"
 _SERVERS: Dict[tuple, "_Server"] = {}
 _LOCK = threading.Lock()
@@ -23,7 +25,7 @@ _BOOT = ("import os, sys, threading, uvicorn; "
          "threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start(); uvicorn.main()")
 
 
-class _Server:
+class _Server(ServerProcess):
     """One OpenEnv server process on a free local port; its stderr kept for the one-line errors."""
 
     def __init__(self, python: str, app: str, cwd: Optional[str], start_timeout_s: float):
@@ -47,23 +49,6 @@ class _Server:
                else f"no /health within {start_timeout_s:g}s")
         self.stop()
         raise ValueError(f"env.kwargs.server: OpenEnv server {app!r} failed to start ({why}; stderr: {self.tail()})")
-
-    @property
-    def dead(self) -> bool:
-        return self.proc.poll() is not None
-
-    def tail(self) -> str:
-        self.err.seek(0)
-        lines = [x.strip() for x in self.err.read().decode(errors="replace").splitlines() if x.strip()]
-        return lines[-1] if lines else "empty"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 atexit.register(lambda: [s.stop() for s in list(_SERVERS.values())])

@@ -17,13 +17,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Dict, Optional
 
+from .server_proc import ServerProcess
+
 INSTALL_HINT = "bash install.sh --verifiers"
 SERVER = str(Path(__file__).with_name("verifiers_server.py"))
 _SERVERS: Dict[tuple, "Server"] = {}
 _LOCK = threading.Lock()
 
 
-class Server:
+class Server(ServerProcess):
     """One verifiers server process; ``request`` sends a line and returns the Future of its reply."""
 
     def __init__(self, python: str, spec: str, start_timeout_s: float):
@@ -76,23 +78,6 @@ class Server:
         if msg.get("op") == "drop" and not fut.done():
             fut.set_result({})
         return fut
-
-    @property
-    def dead(self) -> bool:
-        return self.proc.poll() is not None
-
-    def tail(self) -> str:
-        self.err.seek(0)
-        lines = [x.strip() for x in self.err.read().decode(errors="replace").splitlines() if x.strip()]
-        return lines[-1] if lines else "empty"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 atexit.register(lambda: [s.stop() for s in list(_SERVERS.values())])
