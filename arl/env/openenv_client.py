@@ -12,10 +12,9 @@ import subprocess
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .server_proc import ServerProcess
+from .server_proc import ServerProcess, venv_python
 
 INSTALL_HINT = "bash install.sh --openenv"
 _SERVERS: Dict[tuple, "_Server"] = {}
@@ -81,12 +80,9 @@ def client_libs():
 
 def openenv_python(python: Optional[str] = None) -> str:
     """The OpenEnv venv's interpreter: ``python``, else ARL_OPENENV_VENV's, else the checkout's .venv-openenv."""
-    venv = os.environ.get("ARL_OPENENV_VENV") or str(Path(__file__).resolve().parents[2] / ".venv-openenv")
-    py = python or os.path.join(venv, "bin", "python")
-    if not os.access(py, os.X_OK):
-        raise ValueError(f"env.name: openenv runs OpenEnv servers from their own venv, which is missing ({py}): "
-                         f"{INSTALL_HINT}")
-    return py
+    return venv_python(python, "ARL_OPENENV_VENV", ".venv-openenv",
+                       "env.name: openenv runs OpenEnv servers from their own venv, which is missing ({py}): "
+                       + INSTALL_HINT)
 
 
 def reply_data(raw: Any) -> dict:

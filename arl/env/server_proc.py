@@ -2,7 +2,9 @@
 a temporary file for the one-line errors, and stopped (terminate, then kill) when asked or at exit."""
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 
 class ServerProcess:
@@ -28,3 +30,13 @@ class ServerProcess:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def venv_python(python, env_var: str, default_dir: str, missing: str) -> str:
+    """The interpreter of an adapter's own venv: ``python``, else ``$env_var``'s venv, else the
+    checkout's ``default_dir``; a one-line error (``missing``, with the path) when it is not there."""
+    venv = os.environ.get(env_var) or str(Path(__file__).resolve().parents[2] / default_dir)
+    py = python or os.path.join(venv, "bin", "python")
+    if not os.access(py, os.X_OK):
+        raise ValueError(missing.format(py=py))
+    return py

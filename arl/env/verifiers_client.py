@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
-import os
 import subprocess
 import tempfile
 import threading
@@ -17,7 +16,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Dict, Optional
 
-from .server_proc import ServerProcess
+from .server_proc import ServerProcess, venv_python
 
 INSTALL_HINT = "bash install.sh --verifiers"
 SERVER = str(Path(__file__).with_name("verifiers_server.py"))
@@ -94,9 +93,6 @@ def shared_server(key: tuple) -> Server:
 
 def verifiers_python(python: Optional[str] = None) -> str:
     """The verifiers venv's interpreter: ``python``, else ARL_VERIFIERS_VENV's, else the checkout's .venv-verifiers."""
-    venv = os.environ.get("ARL_VERIFIERS_VENV") or str(Path(__file__).resolve().parents[2] / ".venv-verifiers")
-    py = python or os.path.join(venv, "bin", "python")
-    if not os.access(py, os.X_OK):
-        raise ValueError(f"env.name: verifiers runs verifiers environments from their own venv, which is missing "
-                         f"({py}): {INSTALL_HINT}")
-    return py
+    return venv_python(python, "ARL_VERIFIERS_VENV", ".venv-verifiers",
+                       "env.name: verifiers runs verifiers environments from their own venv, which is missing ({py}): "
+                       + INSTALL_HINT)
