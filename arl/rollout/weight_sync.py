@@ -120,17 +120,29 @@ def _unflatten(flat: torch.Tensor, entries) -> Iterator[Tuple[str, torch.Tensor]
         yield name, flat[off:off + math.prod(shape)].view(shape)
 
 
+def source_store(host: str, port: int, world_size: int, timeout_s: float = 1800.0):
+    """The group's TCP store, hosted by the source (trainer rank 0) for the whole run: every group
+    of the run (``epoch``) lives under its own prefix in it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def make_group(host: str, port: int, rank: Optional[int], world_size: int, backend: str,
-               timeout_s: float = 1800.0):
+               timeout_s: float = 1800.0, epoch: int = 0, store=None):
     """The stateless group: ``backend`` "gloo" (CPU tensors) or "nccl" (CUDA tensors).  ``rank``
-    0 for the source; None for a receiver, which takes the next free rank of 1..world_size-1."""
+    0 for the source; None for a receiver, which takes the next free rank of 1..world_size-1.
+    ``epoch``: the how-many-th group of the run (a restarted engine cannot enter the group its former
+    self was in, so every engine joins a new one: arl/trainer/sync.py); ``store``: the source's
+    ``source_store`` (made here when None)."""
     import torch.distributed as dist
 
     if world_size < 2:
         raise ValueError(f"weight sync group: world_size must be >= 2 (trainer + engine workers), got {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
-    store = dist.PrefixStore("arl-weight-sync", store)
+    if store is None:
+        store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store)
     if rank is None:
         rank = int(store.add("receivers", 1))  # 1, 2, ... in the order receivers arrive
         if rank >= world_size:
@@ -143,18 +155,41 @@ def make_group(host: str, port: int, rank: Optional[int], world_size: int, backe
     raise ValueError(f"weight sync backend: unknown {backend!r}; choose from ['gloo', 'nccl']")
 
 
+class WeightSyncBroken(RuntimeError):
+    """A broadcast of the weight-sync group failed: a member died (gloo sees its connections close).
+    Every member then leaves the group, so that those waiting on one that left fail too, and the
+    trainer forms a new one when Ray has restarted the dead engine (arl/trainer/sync.py)."""
+
+
+def _broadcast(group, t: torch.Tensor) -> None:
+    try:
+        group.broadcast(t, 0).wait()
+    except RuntimeError as e:
+        raise WeightSyncBroken(f"weight sync group: a broadcast failed ({str(e).strip().splitlines()[0][:300]})") from None
+
+
+def broke(e: BaseException) -> bool:
+    """``e`` is, or was raised while handling, a ``WeightSyncBroken`` (vLLM's loader may wrap it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, WeightSyncBroken):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def send(group, state: Mapping[str, torch.Tensor], device) -> None:
     """Source side: broadcast every tensor of ``state`` (in its order) from rank 0."""
     for t in state.values():
-        t = t.detach().to(device).contiguous()
-        group.broadcast(t, 0).wait()
+        _broadcast(group, t.detach().to(device).contiguous())
 
 
 def receive(group, meta: Meta, device) -> List[Tuple[str, torch.Tensor]]:
     out = []
     for name, dtype, shape in meta:
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        group.broadcast(t, 0).wait()
+        _broadcast(group, t)
         out.append((name, t))
     return out
 
@@ -165,7 +200,7 @@ def send_buckets(group, state: Mapping[str, torch.Tensor], plan: Plan, device) -
     next bucket while one is on the wire was measured twice as slow on gloo: docs/weight_sync.md.)"""
     n = 0
     for flat, _ in iter_buckets(state, plan, device):
-        group.broadcast(flat, 0).wait()
+        _broadcast(group, flat)
         n += 1
         del flat  # before the next bucket is packed: one in memory, not two
     return n
@@ -178,7 +213,7 @@ def receive_buckets(group, plan: Plan, device) -> Iterator[Tuple[str, torch.Tens
     broadcast): ``drain`` what a failed load left."""
     for entries in _by_bucket(plan):
         flat = torch.empty(_bucket_numel(entries), dtype=getattr(torch, entries[0][1]), device=device)
-        group.broadcast(flat, 0).wait()
+        _broadcast(group, flat)
         yield from _unflatten(flat, entries)
         del flat  # before the next bucket is allocated (the loader may still hold views)
 
@@ -209,14 +244,26 @@ class WeightSyncWorkerExtension:
     Called through ``collective_rpc`` by name, on every worker of the engine."""
 
     def arl_join_weight_sync(self, host: str, port: int, world_size: int, backend: str,
-                             timeout_s: float = 1800.0) -> int:
-        self._arl_sync_group = make_group(host, port, None, world_size, backend, timeout_s)
+                             timeout_s: float = 1800.0, epoch: int = 0) -> int:
+        self._arl_sync_group = None  # a former group (a member died) is left before the new one forms
+        self._arl_sync_group = make_group(host, port, None, world_size, backend, timeout_s, epoch)
         return self._arl_sync_group.rank()
 
     def _arl_tied(self) -> bool:
         return bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
 
     def arl_receive_weights(self, meta: Iterable, buckets: Optional[Iterable] = None) -> int:
+        """The tensors received and loaded, or -1 when the group broke (a member died): this worker
+        then leaves it, and its model may be part old, part new until the next sync."""
+        try:
+            return self._arl_receive(meta, buckets)
+        except Exception as e:
+            if not broke(e):
+                raise
+            self._arl_sync_group = None  # its connections close: members waiting on this one fail too
+            return -1
+
+    def _arl_receive(self, meta, buckets) -> int:
         if buckets is None:  # one broadcast per tensor
             named = receive(self._arl_sync_group, [tuple(m) for m in meta], self.device)
             self.reload_weights(weights_iterator=tie_head(named, self._arl_tied()), is_checkpoint_format=True)

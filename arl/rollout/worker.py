@@ -4,7 +4,8 @@ asyncio loop.
 It hands its share of every batch to trainer rank 0 on ``batches`` and takes orders on its own
 ``orders`` queue (trainer rank 0's end is ``arl.trainer.link.RolloutLink``):
 
-  ``("join_sync", host, port, world, backend)``  the engine's workers join the weight-sync group;
+  ``("join_sync", host, port, world, backend, epoch)``  the engine's workers join the weight-sync
+                                                 group (number ``epoch``: a new one after a restart);
   ``("weights", source, version, chooser_state)`` new weights (a directory, or ``FromGroup``);
   ``("eval", version, n)``                       greedy held-out evaluation on ``n`` tasks;
   ``("start", step)``                            (before the first weights) the first batch to make:
@@ -44,6 +45,7 @@ from .engine_args import build_engine_args, check_engine_kwargs
 from .lora_sync import engine_lora_kwargs, lora_sync_mode
 from .episode import ChatFormat, EpisodeConfig, run_episode
 from .transcript import format_transcript, transcript
+from .weight_sync import WeightSyncBroken
 from .expert import StartChooser, expert_start_hook
 from .manager import REWARD_EXCEPTIONS_SHOWN, RolloutManager, fill_batch
 
@@ -337,8 +339,7 @@ class RolloutWorker:
                 self.stop.set()
                 return
             if kind == "join_sync":
-                _, host, port, world, backend = msg
-                await self.engine.join_weight_sync(host, port, world, backend)
+                await self.engine.join_weight_sync(*msg[1:])  # host, port, world, backend, epoch
             elif kind == "start":
                 self.first_step, self.restarted = int(msg[1]), False
             elif kind == "weights":
@@ -357,7 +358,11 @@ class RolloutWorker:
             load = functools.partial(self.engine.update_weights, source, version)
         else:  # opens the manager's generation gate by one step
             load = functools.partial(self.manager.update_weights, source, version)
-        await self.schedule.load_weights(load)
+        try:
+            await self.schedule.load_weights(load)
+        except WeightSyncBroken as e:  # the engine stays shut until the trainer's new group brings the weights
+            print(f"arl.train: engine {self.index}: {e}; waiting for the trainer's new group", flush=True)
+            return
         self.synced.set()
 
     async def _evaluate(self, version: int, n: int) -> None:

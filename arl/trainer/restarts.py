@@ -3,20 +3,19 @@ new engine ignores the orders meant for the one that died until it gets ``("star
 
 It is told to start at the next batch its former self owed (the batches that reached trainer
 rank 0 stay; those it was generating are gone, never accepted, and their task seeds are not
-reused), is sent the current weights, and, for engine 0, the held-out evaluations it lost: the
-current version's is ordered again, an older one's is dropped with one line (the engine no longer
-has those weights) and its step record is written without ``success/heldout``."""
+reused), is sent the current weights (group mode: every engine joins a new weight-sync group, the
+dead member having broken the old one: ``WeightSender.rejoin``), and, for engine 0, the held-out
+evaluations it lost: the current version's is ordered again, an older one's is dropped with one
+line (the engine no longer has those weights) and its step record is written without
+``success/heldout``."""
 from __future__ import annotations
 
 from ..config import TrainConfig
 
 
 def resync_engine(engine: int, link, sync, log, cfg: TrainConfig) -> None:
-    """``link``: the RolloutLink; ``sync``: the WeightSender (None before the first sync);
+    """``link``: the RolloutLink; ``sync``: the weight sender (None before the first sync);
     ``log``: the OrderedLog."""
-    if sync is not None and sync.mode != "file":
-        raise RuntimeError(f"engine {engine} was restarted, but a restarted engine cannot rejoin the weight-sync "
-                           "group yet (rollout.weight_sync: group); use rollout.weight_sync: file")
     step = link.next_index(engine)
     link.send(engine, ("start", step))
     last = getattr(sync, "last", None)
@@ -25,7 +24,10 @@ def resync_engine(engine: int, link, sync, log, cfg: TrainConfig) -> None:
     if last is None:  # no sync yet: the first one's order reaches it after "start"
         return
     source, version, chooser = last
-    link.send(engine, ("weights", source, version, chooser))
+    if sync.mode == "group":  # every engine: a new group, and the weights again over it
+        sync.rejoin()
+    else:
+        link.send(engine, ("weights", source, version, chooser))
     if engine != 0 or log is None:
         return
     for v in log.unanswered(version):

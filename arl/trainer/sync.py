@@ -25,7 +25,8 @@ from ..model.tied import is_tied, untied_state
 from ..rollout.colocate import trainer_turn_ends
 from ..rollout.lora_sync import lora_sync_mode
 from ..rollout.engine import write_sync_weights
-from ..rollout.weight_sync import FromGroup, make_group, plan_buckets, send, send_buckets, sender_backend, tensor_meta
+from ..rollout.weight_sync import (FromGroup, WeightSyncBroken, make_group, plan_buckets, send, send_buckets,
+                                   sender_backend, source_store, tensor_meta)
 from ..rollout.worker import engine_workers
 from . import faults
 from .adapter_sync import AdapterSender
@@ -62,18 +63,29 @@ class WeightSender:
         if self.mode == "group" and sync_addr is None:
             raise ValueError("rollout.weight_sync: 'group' needs the launcher's weight-sync address")
         self.weights_dir = sync_dir()
-        self.group = None
-        self.last: Optional[tuple] = None  # file mode: (directory, version, chooser state) of the last sync
+        self.group = self.store = None
+        self.epoch = 0  # group mode: the how-many-th group (a new one after an engine's restart)
+        # group mode under ZeRO-3 with engine restarts: rank 0 keeps a host copy of the last synced
+        # weights for a restarted engine (gathering them again is every rank's collective, and only
+        # rank 0 hears of the restart); a model's size of host memory (docs/ray.md)
+        self.restarts = cfg.launcher == "ray" and cfg.ray.engine_restarts > 0  # Ray brings a dead engine back
+        self.keep = self.mode == "group" and trainer.zero3 and self.restarts
+        self.kept: Optional[dict] = None
+        # (source, version, chooser state) of the last sync; source: its directory (file mode) or None
+        self.last: Optional[tuple] = None
         # tied embeddings: the head is the embedding, which the engines load under both names
         # (arl/rollout/weight_sync.py), so it is not sent twice
         self.tied = is_tied(trainer.module)
         self.bucket_bytes = sync_bucket_mb(cfg, trainer.device) << 20  # 0: one broadcast / file entry per tensor
 
+    def _state(self) -> dict:
+        # sent before the next update: no copy of what is already on the CPU
+        return self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda", copy=False)
+
     def __call__(self, version: int, chooser_state: Optional[dict]) -> None:
         """Every rank calls it (under ZeRO-3 gathering the weights is a collective); rank 0 sends.
         For NCCL the tensors stay on the GPU."""
-        # sent before the next update: no copy of what is already on the CPU
-        state = self.tr.full_state_dict(to_cpu=self.mode == "file" or self.tr.device.type != "cuda", copy=False)
+        state = self._state()
         self.tr.park()  # trainer.offload.while_generating: the state to host memory, the engine's turn
         trainer_turn_ends(self.cfg, self.tr.device)  # every rank's GPU: colocated, the engine wakes on this sync
         if self.rank != 0:
@@ -92,19 +104,54 @@ class WeightSender:
             self.last = (str(d), version, chooser_state)
             self.link.broadcast(("weights", str(d), version, chooser_state))
             return
-        if self.group is None:  # first sync: the engines' workers join, then every sync is broadcasts
+        self.last = (None, version, chooser_state)
+        if self.keep:
+            self.kept = {k: v.to("cpu", copy=True) for k, v in state.items()}
+        self._broadcast(state, version, chooser_state)
+
+    def _broadcast(self, state: dict, version: int, chooser_state: Optional[dict], kill_point: bool = True) -> None:
+        """Group mode: every engine's workers receive ``state`` (joining the group first when there is none)."""
+        if self.group is None:  # the engines' workers join, then every sync is broadcasts
             n, backend = 1 + self.link.engines * engine_workers(self.cfg), sender_backend(self.tr.device)
-            self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend))  # rank 0 is the source
-            self.group = make_group(self.addr[0], self.addr[1], 0, n, backend)
+            self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend, self.epoch))
+            if self.store is None:  # rank 0 hosts the store (and is the source) for the whole run
+                self.store = source_store(self.addr[0], self.addr[1], n)
+            self.group = make_group(self.addr[0], self.addr[1], 0, n, backend, epoch=self.epoch, store=self.store)
         meta = tensor_meta(state)
         plan = plan_buckets(meta, self.bucket_bytes) if self.bucket_bytes > 0 else None
         self.link.broadcast(("weights", FromGroup(meta, plan), version, chooser_state))
-        faults.reached("sync")
+        if kill_point:
+            faults.reached("sync")
         # returns once every engine has received every tensor
-        if plan is None:
-            send(self.group, state, self.tr.device)
+        try:
+            if plan is None:
+                send(self.group, state, self.tr.device)
+            else:
+                send_buckets(self.group, state, plan, self.tr.device)
+        except WeightSyncBroken as e:
+            if not self.restarts:
+                raise
+            # an engine died: Ray restarts it, and its "restarted" brings every engine into a new
+            # group with these weights (``rejoin``); leaving this one now closes its connections,
+            # so that the engines still waiting on them fail and wait for that
+            self.group = None
+            print(f"arl.train: {e}: an engine died? the engines join a new group when Ray has restarted it",
+                  flush=True)
+
+    def rejoin(self) -> None:
+        """Group mode, trainer rank 0, an engine was restarted (arl/trainer/restarts.py): its new
+        workers cannot enter the group its former self was in, so every engine joins a new one
+        and receives the last synced weights again (the trainer has not updated since: this runs
+        while rank 0 waits for the next batch).  Rank 0 alone reads them, or under ZeRO-3 its host
+        copy (``keep``)."""
+        _, version, chooser_state = self.last
+        self.group, self.epoch = None, self.epoch + 1
+        if self.kept is not None:
+            state = self.kept
         else:
-            send_buckets(self.group, state, plan, self.tr.device)
+            with self.tr.awake():
+                state = untied_state(self._state(), self.tied)
+        self._broadcast(state, version, chooser_state, kill_point=False)
 
     def close(self) -> None:
         shutil.rmtree(self.weights_dir, ignore_errors=True)
