@@ -40,12 +40,28 @@ def test_unreachable_address_is_one_line_within_the_timeout(capsys):
     assert err[-1].startswith(f"arl.train: ray.address: 127.0.0.1:{port} unreachable within 2 s")
 
 
-def test_gpu_layouts_are_not_launched_on_ray_yet(capsys):
-    path = str(ROOT / "configs" / "qwen2.5-7b_4node.yaml")
-    cfg = load_config(path, ["ray.address=null"])
+def test_gpu_layouts_on_a_local_cluster_without_the_gpus_and_colocated_are_one_line():
+    """A GPU layout is placed on this machine's GPUs before anything is built (none here: which
+    bundle, how many GPUs missing); colocated GPU layouts are not launched on Ray yet."""
+    from arl.cluster.placement import PlacementError
 
-    with pytest.raises(ValueError, match="launcher: ray runs the CPU layout only so far"):
+    cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_4node.yaml"), ["ray.address=null"])
+    with pytest.raises(PlacementError) as e:
         launch_ray(cfg)
+    assert str(e.value).startswith("placement: trainer rank 0 {CPU: 8, GPU: 1} does not fit on any node: 1 GPU(s) "
+                                   "missing on the closest (node 0)")
+    cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_1gpu_lora.yaml"), ["launcher=ray"])
+    with pytest.raises(ValueError, match="launcher: ray does not run colocated GPU layouts yet"):
+        launch_ray(cfg)
+
+
+def test_an_engine_on_several_gpus_runs_its_workers_in_its_actor():
+    from arl.rollout.worker import engine_kwargs
+
+    cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_4node.yaml"))
+    assert cfg.launcher == "ray" and engine_kwargs(cfg)["distributed_executor_backend"] == "mp"
+    assert "distributed_executor_backend" not in engine_kwargs(load_config(str(ROOT / "configs" /
+                                                                           "qwen2.5-7b_2x8gpu.yaml")))
 
 
 def test_first_line_of_an_actor_error():

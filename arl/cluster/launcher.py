@@ -10,7 +10,9 @@
   launchers).  ``batches`` and every ``orders`` are ``ray.util.queue.Queue`` actors: the items
   travel through Ray (authenticated), no socket of arl's own accepts pickles.
 
-For now the CPU layout only (what the tests run); GPU layouts plan with ``--dry-run`` (docs/ray.md).
+The CPU layout (what the tests run) and GPU layouts with separate trainer and rollout GPUs (each
+actor sees its bundle's GPUs as Ray sets CUDA_VISIBLE_DEVICES; an engine's tensor / data parallel
+workers are processes of its actor); colocated GPU layouts plan with ``--dry-run`` only (docs/ray.md).
 """
 from __future__ import annotations
 
@@ -128,7 +130,17 @@ def fault_env() -> dict:
 _REAPER = None  # the watcher of the local cluster this process started (arl/cluster/reaper.py)
 
 
-def start_ray(cfg: TrainConfig, cpus: int):
+def local_gpus(cfg: TrainConfig) -> int:
+    """GPUs of the local cluster arl starts: this machine's on a GPU layout (CUDA_VISIBLE_DEVICES
+    respected), none on the CPU layout."""
+    if cfg.layout.device != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def start_ray(cfg: TrainConfig, cpus: int, gpus: int = 0):
     """Ray, connected: a local cluster started here (``ray.address`` null), or the given one.
     Returns the ``ray`` module; ray is imported here, after RAY_AUTH_* are set, because Ray reads
     its auth mode when it is first imported."""
@@ -141,9 +153,10 @@ def start_ray(cfg: TrainConfig, cpus: int):
         global _REAPER
         _REAPER = reaper.start()  # this cluster goes with this process, even when it is SIGKILLed
         # Ray binds its services to the node's address, not loopback: the token is what keeps others out
-        ray.init(num_cpus=cpus, num_gpus=0, include_dashboard=False, object_store_memory=512 * 2**20,
+        ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, object_store_memory=512 * 2**20,
                  namespace="arl", configure_logging=False)
-        print(f"arl.train: ray: local cluster started ({cpus} CPUs, token auth, no dashboard)", flush=True)
+        print(f"arl.train: ray: local cluster started ({cpus} CPUs{f', {gpus} GPUs' if gpus else ''}, token auth, "
+              "no dashboard)", flush=True)
         return ray
     import ray
 
@@ -221,18 +234,18 @@ def _check_file_sync(cfg: TrainConfig, placed) -> None:
 
 def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     """Run SFT + RL with ``cfg`` on Ray; returns the run directory (as ``arl.launch.launch``)."""
-    if cfg.layout.device != "cpu":
-        raise ValueError("launcher: ray runs the CPU layout only so far (GPU layouts: --dry-run prints their "
-                         "placement; run them with launcher: local, docs/ray.md)")
+    if cfg.layout.device == "cuda" and cfg.layout.colocate:
+        raise ValueError("launcher: ray does not run colocated GPU layouts yet (--dry-run prints their placement); "
+                         "run them with launcher: local (docs/ray.md)")
     if cfg.ray.address is not None:  # before the model is built: an unreachable cluster fails at once
         _check_reachable(cfg.ray.address, cfg.ray.connect_timeout_s)
+    else:  # a local cluster is one node (this machine), sized to fit; one line if it cannot
+        placed = placement(cfg, [Node(0, local_cpus(cfg), local_gpus(cfg))], "local cluster (this machine)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_dir = model_dir_for(cfg)
     run_dir = _write_config(cfg)
     demos = sft_demos(cfg, model_dir)
-    # a local cluster is one node (this machine), sized to fit; ray.nodes is for a cluster to join
-    placed = placement(cfg, [Node(0, local_cpus(cfg), 0)], "local cluster (this machine)")
-    ray = start_ray(cfg, cpus=placed.nodes[0].cpus)
+    ray = start_ray(cfg, cpus=local_cpus(cfg), gpus=local_gpus(cfg))
     actors: list = []
     try:
         if cfg.ray.address is not None:  # the plan on the live nodes (their roles); one line if it cannot fit

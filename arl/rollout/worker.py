@@ -71,6 +71,8 @@ def engine_kwargs(cfg: TrainConfig, serve_adapters: bool = True) -> dict:
         gpus = (cfg.ray.gpus_per_engine if cfg.launcher == "ray" else None) or cfg.layout.rollout_gpus
         kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, gpus // tp),
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
+        if cfg.launcher == "ray" and gpus > 1:  # the engine's workers: processes of its actor, on its
+            kw["distributed_executor_backend"] = "mp"  # bundle's GPUs (in a placement group vLLM would pick Ray)
     if serve_adapters and lora_sync_mode(cfg) == "adapter":
         kw.update(engine_lora_kwargs(cfg.model.lora.r))
     return {**kw, **cfg.rollout.engine_kwargs}
