@@ -49,7 +49,8 @@ class RayConfig(_Section):
 
 LAUNCHER_DESCRIPTION = (
     "local: arl.launch spawns the processes (or torchrun / the deepspeed launcher starts them); ray: trainer ranks "
-    "and rollout engines as Ray actors in placement groups (arl/cluster, docs/ray.md; GPU layouts: separate trainer and rollout GPUs only, not yet run on GPUs).")
+    "and rollout engines as Ray actors in placement groups (arl/cluster, docs/ray.md; GPU layouts: separate "
+    "trainer and rollout GPUs only, not yet run on GPUs).")
 LauncherName = Literal["local", "ray"]
 
 
