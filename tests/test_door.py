@@ -43,7 +43,7 @@ def dry_run_error(overrides, capsys) -> str:
 def test_dry_run_runs_the_reward_once(plug, capsys):
     err = dry_run_error(["env.reward_fn=doorplug:broken"], capsys)
     assert "env.reward_fn raised KeyError: 'expected' on the first demonstration" in err
-    assert "examples/currency/data/demos.jsonl demonstration 1" in err and "examples/currency/data/train.jsonl line" in err
+    assert "examples/currency/data/demos_any_pair.jsonl demonstration 1" in err and "examples/currency/data/train.jsonl line" in err
     assert main(["--dry-run", *CURRENCY]) == 0
     assert "reward OK: env.reward_fn scored" in capsys.readouterr().out
 
@@ -68,6 +68,7 @@ def test_dry_run_checks_the_demonstrations_calls(tmp_path, capsys):
 
 def _cfg(tmp_path, reward):
     return load_config("examples/currency/config.yaml", [f"output_dir={tmp_path}", "rollout.max_total_tokens=2048",
+                                                         "trainer.micro_batch_tokens=2048",
                                                          f"env.reward_fn=doorplug:{reward}", "rollout.retries=1",
                                                          "rollout.group_size=2", "rollout.tasks_per_step=3"])
 

@@ -35,7 +35,8 @@ class ScriptedEngine:
 
 
 def test_transcripts_show_turns_calls_observations_and_reward(tiny_tokenizer, arun, tmp_path, capsys):
-    cfg = load_config("examples/currency/config.yaml", [f"output_dir={tmp_path}", "rollout.max_total_tokens=2048"])
+    cfg = load_config("examples/currency/config.yaml", [f"output_dir={tmp_path}", "rollout.max_total_tokens=2048",
+                                                      "trainer.micro_batch_tokens=2048"])
     fmt = ChatFormat(tiny_tokenizer)
     rows = arun(evaluate_tasks(ScriptedEngine(tiny_tokenizer), fmt, cfg, 3, task_set(cfg), transcripts=True))
     assert [r["success"] for r in rows] == [True] * 3
