@@ -185,3 +185,11 @@ def test_roles_asked_but_absent_from_the_cluster_is_one_line():
                             "'{\"arl_rollout\": 1}'), or drop the roles (docs/ray.md)")
     nodes = _live_nodes(cfg, _FakeRay([_live(0, 4, arl_trainer=1), _live(1, 4)]))
     assert [n.role for n in nodes] == ["trainer", NO_ROLE]
+
+
+def test_slurm_example_is_valid_shell():
+    script = ROOT / "examples" / "slurm" / "arl_ray.sbatch"
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = script.read_text()
+    assert "RAY_AUTH_MODE=token" in text and "launcher=ray ray.address=" in text
