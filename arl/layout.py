@@ -114,6 +114,7 @@ class Plan:
     rollout_bytes: dict = field(default_factory=dict)
     colocated_bytes: dict = field(default_factory=dict)  # one GPU shared by a trainer rank and the engine
     schedule: str = ""
+    share_prefix: str = ""  # trainer.share_prefix as resolved
     notes: list = field(default_factory=list)  # lines after the estimates
 
     def render(self) -> str:
@@ -122,6 +123,8 @@ class Plan:
         for p in self.processes:
             lines.append(f"  node {p.node}  {p.role:<16} {p.device}")
         lines.append(f"schedule: {self.schedule}")
+        if self.share_prefix:
+            lines.append(f"share_prefix: {self.share_prefix}")
         lines.append("memory estimate per trainer rank:")
         for k, v in self.trainer_bytes.items():
             lines.append(f"  {k:<28} {v / GiB:9.2f} GiB")
@@ -142,11 +145,22 @@ def plan(cfg: TrainConfig) -> Plan:
     GPU's budget is a one-line ValueError naming remedies that help at this world size."""
     a = arch_of(cfg)
     P = param_count(a)
-    pl = Plan(params=P, schedule=SCHEDULE_LINES[schedule_name(cfg)], processes=_processes(cfg))
+    pl = Plan(params=P, schedule=SCHEDULE_LINES[schedule_name(cfg)], processes=_processes(cfg),
+              share_prefix=_share_prefix_line(cfg))
     resident = _trainer_estimate(pl, cfg, a, P)
     if cfg.layout.device == "cuda":
         _check_gpu_budget(pl, cfg, P, resident)
     return pl
+
+
+def _share_prefix_line(cfg: TrainConfig) -> str:
+    on = "on (each shared prefix computed once)" if cfg.shares_prefix() else "off"
+    if cfg.trainer.share_prefix != "auto":
+        return on
+    why = "the CPU layout" if cfg.layout.device == "cpu" else "GPU: not measured there yet"
+    if cfg.layout.device == "cpu" and not cfg.shares_prefix():
+        why = f"attn_implementation {cfg.model.attn_implementation} has no shared-prefix path"
+    return f"{on} (auto: {why})"
 
 
 def _processes(cfg: TrainConfig) -> list:

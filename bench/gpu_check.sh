@@ -100,6 +100,9 @@ stage tests 190 env ARL_FUZZ_EXAMPLES=1500 ARL_FUZZ_TRITON_EXAMPLES=30 python3 -
   "tests/ops/test_loss_fuzz.py::test_fuzz_backend_matches_reference[cuda]" \
   "tests/ops/test_loss_fuzz.py::test_fuzz_backend_matches_reference[triton]"
 stage bench_logprob 80 python3 bench/bench_logprob.py --dtype bfloat16
+# trainer.share_prefix on GPU (FlexAttention tree path) vs today's step, SmolLM2 calculator shape:
+# its auto default stays off on GPU until this has measured it (docs/share_prefix.md)
+stage bench_share_prefix 120 python3 bench/bench_trainer.py --shapes calc --reps 3
 stage bench_policy_loss 240 python3 bench/bench_policy_loss.py
 # where the time of one fused fwd+bwd at 1M tokens goes: kernels vs host-side work
 stage profile 60 python3 - <<'PY'

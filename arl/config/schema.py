@@ -7,6 +7,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+SHARE_PREFIX_ATTN = ("auto", "varlen_sdpa")  # attention with a shared-prefix path (arl/model/shared_prefix.py)
+
 from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
@@ -255,9 +257,10 @@ class TrainerConfig(Section):
     head_grad_in_forward: bool = Field(
         True, description="With the old-logprob pass skipped, the logprob head computes its gradients in its forward "
         "(not IPA's loss); false: the bounded-memory recompute head.")
-    share_prefix: bool = Field(
-        False, description="Compute each token prefix shared within a micro-batch (a group's prompt, the system + "
-        "tools block) once; same loss and gradients (docs/share_prefix.md). Needs attn auto or varlen_sdpa.")
+    share_prefix: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Compute each token prefix shared within a micro-batch (a group's prompt, the system + "
+        "tools block) once; same loss and gradients (docs/share_prefix.md). true needs attn auto or varlen_sdpa; auto: "
+        "on for the CPU layout with those (measured faster there), off on GPU until measured there.")
     deterministic: bool = Field(
         False, description="Reproducible runs: deterministic torch algorithms and batches generated in task order.")
     cpu_threads: Optional[int] = Field(
@@ -418,7 +421,7 @@ class TrainConfig(Section):
                              f"of engines ({self.num_engines()}): each engine generates an equal share of a batch")
         if self.rollout.max_turn_tokens > self.rollout.max_total_tokens:
             raise ValueError("rollout.max_turn_tokens must be <= rollout.max_total_tokens")
-        if self.trainer.share_prefix and self.model.attn_implementation not in ("auto", "varlen_sdpa"):
+        if self.trainer.share_prefix is True and self.model.attn_implementation not in SHARE_PREFIX_ATTN:
             raise ValueError(f"trainer.share_prefix: needs model.attn_implementation auto or varlen_sdpa, got "
                              f"{self.model.attn_implementation}")
         if self.rollout.max_total_tokens > self.trainer.micro_batch_tokens:
@@ -426,6 +429,15 @@ class TrainConfig(Section):
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds trainer.micro_batch_tokens = "
                 f"{self.trainer.micro_batch_tokens}: a trajectory could not be packed")
         return self
+
+    def shares_prefix(self) -> bool:
+        """``trainer.share_prefix`` resolved: ``auto`` is on for the CPU layout whose attention has the
+        shared-prefix path (1.28x the main job's step, 1.81x the SmolLM2 example's: docs/share_prefix.md),
+        off on GPU, where its step time has not been measured yet."""
+        sp = self.trainer.share_prefix
+        if sp == "auto":
+            return self.layout.device == "cpu" and self.model.attn_implementation in SHARE_PREFIX_ATTN
+        return bool(sp)
 
     def num_engines(self) -> int:
         """Rollout engines of this layout (see ``rollout.engines``)."""

@@ -286,7 +286,7 @@ class TrainerRank:
             loss_cfg = self.stab.loss_config(step, self.success)
             prep = self.stab.prepare(batch.trainable(), loss_cfg)
             packer = PackerConfig(token_budget=self.cfg.trainer.micro_batch_tokens, num_ranks=self.world,
-                                  seed=self.cfg.seed + step, share_prefix=self.cfg.trainer.share_prefix)
+                                  seed=self.cfg.seed + step, share_prefix=self.cfg.shares_prefix())
             packed = pack_step(prep.trajectories, packer, loss_cfg, advantages=prep.advantages)
             self.stab.apply(packed, prep, loss_cfg)  # turn credit segments, IPA loss roles
             parts = packed.ranks
