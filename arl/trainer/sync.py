@@ -69,7 +69,7 @@ class WeightSender:
         # weights for a restarted engine (gathering them again is every rank's collective, and only
         # rank 0 hears of the restart); a model's size of host memory (docs/ray.md)
         self.restarts = cfg.launcher == "ray" and cfg.ray.engine_restarts > 0  # Ray brings a dead engine back
-        self.keep = self.mode == "group" and trainer.zero3 and self.restarts
+        self.keep = self.mode == "group" and self.restarts and trainer.zero3
         self.kept: Optional[dict] = None
         # (source, version, chooser state) of the last sync; source: its directory (file mode) or None
         self.last: Optional[tuple] = None
