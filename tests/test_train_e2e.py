@@ -152,10 +152,10 @@ _DET = ["trainer.deterministic=true", "sft.enabled=false", "env.eval_tasks=0", "
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The resume test's uninterrupted run (local launcher), started once for every launcher's killed
-    runs: it goes on beside the first one's (its own process group, its own ports), since one launch
-    leaves a core idle much of the time (start-up, waits on the other side, shutdown).  Yields a
-    function that waits for it and returns its directory."""
+    """The resume test's uninterrupted run (local launcher), run once for every launcher's killed
+    runs, to its end before they start: beside them (as it ran until 2026-12-05) its trainer ranks
+    and engine, the killed run's and the other xdist worker's test overran this 24 GiB machine
+    twice (an OOM kill of a trainer rank).  Yields a function that returns its directory."""
     base = tmp_path_factory.mktemp("uninterrupted")
     ref, log_path = base / "ref", base / "ref.stderr"
     with open(log_path, "w") as log:
@@ -166,14 +166,14 @@ def uninterrupted(tmp_path_factory):
         return ref
 
     try:
+        wait()
         yield wait
     finally:
         _kill_group(proc)
 
 
-# local in the suite (time); the Ray case runs by hand: ARL_TEST_RAY_KILLS=1 (docs/ray.md).  Both
-# cases in the Ray tests' xdist group, so never beside one of them: this test's two runs at once
-# beside the 3-node cluster's engines overran this 24 GiB machine (OOM kill, 2026-12-05)
+# local in the suite (time); the Ray case runs by hand: ARL_TEST_RAY_KILLS=1 (docs/ray.md).  In the
+# Ray tests' xdist group too (memory): never beside the 3-node cluster's engines
 @pytest.mark.parametrize("launcher", [pytest.param("local", marks=RAY), RAY_BY_HAND])
 def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher, uninterrupted, tmp_path):
     """At the default staleness 1 the next step's batch is in flight (generated from the previous
