@@ -154,13 +154,16 @@ def plan(cfg: TrainConfig) -> Plan:
 
 
 def _share_prefix_line(cfg: TrainConfig) -> str:
-    on = "on (each shared prefix computed once)" if cfg.shares_prefix() else "off"
+    """``trainer.share_prefix`` as resolved (``TrainConfig.shares_prefix``), and why when ``auto``."""
+    on = cfg.shares_prefix()
+    state = "on (each shared prefix computed once)" if on else "off"
     if cfg.trainer.share_prefix != "auto":
-        return on
-    why = "the CPU layout" if cfg.layout.device == "cpu" else "GPU: not measured there yet"
-    if cfg.layout.device == "cpu" and not cfg.shares_prefix():
-        why = f"attn_implementation {cfg.model.attn_implementation} has no shared-prefix path"
-    return f"{on} (auto: {why})"
+        return state
+    if cfg.layout.device != "cpu":
+        why = "GPU: not measured there yet"
+    else:
+        why = "the CPU layout" if on else f"attn_implementation {cfg.model.attn_implementation} has no shared-prefix path"
+    return f"{state} (auto: {why})"
 
 
 def _processes(cfg: TrainConfig) -> list:

@@ -237,15 +237,16 @@ def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     if cfg.layout.device == "cuda" and cfg.layout.colocate:
         raise ValueError("launcher: ray does not run colocated GPU layouts yet (--dry-run prints their placement); "
                          "run them with launcher: local (docs/ray.md)")
+    cpus, gpus = local_cpus(cfg), local_gpus(cfg)
     if cfg.ray.address is not None:  # before the model is built: an unreachable cluster fails at once
         _check_reachable(cfg.ray.address, cfg.ray.connect_timeout_s)
     else:  # a local cluster is one node (this machine), sized to fit; one line if it cannot
-        placed = placement(cfg, [Node(0, local_cpus(cfg), local_gpus(cfg))], "local cluster (this machine)")
+        placed = placement(cfg, [Node(0, cpus, gpus)], "local cluster (this machine)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_dir = model_dir_for(cfg)
     run_dir = _write_config(cfg)
     demos = sft_demos(cfg, model_dir)
-    ray = start_ray(cfg, cpus=local_cpus(cfg), gpus=local_gpus(cfg))
+    ray = start_ray(cfg, cpus=cpus, gpus=gpus)
     actors: list = []
     try:
         if cfg.ray.address is not None:  # the plan on the live nodes (their roles); one line if it cannot fit

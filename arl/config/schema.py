@@ -7,14 +7,14 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SHARE_PREFIX_ATTN = ("auto", "varlen_sdpa")  # attention with a shared-prefix path (arl/model/shared_prefix.py)
-
 from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
 from .log_config import WANDB_PIN, LoggingConfig, WandbConfig  # noqa: F401 (re-exported)
 from .ray import LAUNCHER_DESCRIPTION, LauncherName, RayConfig, check_ray
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
+
+SHARE_PREFIX_ATTN = ("auto", "varlen_sdpa")  # attention with a shared-prefix path (arl/model/shared_prefix.py)
 
 # held-out task seeds start here; training task seeds count up from 0 (arl.data.tasks, env adapters)
 EVAL_SEED_BASE = 1_000_000
