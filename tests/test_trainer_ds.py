@@ -148,6 +148,7 @@ def _rank_checks(rank, world, port, stage, result_dir, tied):
     from arl.trainer.dist import CHECK_ENV, all_mean, all_reduce
 
     skip["all_mean"] = all_mean({"a": float(rank + 1), **({"b": 5.0} if rank == 1 else {})}, tr.device)
+    skip["all_sum"] = all_mean({"a": float(rank + 1), "n": float(rank + 3)}, tr.device, sums=("n",))  # counts add up
     # NCCL's device rule, checked here on gloo (the suite runs with ARL_CHECK_COLLECTIVES=1): a
     # tensor that did not come through to_comm is refused -- e.g. the CPU float64 tensor the
     # metric mean once all-reduced, which an NCCL group rejects
@@ -208,6 +209,7 @@ def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tied, tmp_path):
     assert skip["m1"]["skipped_no_signal"] == 0.0 and skip["moved"] and skip["m1"]["lr"] == OPTIM.lr
     assert skip["complete"] > 0 and skip["mz"]["skipped_no_signal"] == 1.0, "rl_step ignored mb.advantages"
     assert skip["all_mean"] == {"a": 1.5, "b": 5.0}
+    assert skip["all_sum"] == {"a": 1.5, "n": 7.0}
     assert skip["raw_refused"]
     assert skip["ref_equal"] and skip["ref_still"] and skip["full_ok"]
     loss, gn, grads, ref_state, turn = single_process_reference(tied)

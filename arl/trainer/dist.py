@@ -77,9 +77,10 @@ def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_mean(metrics: dict, device) -> dict:
+def all_mean(metrics: dict, device, sums: tuple = ()) -> dict:
     """Average a rank's metric dict over the ranks that report each key (a rank whose micro-batches
-    were all empty, or held no RL tokens under IPA, reports fewer keys; the union is agreed first)."""
+    were all empty, or held no RL tokens under IPA, reports fewer keys; the union is agreed first);
+    the keys in ``sums`` (counts) are added up instead."""
     if not _distributed():
         return {k: float(v) for k, v in metrics.items()}
     key_sets = [None] * dist.get_world_size()
@@ -89,7 +90,7 @@ def all_mean(metrics: dict, device) -> dict:
                      dtype=torch.float64)
     t = all_reduce(to_comm(t, device)).cpu()
     n = len(keys)
-    return {k: float(t[i] / t[n + i]) for i, k in enumerate(keys) if t[n + i] > 0}
+    return {k: float(t[i] if k in sums else t[i] / t[n + i]) for i, k in enumerate(keys) if t[n + i] > 0}
 
 
 def all_sum(t: torch.Tensor, device) -> torch.Tensor:

@@ -34,6 +34,10 @@ from .park import Parking
 # config keys whose positive value makes a model's train-mode forward random (HF names: dropout,
 # attention_dropout, resid_pdrop, ...; MoE routers' jitter noise)
 _STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter")
+# token counts of a step: summed over its micro-batches (and ranks: ``all_mean(sums=...)``), where
+# every other loss metric is their mean (a count's mean would halve when twice the sequences fit in
+# one micro-batch, as under trainer.share_prefix)
+COUNT_METRICS = ("tokens_kept", "ipa/il_tokens", "ipa/rl_tokens")
 
 
 def train_mode_randomness(model: torch.nn.Module) -> list:
@@ -227,7 +231,7 @@ class PolicyTrainer:
                 g["lr"] = 0.0
             self.engine.step()
         gn = self.engine.get_global_grad_norm()
-        out = {k: float(sum(v) / len(v)) for k, v in metrics.items() if v}
+        out = {k: float(sum(v) if k in COUNT_METRICS else sum(v) / len(v)) for k, v in metrics.items() if v}
         out["grad_norm"] = float(gn) if gn is not None else float("nan")
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         return out

@@ -42,7 +42,7 @@ from .link import RolloutLink
 from .memory import release_freed_memory
 from .restarts import resync_engine
 from .models import dtype_of, load_policy, reference_model
-from .policy import PolicyTrainer
+from .policy import COUNT_METRICS, PolicyTrainer
 from .sft import run_sft
 from .step_log import OrderedLog
 from .sync import make_sender
@@ -233,7 +233,8 @@ class TrainerRank:
         mbs, loss_cfg, extra = self.next_batch(step)  # batch -> prepare (advantages) -> pack, scattered
         wait_s = time.perf_counter() - ts
         self.tr.unpark()  # trainer.offload.while_generating: the engine is asleep now, the state comes back
-        m = all_mean(update_on_batch(self.tr, mbs, loss_cfg, self.cfg.trainer.updates_per_batch), self.tr.device)
+        m = all_mean(update_on_batch(self.tr, mbs, loss_cfg, self.cfg.trainer.updates_per_batch), self.tr.device,
+                     sums=COUNT_METRICS)
         version = step + 1
         # one decision for every rank (each has its own clock: ranks that disagree would hang)
         max_wall = self.cfg.trainer.max_wall_s
