@@ -47,10 +47,61 @@ def sync_bucket_mb(cfg: TrainConfig, device) -> int:
     return GPU_BUCKET_MB if str(device).startswith("cuda") else 0
 
 
-def sync_dir() -> Path:
-    """Trainer rank 0's directory of synced weights: /dev/shm (nothing touches disk), per run."""
+OWNER = "owner"  # in a sync directory: "<pid> <start time>" of the trainer rank 0 that writes it
+
+
+def sync_dir(rank: int = 0) -> Path:
+    """Trainer rank 0's directory of synced weights: /dev/shm (nothing touches disk), per run.
+    Rank 0 makes it, with its ``OWNER`` file, after removing the directories of runs whose rank 0
+    is gone (SIGKILLed or OOM-killed: no exit hook removed them, and /dev/shm holds its files in
+    memory until they are deleted)."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return shm / f"arl-weights-{os.environ['MASTER_PORT']}"
+    d = shm / f"arl-weights-{os.environ['MASTER_PORT']}"
+    if rank == 0:
+        gone = drop_stale_sync_dirs(shm)
+        if gone:
+            print(f"arl.train: removed {len(gone)} weight directories of dead runs from {shm} "
+                  f"({sum(b for _, b in gone) / 2**30:.2f} GiB)", flush=True)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / OWNER).write_text(_me())
+    return d
+
+
+def _me() -> str:
+    import psutil
+
+    return f"{os.getpid()} {psutil.Process().create_time()!r}"
+
+
+def _alive(owner: str) -> bool:
+    """The process ``owner`` names (pid and start time: a reused pid is another process) runs."""
+    import psutil
+
+    pid, started = owner.split()
+    try:
+        return abs(psutil.Process(int(pid)).create_time() - float(started)) < 0.01
+    except psutil.NoSuchProcess:
+        return False
+
+
+def drop_stale_sync_dirs(shm: Path) -> list:
+    """Removes every ``arl-weights-*`` directory under ``shm`` whose owner has died; returns
+    [(directory, bytes)].  One without an owner file (being made, or an older arl's) is left."""
+    gone = []
+    for d in sorted(shm.glob("arl-weights-*")):
+        try:
+            owner = (d / OWNER).read_text()
+        except OSError:
+            continue
+        try:
+            dead = not _alive(owner)
+        except ValueError:  # not "<pid> <time>"
+            continue
+        if dead:
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append((d, size))
+    return gone
 
 
 class WeightSender:
@@ -62,7 +113,7 @@ class WeightSender:
         self.mode = cfg.rollout.sync_mode(cfg.layout.device, cfg.layout.colocate)
         if self.mode == "group" and sync_addr is None:
             raise ValueError("rollout.weight_sync: 'group' needs the launcher's weight-sync address")
-        self.weights_dir = sync_dir()
+        self.weights_dir = sync_dir(rank)
         self.group = self.store = None
         self.epoch = 0  # group mode: the how-many-th group (a new one after an engine's restart)
         # group mode under ZeRO-3 with engine restarts: rank 0 keeps a host copy of the last synced
@@ -160,7 +211,8 @@ class WeightSender:
 # rollout.lora_sync -> the sender of that mode (arl/rollout/lora_sync.py); full fine-tuning: merged
 SENDERS = {
     "merged": WeightSender,
-    "adapter": lambda cfg, tr, rank, link, addr: AdapterSender(cfg, tr, rank, link, sync_dir(), is_tied(tr.module)),
+    "adapter": lambda cfg, tr, rank, link, addr: AdapterSender(cfg, tr, rank, link, sync_dir(rank),
+                                                               is_tied(tr.module)),
 }
 
 
