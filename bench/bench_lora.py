@@ -103,7 +103,10 @@ def arm_overrides(arm: str, args: argparse.Namespace, start: Path, full_lr: floa
     """One arm's overrides on top of the common ones: from the SFT start, the steps, the rate, LoRA."""
     ov = [f"model.name_or_path={start}", "sft.enabled=false", f"trainer.steps={args.arm_steps.get(arm, args.steps)}",
           f"trainer.eval_every={args.eval_every}", "trainer.checkpoint_every=1000",  # one checkpoint: the end
-          f"model.gradient_checkpointing={str(args.grad_ckpt).lower()}"]
+          f"model.gradient_checkpointing={str(args.grad_ckpt).lower()}",
+          # the arms are compared at the same steps: the config's wall budget must not end one early
+          # (2026-12-06: a slowed full arm stopped at step 13 of 15 under max_wall_s 3300)
+          "trainer.max_wall_s=null"]
     if arm in LORA_SYNC:
         ov += [f"trainer.optim.lr={args.lora_lr}",
                f"model.lora={{r: {args.lora_r}, alpha: {args.lora_alpha}}}", f"rollout.lora_sync={LORA_SYNC[arm]}"]

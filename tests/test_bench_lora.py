@@ -63,6 +63,7 @@ def test_arm_overrides_validate(arm, tmp_path):
     assert cfg.model.name_or_path == str(start) and not cfg.sft.enabled and cfg.trainer.steps == 15
     assert cfg.trainer.eval_every == 5 and cfg.seed == 0
     assert cfg.model.gradient_checkpointing  # both arms: the activations would hide LoRA's saving
+    assert cfg.trainer.max_wall_s is None  # compared at the same steps: no arm ends early on the clock
     off = bl.arm_overrides(arm, bl.parse_args(["--no-grad-ckpt"]), start, 2e-5)
     assert not bl.run_config(a.config, tmp_path / "off", off).model.gradient_checkpointing
     if arm in bl.LORA_SYNC:
