@@ -173,6 +173,47 @@ def test_a_server_that_fails_to_start_and_a_missing_package_are_one_line(tmp_pat
     assert "\n" not in str(e.value)
 
 
+_SLOW_SERVER = """
+import time
+time.sleep(float({start}))  # a server slow to start: its SDK imported on a loaded machine
+from mcp.server.mcpserver import MCPServer
+mcp = MCPServer("slow", log_level="WARNING")
+
+@mcp.tool()
+def wait(seconds: float) -> str:
+    \"\"\"Wait, then answer.
+
+    Args:
+        seconds: how long
+    \"\"\"
+    time.sleep(seconds)
+    return "done"
+
+mcp.run()
+"""
+
+
+def test_the_start_gets_start_timeout_and_a_call_gets_tool_timeout(tmp_path):
+    """The server's start (initialize, tools/list) is bounded by ``start_timeout_s``, each tool call
+    by ``tool_timeout_s``: a start slower than a tool call's budget is not a failed start."""
+    server = tmp_path / "slow.py"
+    server.write_text(_SLOW_SERVER.format(start=2.5))
+    env = make_env("mcp", command="python", args=[str(server)], reward_fn="examples.mcp.reward:score",
+                   tool_timeout_s=1.0, start_timeout_s=60.0)
+    try:
+        call = env._caller("wait")
+        assert asyncio.run(call(seconds=0.0)) == "done"
+        with pytest.raises(Exception, match="[Tt]imed out"):
+            asyncio.run(call(seconds=5.0))
+    finally:
+        env._server.close()
+    # whichever bound fires first (the session's read timeout or the wait for tools/list): one line
+    with pytest.raises(ValueError, match=r"failed to start \((TimeoutError: no tools/list answer within 1s|"
+                                         r"MCPError: Request 'initialize' timed out)"):
+        make_env("mcp", command="python", args=[str(server)], reward_fn="examples.mcp.reward:score",
+                 tool_timeout_s=1.0, start_timeout_s=1.0)
+
+
 @pytest.mark.slow  # a whole training run (vLLM engine, trainer rank, the MCP servers): minutes on 2 CPU cores
 def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     """examples/mcp/config.yaml as shipped but on the tests' tiny model: 3 RL steps whose tool calls

@@ -46,17 +46,20 @@ class ServerDied(Exception):  # the server's connection closed under a call
 
 
 class McpServer:
-    """One stdio MCP server and its client session, held open by a task on the MCP loop."""
+    """One stdio MCP server and its client session, held open by a task on the MCP loop.  Its start
+    (initialize, tools/list) may take ``start_timeout_s`` (a server that imports its SDK on a loaded
+    machine takes more than a tool call's budget), each tool call ``timeout_s``."""
 
-    def __init__(self, params: Any, timeout_s: float):
+    def __init__(self, params: Any, timeout_s: float, start_timeout_s: float):
         self.params, self.timeout_s, self.dead = params, timeout_s, False
+        self.start_timeout_s = start_timeout_s
         self.ready: concurrent.futures.Future = concurrent.futures.Future()
         self._stop = asyncio.Event()  # (bound to the MCP loop on first use)
         self.task = asyncio.run_coroutine_threadsafe(self._hold(), _loop())
 
     async def _hold(self) -> None:
         try:
-            async with mcp_module().Client(self.params, read_timeout_seconds=self.timeout_s) as client:
+            async with mcp_module().Client(self.params, read_timeout_seconds=self.start_timeout_s) as client:
                 self.client = client
                 self.ready.set_result((await client.list_tools()).tools)
                 await self._stop.wait()
@@ -67,7 +70,8 @@ class McpServer:
             self.dead = True
 
     async def call(self, name: str, arguments: Dict[str, Any]) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(self.client.call_tool(name, arguments), _loop())
+        fut = asyncio.run_coroutine_threadsafe(
+            self.client.call_tool(name, arguments, read_timeout_seconds=self.timeout_s), _loop())
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:

@@ -56,7 +56,7 @@ class MCPEnv(ToolEnv):
         super().__init__(tools, reward_fn, parser, tool_timeout_s, system_prompt, max_calls_per_turn, tokenizer)
 
     def _start_blocking(self, timeout_s: float) -> McpServer:
-        server = McpServer(self._params, timeout_s)
+        server = McpServer(self._params, timeout_s, self.start_timeout_s)
         try:
             self._listed = server.ready.result(timeout=self.start_timeout_s)
         except Exception as e:
