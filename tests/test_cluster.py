@@ -114,6 +114,8 @@ def test_orphans_of_a_killed_rollout_process_are_killed():
 
     from arl.procs import adopt_orphans, kill_orphans
 
+    # this worker's other descendants (the session's Ray cluster, tests/ray_session.py) are not ours
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     adopt_orphans()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -123,5 +125,5 @@ def test_orphans_of_a_killed_rollout_process_are_killed():
     os.kill(roll.pid, signal.SIGKILL)
     roll.join(10)
     assert grandchild.is_running() and grandchild.ppid() == os.getpid()  # adopted, not init's
-    kill_orphans(keep={c.pid for c in psutil.Process().children() if c.pid != grandchild.pid})
+    kill_orphans(keep=before | {c.pid for c in psutil.Process().children() if c.pid != grandchild.pid})
     grandchild.wait(10)
