@@ -1,5 +1,5 @@
 """``launcher: ray``: the run's trainer ranks and rollout engines as Ray actors in placement groups
-(arl/cluster/placement.py), the batches and orders through Ray queues; docs/ray.md.
+(arl/cluster/placement.py), the batches and orders through one mailbox actor; docs/ray.md.
 
 * Cluster: ``ray.address`` (else Ray's RAY_ADDRESS, which ``ray job submit`` sets for its
   entrypoint) joins that cluster; neither starts a local one (no dashboard, token auth with a token
@@ -10,8 +10,9 @@
   its own ``torch.distributed`` group; rank 0's actor picks MASTER_ADDR/MASTER_PORT (and the
   weight-sync port) on its node and the others are handed them.
 * Engines: one actor per engine's group running ``rollout_process`` (the same loop as the other
-  launchers).  ``batches`` and every ``orders`` are ``ray.util.queue.Queue`` actors: the items
-  travel through Ray (authenticated), no socket of arl's own accepts pickles.
+  launchers).  ``batches`` and every ``orders`` are boxes of one mailbox actor
+  (arl/cluster/mailbox.py): the items travel through Ray (authenticated), no socket of arl's own
+  accepts pickles.
 
 The CPU layout (what the tests run) and GPU layouts with separate trainer and rollout GPUs (each
 actor sees its bundle's GPUs as Ray sets CUDA_VISIBLE_DEVICES; an engine's tensor / data parallel
@@ -38,6 +39,7 @@ from ..rollout.worker import rollout_process
 from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
 from ..trainer.rank import trainer_rank
 from . import reaper
+from .mailbox import mailboxes
 from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
 AFTER_TRAINERS_S = 60.0  # how long the engines get to stop on their own once the trainers are done
@@ -321,7 +323,6 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     """Places the groups and actors (appended to ``actors``, for the caller to kill), records where
     each runs (``ray_actors.json``) and runs them."""
     from ray.util.placement_group import placement_group
-    from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
 
     # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
@@ -333,9 +334,8 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"ray: the placement groups were not scheduled within {cfg.ray.connect_timeout_s:g} s "
                            "(ray.connect_timeout_s): the cluster lacks the resources --dry-run lists") from None
-    # the queue actors hold no bundle: they must not take the CPUs the groups reserved
-    batches = Queue(actor_options={"num_cpus": 0})
-    orders = [Queue(actor_options={"num_cpus": 0}) for _ in placed.engines]
+    # the mailbox holds no bundle (num_cpus 0): it must not take the CPUs the groups reserved
+    box, batches, orders = mailboxes(ray, len(placed.engines))
     cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
     Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
     # joined: set before the worker starts (torch reads the thread settings when it is imported)
@@ -348,7 +348,7 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     ranks = [Trainer.options(num_cpus=b.cpus, num_gpus=b.gpus, **extra,
                              scheduling_strategy=InGroup(placement_group=trainers_pg, placement_group_bundle_index=i))
              .remote() for i, b in enumerate(placed.trainers)]
-    actors += engines + ranks
+    actors += engines + ranks + [box]
     _record_nodes(ray, run_dir, {f"engine {e}": a for e, a in enumerate(engines)} |
                   {f"trainer rank {r}": a for r, a in enumerate(ranks)})
     cwd = os.getcwd()
