@@ -169,7 +169,7 @@ def _share_prefix_line(cfg: TrainConfig) -> str:
 def _processes(cfg: TrainConfig) -> list:
     dp, lay = cfg.trainer.world_size, cfg.layout
     out = []
-    if cfg.launcher == "ray":
+    if cfg.launcher_used() == "ray":
         return out  # the placement (arl/cluster/placement.py) says where each actor runs
     if lay.device == "cpu":
         out += [Process(f"trainer rank {r}", 0, "cpu (gloo)") for r in range(dp)]

@@ -11,25 +11,25 @@ a machine without its weights, so the dry run then only warns (the run itself st
 ``--help-config [SECTION|SECTION.key]`` prints the config reference (keys, types, defaults,
 descriptions; docs/config.md).
 
-Started by torchrun or the deepspeed launcher (RANK, WORLD_SIZE, ... in the environment), each
-process takes its role in the config's layout (``arl.launch``); started plainly, the launcher
-spawns the trainer ranks and the rollout processes itself (``arl.launch``): the CPU layout, and a
-colocated CUDA layout on one node (trainer and engine sharing the GPUs).
+The run's processes (``launcher``, auto by default): Ray actors placed on a local cluster that
+this process starts and stops, or on the cluster ``ray.address`` (or RAY_ADDRESS) names
+(``arl.cluster``); a colocated GPU node (trainer and engine sharing the GPUs) is spawned by this
+process itself (``arl.launch``) until Ray places it.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from .cluster.launcher import launch_ray
+from .cluster.launcher import join_address, launch_ray
 from .cluster.placement import placement
 from .config import ConfigError, dump_config, load_config
 from .config.reference import select, table
-from .launch import check_distributed_launch, launch, launch_distributed, preflight, under_launcher
+from .launch import launch
 from .layout import plan
+from .prepare import preflight
 from .model.resolve import arch_mismatches, resolve_model
-from .procs import RunFailed, exit_process
+from .procs import RunFailed
 from .rollout.engine_args import render_engine_args
 from .rollout.worker import engine_args
 
@@ -43,8 +43,6 @@ def parse_args(argv=None):
                     help="print the config reference (keys, types, defaults, descriptions) of every section, one "
                          "section or one key, exit")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
-    # the deepspeed launcher passes --local_rank (LOCAL_RANK is read from the environment)
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10 loss.ratio_level=chunk")
     return ap.parse_args(argv)
 
@@ -99,6 +97,7 @@ def main(argv=None) -> int:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
         print(f"config OK: {args.config or '<built-in default>'}")
+        print(launcher_line(cfg))
         print(model_line)
         print("\n".join(checks))
         print(layout.render())
@@ -111,16 +110,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
-    if os.environ.get("RANK", "0") == "0":  # what the run starts from (skipped dataset rows included)
-        print("\n".join(f"arl.train: {line}" for line in checks), flush=True)
-    if under_launcher():  # torchrun / deepspeed: this process takes its role in the layout
-        try:
-            check_distributed_launch()
-        except ValueError as e:
-            print(f"arl.train: config error: {e}", file=sys.stderr)
-            return 2
-        run_dir = launch_distributed(cfg, resume=args.resume)
-    elif cfg.launcher == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
+    # what the run starts from (skipped dataset rows included)
+    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg)]), flush=True)
+    if cfg.launcher_used() == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
         try:
             run_dir = launch_ray(cfg, resume=args.resume)
         except (RuntimeError, ValueError) as e:  # the failing actor's own traceback is in the log above
@@ -132,13 +124,21 @@ def main(argv=None) -> int:
         except RunFailed as e:
             print(f"arl.train: run failed: {e}", file=sys.stderr)
             return 1
-    if run_dir is not None:
-        print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
+    print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
     return 0
 
 
+def launcher_line(cfg) -> str:
+    """Which launcher runs the processes, and why when ``auto`` chose it."""
+    used = cfg.launcher_used()
+    if used == "ray":
+        where = f"joins the Ray cluster at {join_address(cfg)}" if join_address(cfg) else \
+            "starts a local Ray cluster (token auth, no dashboard) and stops it at the end"
+    else:
+        where = "this process spawns the trainer ranks and rollout engines"
+    why = f" (auto: {'a colocated layout' if used == 'local' else 'Ray'})" if cfg.launcher == "auto" else ""
+    return f"launcher: {used}{why}: {where}"
+
+
 if __name__ == "__main__":
-    code = main()
-    if under_launcher():  # a torchrun process whose process group is gone: no finalization (exit_process)
-        exit_process(code)
-    sys.exit(code)
+    sys.exit(main())

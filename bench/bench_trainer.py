@@ -149,7 +149,7 @@ def _logprobs_back(mbs, trajs) -> None:
 def main_shape(quick: bool, seed: int = 0, share: bool = False) -> Shape:
     from transformers import AutoTokenizer
 
-    from arl.launch import model_dir_for
+    from arl.prepare import model_dir_for
     from arl.rollout.episode import ChatFormat
     from arl.rollout.expert import expert_demos
     from arl.trainer.models import load_policy

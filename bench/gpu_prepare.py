@@ -174,7 +174,7 @@ def main(argv=None) -> int:
 
     from arl.config import load_config
     from arl.data.trajectory import save_trajectories
-    from arl.launch import model_dir_for
+    from arl.prepare import model_dir_for
     from arl.metrics import trajectory_metrics
 
     try:

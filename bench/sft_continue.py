@@ -153,7 +153,7 @@ def run(config: Optional[str], overrides: list, wall_s: Optional[float], eval_ev
     import torch.multiprocessing as mp
 
     from arl.config import load_config
-    from arl.launch import model_dir_for, sft_demos
+    from arl.prepare import model_dir_for, sft_demos
     from arl.procs import free_port
 
     cfg = load_config(config, overrides)

@@ -18,3 +18,5 @@ os.environ.setdefault("ARL_CHECK_COLLECTIVES", "1")
 
 # session-scoped vLLM engine + tiny model fixtures (rollout tests)
 from vllm_fixture import arun, engine_loop, tiny_model_dir, tiny_tokenizer, vllm_engine  # noqa: E402,F401
+# one Ray cluster per worker that the slow tests' Ray runs join (RAY_ADDRESS)
+from ray_session import _join_ray_session, ray_session  # noqa: E402,F401

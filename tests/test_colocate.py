@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from arl.config import ConfigError, load_config
-from arl.launch import assign_role
 from arl.layout import plan
 from arl.rollout.colocate import make_schedule, schedule_name, sleep_mode_kwargs
 from arl.rollout.worker import engine_kwargs
@@ -35,7 +34,7 @@ def test_one_gpu_node_is_colocated_by_default():
 @pytest.mark.parametrize("overrides, msg", [
     (["layout.rollout_gpus=1", "layout.trainer_gpus=1"], "must both equal layout.gpus_per_node (2)"),
     (["rollout.weight_sync=group"], "which NCCL refuses on one GPU"),
-    (["layout.nodes=2", "layout.hostfile=h", "trainer.world_size=4"], "layout.colocate: one node only"),
+    (["layout.nodes=2", "trainer.world_size=4"], "layout.colocate: one node only"),
 ])
 def test_colocated_config_errors(overrides, msg):
     base = ["layout.device=cuda", "layout.gpus_per_node=2", "layout.colocate=true", "trainer.world_size=2"]
@@ -80,15 +79,6 @@ def test_colocated_peak_over_the_gpu_is_a_dry_run_error(capsys):
     # overlapping (staleness > 0) counts the whole trainer and vLLM at once
     over = plan(load_config(ONE_GPU, ["rollout.staleness=1"]))
     assert over.colocated_bytes["peak"] == over.trainer_bytes["total (fused)"] + 0.5 * 80 * GiB
-
-
-def test_colocated_roles_every_gpu_trains_local_rank_0_starts_the_engine():
-    cfg = load_config(None, ["layout.device=cuda", "layout.gpus_per_node=4", "layout.colocate=true",
-                             "trainer.world_size=4"])
-    roles = [assign_role(cfg, r, 4, r, 4) for r in range(4)]
-    assert [r.kind for r in roles] == ["trainer"] * 4 and [r.trainer_rank for r in roles] == [0, 1, 2, 3]
-    assert roles[0].engine == 0 and roles[0].rollout_devices == [0, 1, 2, 3]
-    assert all(r.engine is None for r in roles[1:])
 
 
 @pytest.mark.slow  # the session vLLM engine

@@ -15,8 +15,8 @@ LAYERS = [
     ("model", "metrics"),
     ("stabilizers", "rollout"),
     ("trainer",),
-    ("launch", "layout", "plot"),
-    ("cluster",),
+    ("prepare", "layout", "plot"),
+    ("launch", "cluster"),
     ("train", "eval"),
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}

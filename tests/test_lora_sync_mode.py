@@ -61,7 +61,7 @@ def test_vllm_lora_support_read_from_its_source():
 
 def test_a_model_vllm_serves_no_adapters_for(tmp_path):
     """Explicit adapter: one line, before any process starts (the preflight); null: merged."""
-    from arl.launch import preflight
+    from arl.prepare import preflight
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     cfg = load_config(None, [f"model.name_or_path={tmp_path}", LORA, "rollout.lora_sync=adapter"])

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from arl.config import load_config
-from arl.launch import model_dir_for
+from arl.prepare import model_dir_for
 from arl.model.resolve import resolve_model
 from arl.train import main
 

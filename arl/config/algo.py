@@ -69,6 +69,8 @@ MOVED = {
     ("loss", "adv_norm"): "algo.advantage (group_std -> grpo, group_mean -> dr_grpo, none -> none)",
     ("loss", "adv_eps"): "algo.adv_eps",
     ("critic", "enabled"): "algo.advantage: gae (the critic is on exactly under the gae estimator)",
+    ("layout", "launcher"): "launcher (auto: Ray; torchrun and the deepspeed launcher are gone, docs/ray.md)",
+    ("layout", "hostfile"): "a Ray cluster: ray start on each node, then ray.address (docs/ray.md: multi-node)",
 }
 
 

@@ -48,15 +48,16 @@ class RayConfig(_Section):
 
 
 LAUNCHER_DESCRIPTION = (
-    "local: arl.launch spawns the processes (or torchrun / the deepspeed launcher starts them); ray: trainer ranks "
-    "and rollout engines as Ray actors in placement groups (arl/cluster, docs/ray.md; GPU layouts: separate "
-    "trainer and rollout GPUs only, not yet run on GPUs).")
-LauncherName = Literal["local", "ray"]
+    "auto: ray, except a colocated layout (local); ray: trainer ranks and rollout engines as Ray actors in "
+    "placement groups on a local cluster arl starts or the one ray.address names (arl/cluster, docs/ray.md; GPU "
+    "layouts: separate trainer and rollout GPUs, not yet run on GPUs); local: this process spawns them (one "
+    "machine: the CPU layout, the colocated GPU node).")
+LauncherName = Literal["auto", "local", "ray"]
 
 
 def check_ray(cfg) -> None:
-    """Cross-checks of a ``launcher: ray`` config (``cfg``: the TrainConfig), one line each."""
-    if cfg.launcher != "ray" or cfg.layout.device != "cuda":
+    """Cross-checks of a config run on Ray (``cfg``: the TrainConfig), one line each."""
+    if cfg.launcher_used() != "ray" or cfg.layout.device != "cuda":
         return
     tp, g = cfg.rollout.tensor_parallel, cfg.ray.gpus_per_engine
     if g is not None and g % tp:

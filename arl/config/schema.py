@@ -296,22 +296,16 @@ class SFTConfig(Section):
 
 
 class LayoutConfig(Section):
-    """Where processes run.  CPU: trainer ranks + one in-process engine on one machine.
-    GPU: ``rollout_gpus`` + ``trainer_gpus`` per node, nodes from a hostfile."""
+    """Where processes run.  CPU: trainer ranks + rollout engines on one machine (or a Ray cluster).
+    GPU: ``rollout_gpus`` + ``trainer_gpus`` per node, on the nodes of a Ray cluster."""
 
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: everything on this machine; cuda: GPU layouts.")
-    nodes: int = Field(1, ge=1, description="Nodes of a GPU run; > 1 needs hostfile.")
+    nodes: int = Field(1, ge=1, description="Nodes of a GPU run (the Ray cluster's, planned by --dry-run).")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node (rollout_gpus + trainer_gpus unless colocated).")
     rollout_gpus: int = Field(0, ge=0, description="GPUs per node for the vLLM engine (the first ones).")
     trainer_gpus: int = Field(0, ge=0, description="GPUs per node for trainer ranks (after the rollout GPUs).")
-    hostfile: Optional[str] = Field(
-        None, description="Hostfile of a multi-node run, required when nodes > 1; arl checks it is set, the "
-        "deepspeed launcher reads it.")
     gpu_memory_gib: float = Field(
         80.0, gt=0, description="Memory of one GPU in GiB: --dry-run fails when its estimate per GPU exceeds it.")
-    launcher: Literal["spawn", "deepspeed", "torchrun"] = Field(
-        "spawn", description="Not read by arl: the launcher is whatever starts the run (plain python spawns, or "
-        "torchrun/deepspeed).")
     colocate: Optional[bool] = Field(
         None, description="Trainer and vLLM engine share every GPU and take turns (hybrid engine); null: true on a "
         "1-GPU node, else false.")
@@ -347,14 +341,14 @@ class TrainConfig(Section):
         StabilizerConfig(), description="Stabilizers, each off by default but the stall guard.")
     critic: CriticConfig = Field(
         CriticConfig(), description="Turn-level value head and GAE advantages over chunks (on with algo.advantage: gae).")
-    launcher: LauncherName = Field("local", description=LAUNCHER_DESCRIPTION)
+    launcher: LauncherName = Field("auto", description=LAUNCHER_DESCRIPTION)
     ray: RayConfig = Field(RayConfig(), description="Ray cluster and placement (launcher: ray, and --dry-run's placement).")
 
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            check_moved(data, {"loss": LossConfig, "critic": CriticConfig})
+            check_moved(data, {"loss": LossConfig, "critic": CriticConfig, "layout": LayoutConfig})
         return data
 
     @model_validator(mode="after")
@@ -397,25 +391,19 @@ class TrainConfig(Section):
             if self.rollout.weight_sync == "group":
                 raise ValueError("rollout.weight_sync: 'group' pairs trainer rank 0 and an engine worker in one NCCL "
                                  "group, which NCCL refuses on one GPU; use 'file' (or 'auto') with layout.colocate")
-        if lay.device == "cuda" and self.launcher == "local":  # Ray places by bundles (arl/cluster/placement.py)
-            if not lay.colocate and lay.rollout_gpus + lay.trainer_gpus != lay.gpus_per_node:
-                raise ValueError(
-                    f"layout.rollout_gpus + layout.trainer_gpus = {lay.rollout_gpus + lay.trainer_gpus} "
-                    f"must equal layout.gpus_per_node = {lay.gpus_per_node}")
+        if lay.device == "cuda" and self.launcher_used() == "local":  # the colocated node (Ray places by bundles)
             if lay.trainer_gpus * lay.nodes != self.trainer.world_size:
                 raise ValueError(
                     f"trainer.world_size = {self.trainer.world_size} must equal layout.trainer_gpus x layout.nodes "
                     f"= {lay.trainer_gpus * lay.nodes}")
             if lay.rollout_gpus % self.rollout.tensor_parallel:
                 raise ValueError("layout.rollout_gpus must be a multiple of rollout.tensor_parallel")
-            if lay.nodes > 1 and not lay.hostfile:
-                raise ValueError("layout.hostfile is required when layout.nodes > 1")
-            if lay.nodes > 1 and self.rollout.weight_sync == "file":
-                raise ValueError("rollout.weight_sync: 'file' writes to trainer rank 0's /dev/shm, which engines on "
-                                 "other nodes cannot read; use 'group' (or 'auto') with layout.nodes > 1")
             if self.rollout.engines not in (None, lay.nodes):
-                raise ValueError(f"rollout.engines: GPU layouts run one engine per node (layout.nodes = {lay.nodes}), "
+                raise ValueError(f"rollout.engines: the colocated node runs one engine (layout.nodes = {lay.nodes}), "
                                  f"got {self.rollout.engines}")
+        if lay.device == "cuda" and self.launcher == "local" and not lay.colocate:
+            raise ValueError("launcher: local runs the CPU layout and the colocated GPU node; GPU layouts with separate "
+                             "trainer and rollout GPUs run on Ray (launcher: auto or ray)")
         if self.rollout.tasks_per_step % self.num_engines():
             raise ValueError(f"rollout.tasks_per_step = {self.rollout.tasks_per_step} must be a multiple of the number "
                              f"of engines ({self.num_engines()}): each engine generates an equal share of a batch")
@@ -439,8 +427,16 @@ class TrainConfig(Section):
             return self.layout.device == "cpu" and self.model.attn_implementation in SHARE_PREFIX_ATTN
         return bool(sp)
 
+    def launcher_used(self) -> str:
+        """``launcher`` resolved: ``auto`` is Ray (arl/cluster), except a colocated layout (the GPU node;
+        on CPU, its stand-in), which the local launcher runs until Ray places a trainer rank and an
+        engine on one GPU (docs/ray.md)."""
+        if self.launcher != "auto":
+            return self.launcher
+        return "local" if self.layout.colocate else "ray"
+
     def num_engines(self) -> int:
         """Rollout engines of this layout (see ``rollout.engines``)."""
         if self.layout.device == "cuda":
-            return self.layout.nodes if self.launcher == "local" else self.rollout.engines or self.layout.nodes
+            return self.layout.nodes if self.launcher_used() == "local" else self.rollout.engines or self.layout.nodes
         return self.rollout.engines or 1

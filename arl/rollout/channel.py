@@ -1,7 +1,7 @@
 """The seam between the rollout processes and trainer rank 0: what ``batches`` and each engine's
-``orders`` must be.  The spawn launcher passes ``multiprocessing`` queues, the torchrun launcher
-proxies of trainer rank 0's manager, the Ray launcher ``ray.util.queue.Queue`` actors
-(arl/cluster/launcher.py); the rollout worker and ``arl.trainer.link.RolloutLink`` use only this."""
+``orders`` must be.  The local launcher passes ``multiprocessing`` queues, the Ray launcher
+boxes of one mailbox actor (arl/cluster/mailbox.py); the rollout worker and
+``arl.trainer.link.RolloutLink`` use only this."""
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol

@@ -107,7 +107,7 @@ def trainer_turn_ends(cfg: TrainConfig, device) -> None:
 # ---------------------------------------------------------------- the engine is up and asleep
 def ready_file(key: str, engine: int) -> Path:
     """The marker a rollout process writes once its engine has started (and, colocated, gone to
-    sleep); ``key`` is the launch's (the spawn launcher's own, or MASTER_PORT under torchrun)."""
+    sleep); ``key`` is the launch's (the local launcher's own)."""
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"arl-engine-ready-{key}-{engine}"
 
 

@@ -68,10 +68,10 @@ def engine_kwargs(cfg: TrainConfig, serve_adapters: bool = True) -> dict:
     kw = {}
     if cfg.layout.device == "cuda":
         tp = cfg.rollout.tensor_parallel
-        gpus = (cfg.ray.gpus_per_engine if cfg.launcher == "ray" else None) or cfg.layout.rollout_gpus
+        gpus = (cfg.ray.gpus_per_engine if cfg.launcher_used() == "ray" else None) or cfg.layout.rollout_gpus
         kw = {"tensor_parallel_size": tp, "data_parallel_size": max(1, gpus // tp),
               "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization, **sleep_mode_kwargs(cfg)}
-        if cfg.launcher == "ray" and gpus > 1:  # the engine's workers: processes of its actor, on its
+        if cfg.launcher_used() == "ray" and gpus > 1:  # the engine's workers: processes of its actor, on its
             kw["distributed_executor_backend"] = "mp"  # bundle's GPUs (in a placement group vLLM would pick Ray)
     if serve_adapters and lora_sync_mode(cfg) == "adapter":
         kw.update(engine_lora_kwargs(cfg.model.lora.r))
@@ -226,7 +226,7 @@ def rollout_rate(engine, batch) -> dict:
 def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Channel, parent_pid: Optional[int] = None,
                     engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None,
                     restarted: bool = False) -> None:
-    """Entry point of engine ``engine``'s rollout process (spawned, a torchrun rank, a Ray actor).
+    """Entry point of engine ``engine``'s rollout process (spawned by the local launcher, or a Ray actor).
     ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher.
     ``restarted``: a Ray restart of a dead engine: it says so on ``batches`` and ignores the orders
     meant for its former self until the trainer's ``("start", step)`` (arl/trainer/restarts.py)."""
@@ -241,7 +241,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Ch
     try:
         worker = RolloutWorker(cfg, model_dir, batches, orders, engine, hooks or RolloutHooks(), ready_file, restarted)
         asyncio.run(worker.run())
-        batches.put(("stopped", engine))  # trainer rank 0 may now go (under torchrun it serves this queue)
+        batches.put(("stopped", engine))  # trainer rank 0 may now go
     except BaseException as e:  # tell the trainer instead of leaving it waiting
         where = f"engine {engine}: " if cfg.num_engines() > 1 else ""
         batches.put(("error", f"{where}{type(e).__name__}: {e}"))

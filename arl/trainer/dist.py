@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 def set_rank_env(rank: int, world_size: int, port: int) -> None:
-    """The environment torch.distributed/DeepSpeed read (what torchrun would set)."""
+    """The environment torch.distributed/DeepSpeed read (what torchrun would set; the launchers set it)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 

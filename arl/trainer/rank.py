@@ -51,7 +51,7 @@ from .sync import make_sender
 def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, model_dir: str, demos: list, batches,
                  orders, resume: bool, parent_pid: Optional[int] = None, sync_addr: Optional[tuple] = None) -> None:
     """Entry point of one trainer rank.  ``port``: the trainers' rendezvous port on this machine (the
-    spawn launcher), or None when the environment is already set (torchrun / deepspeed launcher).
+    local launcher), or None when the environment is already set (a Ray trainer actor).
     ``batches`` / ``orders`` (rank 0 only): the queue from the rollout processes and the list of
     queues to them, one per engine.  ``sync_addr``: (host, port) of the weight-sync group."""
     if parent_pid is not None:
@@ -337,7 +337,7 @@ class TrainerRank:
         if self.rank != 0 or self.link is None:
             return
         self.link.broadcast(("stop",))
-        if self.finished:  # under torchrun this rank serves the queues: stay until the rollout side is done
+        if self.finished:  # the engines stop on this order: their last reports land before the run ends
             self.link.wait_stopped(timeout_s=120)
         if self.sync is not None:
             self.sync.close()

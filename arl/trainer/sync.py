@@ -119,7 +119,7 @@ class WeightSender:
         # group mode under ZeRO-3 with engine restarts: rank 0 keeps a host copy of the last synced
         # weights for a restarted engine (gathering them again is every rank's collective, and only
         # rank 0 hears of the restart); a model's size of host memory (docs/ray.md)
-        self.restarts = cfg.launcher == "ray" and cfg.ray.engine_restarts > 0  # Ray brings a dead engine back
+        self.restarts = cfg.launcher_used() == "ray" and cfg.ray.engine_restarts > 0  # Ray brings a dead engine back
         self.keep = self.mode == "group" and self.restarts and trainer.zero3
         self.kept: Optional[dict] = None
         # (source, version, chooser state) of the last sync; source: its directory (file mode) or None

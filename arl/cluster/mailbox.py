@@ -1,0 +1,58 @@
+"""The batch queue and every engine's order queue of a Ray run, in one actor.  A Ray queue actor
+per queue (``ray.util.queue.Queue``) would be 1 + engines processes per run, each importing Ray;
+here the queues are boxes of one async actor, and each side holds a ``Box``: the channel the
+rollout worker and trainer rank 0 expect (arl/rollout/channel.py)."""
+from __future__ import annotations
+
+import queue
+from typing import Any, Optional
+
+
+def mailbox_class():
+    """The mailbox actor's class: ``boxes`` unbounded FIFO queues, an async actor (a waiting ``get``
+    does not hold up a ``put``).  Made here, not at module level, so that cloudpickle ships it by
+    value: its worker then imports Ray and asyncio only, not arl (whose package imports torch)."""
+    import asyncio as aio
+
+    class MailboxActor:
+        def __init__(self, boxes: int):
+            self.boxes = [aio.Queue() for _ in range(boxes)]
+
+        async def put(self, box: int, item: Any) -> None:
+            self.boxes[box].put_nowait(item)
+
+        async def get(self, box: int, timeout: Optional[float]) -> tuple:
+            """(True, item), or (False, None) when nothing came within ``timeout`` seconds."""
+            try:
+                return True, await aio.wait_for(self.boxes[box].get(), timeout)
+            except aio.TimeoutError:
+                return False, None
+
+    return MailboxActor
+
+
+class Box:
+    """Box ``index`` of a mailbox actor, as a queue: ``put``, and ``get`` that raises
+    ``queue.Empty`` when nothing comes in time.  Picklable: it travels to the actors."""
+
+    def __init__(self, actor, index: int):
+        self.actor, self.index = actor, index
+
+    def put(self, item: Any) -> None:
+        import ray
+
+        ray.get(self.actor.put.remote(self.index, item))
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        import ray
+
+        ok, item = ray.get(self.actor.get.remote(self.index, timeout if block else 0))
+        if not ok:
+            raise queue.Empty
+        return item
+
+
+def mailboxes(ray, engines: int, **options) -> tuple:
+    """(the actor, the batches box, one orders box per engine)."""
+    actor = ray.remote(mailbox_class()).options(num_cpus=0, **options).remote(1 + engines)
+    return actor, Box(actor, 0), [Box(actor, 1 + e) for e in range(engines)]

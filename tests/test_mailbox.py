@@ -1,0 +1,61 @@
+"""The mailbox of a Ray run (arl/cluster/mailbox.py): the batch queue and the engines' order queues
+as boxes of one actor, each box a FIFO with the queue interface the rollout worker and trainer
+rank 0 use.  Without Ray: the actor's class run on asyncio, the boxes on a stand-in handle (the
+real actor runs in every Ray run of the suite)."""
+import asyncio
+import pickle
+import queue
+
+import pytest
+
+from arl.cluster.mailbox import Box, mailbox_class
+
+
+def test_boxes_are_separate_fifos_and_a_get_times_out():
+    async def run():
+        m = mailbox_class()(3)
+        await m.put(0, "a")
+        await m.put(2, "x")
+        await m.put(0, "b")
+        got = [await m.get(0, 1.0), await m.get(0, 1.0), await m.get(2, 1.0)]
+        waiting = asyncio.ensure_future(m.get(1, 5.0))  # a waiting get does not hold up a put
+        await asyncio.sleep(0)
+        await m.put(1, "late")
+        return got, await waiting, await m.get(1, 0.05)
+
+    got, late, empty = asyncio.run(run())
+    assert got == [(True, "a"), (True, "b"), (True, "x")] and late == (True, "late") and empty == (False, None)
+
+
+class _Handle:
+    """A stand-in for the actor handle: ``method.remote`` runs the method on a local actor."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.put = self._method("put")
+        self.get = self._method("get")
+
+    def _method(self, name):
+        actor = self.actor
+
+        class M:
+            @staticmethod
+            def remote(*args):
+                return asyncio.run(getattr(actor, name)(*args))
+        return M
+
+
+def test_a_box_is_a_queue(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    handle = _Handle(mailbox_class()(2))
+    batches, orders = Box(handle, 0), Box(handle, 1)
+    batches.put(("batch", 0))
+    orders.put(("stop",))
+    assert batches.get(timeout=1.0) == ("batch", 0) and orders.get() == ("stop",)
+    with pytest.raises(queue.Empty):
+        batches.get(timeout=0.01)
+    with pytest.raises(queue.Empty):
+        orders.get(block=False)
+    assert pickle.loads(pickle.dumps(Box("handle", 3))).index == 3  # boxes travel to the actors
