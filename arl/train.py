@@ -130,9 +130,9 @@ def main(argv=None) -> int:
 
 def launcher_line(cfg) -> str:
     """Which launcher runs the processes, and why when ``auto`` chose it."""
-    used = cfg.launcher_used()
+    used, address = cfg.launcher_used(), join_address(cfg)
     if used == "ray":
-        where = f"joins the Ray cluster at {join_address(cfg)}" if join_address(cfg) else \
+        where = f"joins the Ray cluster at {address}" if address else \
             "starts a local Ray cluster (token auth, no dashboard) and stops it at the end"
     else:
         where = "this process spawns the trainer ranks and rollout engines"

@@ -58,4 +58,6 @@ def test_a_box_is_a_queue(monkeypatch):
         batches.get(timeout=0.01)
     with pytest.raises(queue.Empty):
         orders.get(block=False)
+    orders.put(("start", 2))
+    assert orders.get(block=False) == ("start", 2)  # what is there is taken without waiting
     assert pickle.loads(pickle.dumps(Box("handle", 3))).index == 3  # boxes travel to the actors

@@ -22,10 +22,13 @@ def mailbox_class():
             self.boxes[box].put_nowait(item)
 
         async def get(self, box: int, timeout: Optional[float]) -> tuple:
-            """(True, item), or (False, None) when nothing came within ``timeout`` seconds."""
+            """(True, item), or (False, None) when nothing came within ``timeout`` seconds (0: take
+            what is there now; ``wait_for`` with 0 would give up before even a queued item)."""
             try:
+                if timeout == 0:
+                    return True, self.boxes[box].get_nowait()
                 return True, await aio.wait_for(self.boxes[box].get(), timeout)
-            except aio.TimeoutError:
+            except (aio.TimeoutError, aio.QueueEmpty):
                 return False, None
 
     return MailboxActor
