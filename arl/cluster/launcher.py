@@ -12,7 +12,8 @@
 * Engines: one actor per engine's group running ``rollout_process`` (the same loop as the other
   launchers).  ``batches`` and every ``orders`` are boxes of one mailbox actor
   (arl/cluster/mailbox.py): the items travel through Ray (authenticated), no socket of arl's own
-  accepts pickles.
+  accepts pickles.  Each trainer rank fetches its micro-batches from Ray's object store (rank 0
+  posts their references in the rank's box), not from rank 0 over ``torch.distributed``.
 
 The CPU layout (what the tests run) and GPU layouts with separate trainer and rollout GPUs (each
 actor sees its bundle's GPUs as Ray sets CUDA_VISIBLE_DEVICES; an engine's tensor / data parallel
@@ -63,7 +64,7 @@ class TrainerActor(_Where):
         return ray.util.get_node_ip_address(), free_port(), free_port()
 
     def run(self, rank: int, world: int, master: tuple, cfg_dict: dict, model_dir: str, demos: list, batches,
-            orders, resume: bool, env: dict, cwd: str) -> None:
+            orders, parts, resume: bool, env: dict, cwd: str) -> None:
         host, port, sync_port = master
         os.environ.update(env)  # the test hook's kill point (fault_env), when set
         _enter(cwd)
@@ -71,7 +72,7 @@ class TrainerActor(_Where):
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if cuda else str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=str(port))
         _reported(trainer_rank, rank, world, None, cfg_dict, model_dir, demos, batches, orders, resume, None,
-                  (host, sync_port))
+                  (host, sync_port), parts)
 
 
 class EngineActor(_Where):
@@ -335,7 +336,7 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
         raise RuntimeError(f"ray: the placement groups were not scheduled within {cfg.ray.connect_timeout_s:g} s "
                            "(ray.connect_timeout_s): the cluster lacks the resources --dry-run lists") from None
     # the mailbox holds no bundle (num_cpus 0): it must not take the CPUs the groups reserved
-    box, batches, orders = mailboxes(ray, len(placed.engines))
+    box, batches, orders, parts = mailboxes(ray, len(placed.engines), len(placed.trainers))
     cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
     Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
     # joined: set before the worker starts (torch reads the thread settings when it is imported)
@@ -357,7 +358,8 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     master = ray.get(ranks[0].master.remote())
     world = len(ranks)
     env = fault_env()
-    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, resume, env, cwd):
+    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, parts, resume, env,
+                                 cwd):
                     f"trainer rank {r}" for r, a in enumerate(ranks)})
     _wait(ray, running)
 

@@ -1,4 +1,5 @@
-"""The batch queue and every engine's order queue of a Ray run, in one actor.  A Ray queue actor
+"""The batch queue, every engine's order queue and the trainer ranks' micro-batch boxes of a Ray
+run, in one actor.  A Ray queue actor
 per queue (``ray.util.queue.Queue``) would be 1 + engines processes per run, each importing Ray;
 here the queues are boxes of one async actor, and each side holds a ``Box``: the channel the
 rollout worker and trainer rank 0 expect (arl/rollout/channel.py)."""
@@ -55,7 +56,29 @@ class Box:
         return item
 
 
-def mailboxes(ray, engines: int, **options) -> tuple:
-    """(the actor, the batches box, one orders box per engine)."""
-    actor = ray.remote(mailbox_class()).options(num_cpus=0, **options).remote(1 + engines)
-    return actor, Box(actor, 0), [Box(actor, 1 + e) for e in range(engines)]
+class RankParts:
+    """Each trainer rank's micro-batches of a step, through Ray's object store: trainer rank 0 (which
+    computes the step's advantages and packs for every rank) puts each other rank's part there and
+    posts its reference in that rank's box; the rank fetches its part itself, from the node that
+    holds it.  No pickles through rank 0's ``torch.distributed`` group (the local launcher's
+    ``arl.trainer.dist.ScatterParts``); the same ``scatter`` call."""
+
+    def __init__(self, boxes: list):
+        self.boxes = boxes  # boxes[r - 1]: trainer rank r's
+
+    def scatter(self, parts, rank: int):
+        import ray
+
+        if rank == 0:
+            for r, box in enumerate(self.boxes, start=1):
+                box.put([ray.put(parts[r])])  # in a list: Ray hands the box the reference, not the value
+            return parts[0]
+        (ref,) = self.boxes[rank - 1].get()
+        return ray.get(ref)
+
+
+def mailboxes(ray, engines: int, world: int = 1, **options) -> tuple:
+    """(the actor, the batches box, one orders box per engine, the trainer ranks' ``RankParts``)."""
+    actor = ray.remote(mailbox_class()).options(num_cpus=0, **options).remote(engines + world)
+    parts = RankParts([Box(actor, 1 + engines + r) for r in range(world - 1)])
+    return actor, Box(actor, 0), [Box(actor, 1 + e) for e in range(engines)], parts

@@ -121,6 +121,15 @@ def scatter_from_rank0(objs_rank0, rank: int):
     return out[0]
 
 
+class ScatterParts:
+    """How each rank gets its part of rank 0's per-rank objects (a step's micro-batches): over the
+    trainers' own ``torch.distributed`` group.  A Ray run's ranks fetch theirs from Ray's object
+    store instead (arl/cluster/mailbox.py::RankParts), through the same ``scatter``."""
+
+    def scatter(self, objs_rank0, rank: int):
+        return scatter_from_rank0(objs_rank0, rank)
+
+
 def broadcast_from_rank0(obj, rank: int):
     """Rank 0's ``obj`` on every rank."""
     if not _distributed():

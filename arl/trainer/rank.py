@@ -36,7 +36,7 @@ from ..stabilizers import Stabilizers
 from . import faults
 from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint, load_rollouts, rotate_checkpoints,
                           save_rollouts)
-from .dist import (all_mean, barrier, broadcast_from_rank0, init_distributed, scatter_from_rank0, set_rank_env,
+from .dist import (ScatterParts, all_mean, barrier, broadcast_from_rank0, init_distributed, set_rank_env,
                    shutdown)
 from .link import RolloutLink
 from .memory import release_freed_memory
@@ -49,11 +49,14 @@ from .sync import make_sender
 
 
 def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, model_dir: str, demos: list, batches,
-                 orders, resume: bool, parent_pid: Optional[int] = None, sync_addr: Optional[tuple] = None) -> None:
+                 orders, resume: bool, parent_pid: Optional[int] = None, sync_addr: Optional[tuple] = None,
+                 parts=None) -> None:
     """Entry point of one trainer rank.  ``port``: the trainers' rendezvous port on this machine (the
     local launcher), or None when the environment is already set (a Ray trainer actor).
     ``batches`` / ``orders`` (rank 0 only): the queue from the rollout processes and the list of
-    queues to them, one per engine.  ``sync_addr``: (host, port) of the weight-sync group."""
+    queues to them, one per engine.  ``sync_addr``: (host, port) of the weight-sync group.
+    ``parts``: how each rank gets its micro-batches from rank 0 (``scatter``); None: over the
+    trainers' group (``ScatterParts``)."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     cfg = TrainConfig.model_validate(cfg_dict)
@@ -69,7 +72,7 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     np.random.seed(cfg.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    run = TrainerRank(cfg, rank, world, model_dir, batches, orders)
+    run = TrainerRank(cfg, rank, world, model_dir, batches, orders, parts or ScatterParts())
     try:
         run.setup(demos, resume, sync_addr)
         run.train()
@@ -136,8 +139,9 @@ def update_on_batch(tr: PolicyTrainer, mbs, loss_cfg, updates: int) -> dict:
 
 
 class TrainerRank:
-    def __init__(self, cfg: TrainConfig, rank: int, world: int, model_dir: str, batches, orders):
+    def __init__(self, cfg: TrainConfig, rank: int, world: int, model_dir: str, batches, orders, parts=None):
         self.cfg, self.rank, self.world, self.model_dir = cfg, rank, world, model_dir
+        self.parts = parts or ScatterParts()  # each rank's micro-batches from rank 0
         self.run_dir = Path(cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -280,7 +284,8 @@ class TrainerRank:
 
     def next_batch(self, step: int):
         """This rank's micro-batches of the step, the step's loss config, and (rank 0) the batch's
-        metrics.  Rank 0 takes the batch, computes the step's advantages once and packs for all ranks."""
+        metrics.  Rank 0 takes the batch, computes the step's advantages once and packs for all ranks;
+        each rank gets its part through ``self.parts`` (on Ray: from the object store)."""
         parts = loss_cfg = extra = None
         if self.rank == 0:
             batch = self.link.next_batch()
@@ -295,7 +300,7 @@ class TrainerRank:
             if packer.share_prefix:  # what was shared; a one-line reason when a group fell back
                 extra.update(log_share(packed, packer.min_shared, step + 1))
             self.success = extra.get("success/train")
-        return scatter_from_rank0(parts, self.rank), broadcast_from_rank0(loss_cfg, self.rank), extra
+        return self.parts.scatter(parts, self.rank), broadcast_from_rank0(loss_cfg, self.rank), extra
 
     def sync_weights(self, version: int) -> None:
         """The new policy into every engine; then the held-out evaluation of this version, when due
