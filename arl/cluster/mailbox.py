@@ -1,8 +1,7 @@
 """The batch queue, every engine's order queue and the trainer ranks' micro-batch boxes of a Ray
-run, in one actor.  A Ray queue actor
-per queue (``ray.util.queue.Queue``) would be 1 + engines processes per run, each importing Ray;
-here the queues are boxes of one async actor, and each side holds a ``Box``: the channel the
-rollout worker and trainer rank 0 expect (arl/rollout/channel.py)."""
+run, in one actor.  A Ray queue actor per queue (``ray.util.queue.Queue``) would be a process per
+queue, each importing Ray; here the queues are boxes of one async actor, and each side holds a
+``Box``: the channel the rollout worker and trainer rank 0 expect (arl/rollout/channel.py)."""
 from __future__ import annotations
 
 import queue

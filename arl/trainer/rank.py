@@ -72,7 +72,7 @@ def trainer_rank(rank: int, world: int, port: Optional[int], cfg_dict: dict, mod
     np.random.seed(cfg.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    run = TrainerRank(cfg, rank, world, model_dir, batches, orders, parts or ScatterParts())
+    run = TrainerRank(cfg, rank, world, model_dir, batches, orders, parts)
     try:
         run.setup(demos, resume, sync_addr)
         run.train()
