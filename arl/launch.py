@@ -1,8 +1,8 @@
-"""The local launcher (``launcher: local``; ``auto`` picks it for a colocated GPU node): this
+"""The local launcher (``launcher: local``, asked for: ``auto`` is Ray, arl/cluster), without Ray: this
 process builds the model directory and the SFT demonstrations (arl/prepare.py), spawns one rollout
 process per engine (``arl.rollout.worker``) and ``trainer.world_size`` trainer ranks
 (``arl.trainer.rank``) on this machine, and waits.  Colocated (``layout.colocate``), the trainer
-ranks start once every engine is up and asleep.  Every other run is placed on Ray (arl/cluster).
+ranks start once every engine is up and asleep.
 """
 from __future__ import annotations
 

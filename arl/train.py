@@ -13,8 +13,8 @@ descriptions; docs/config.md).
 
 The run's processes (``launcher``, auto by default): Ray actors placed on a local cluster that
 this process starts and stops, or on the cluster ``ray.address`` (or RAY_ADDRESS) names
-(``arl.cluster``); a colocated GPU node (trainer and engine sharing the GPUs) is spawned by this
-process itself (``arl.launch``) until Ray places it.
+(``arl.cluster``), every layout; ``launcher: local`` spawns them from this process without Ray
+(``arl.launch``: the CPU layout and the colocated GPU node).
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def launcher_line(cfg) -> str:
             "starts a local Ray cluster (token auth, no dashboard) and stops it at the end"
     else:
         where = "this process spawns the trainer ranks and rollout engines"
-    why = f" (auto: {'a colocated layout' if used == 'local' else 'Ray'})" if cfg.launcher == "auto" else ""
+    why = " (auto: Ray)" if cfg.launcher == "auto" else ""
     return f"launcher: {used}{why}: {where}"
 
 

@@ -13,6 +13,7 @@ import tempfile
 import pytest
 
 CPUS = 16  # logical: every test's placement fits (Ray does not pin them to cores)
+GPUS = 2  # logical too, for the colocated placement's test (no run of the suite asks for a GPU)
 _ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_TMPDIR")
 
 
@@ -30,7 +31,7 @@ def ray_session():
     _refresh_auth()
     temp = tempfile.mkdtemp(prefix="arl-rs-", dir="/tmp")  # short: Ray's socket paths live under it
     try:
-        cluster, _ = start_cluster([Node(0, CPUS, 0)], temp, roles=False)
+        cluster, _ = start_cluster([Node(0, CPUS, GPUS)], temp, roles=False)
     finally:
         _restore(saved)
     try:

@@ -57,7 +57,7 @@ def test_schedule_follows_colocate_and_staleness():
 def test_one_gpu_config_dry_run_prints_the_colocated_layout_and_vllm_share(capsys):
     assert main(["--config", ONE_GPU, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "trainer rank 0 + vllm engine 0 dp0 tp0 cuda:0 (shared" in out
+    assert "engine 0: colocated on the GPUs of trainer rank 0 (no bundle of its own" in out  # on Ray
     assert "schedule: colocated, alternating" in out
     assert "memory estimate per colocated GPU" in out and "vLLM (0.5 of the GPU)" in out
     pl = plan(load_config(ONE_GPU, []))
@@ -146,3 +146,51 @@ def test_colocated_run_end_to_end(tmp_path):
         assert r["train/grad_norm"] > 0 and r["train/loss"] != 0
         assert r["train/logp_abs_diff_vs_rollout"] < 1e-3, r["train/logp_abs_diff_vs_rollout"]
     assert (out / "hf" / "config.json").exists()
+    assert "launcher: ray (auto: Ray)" in res.stdout and (out / "ray_actors.json").exists()
+
+
+@pytest.mark.slow  # joins the session's Ray cluster (tests/ray_session.py: 2 logical GPUs)
+def test_colocated_engine_shares_its_trainer_ranks_gpus_on_ray():
+    """Colocated on Ray, the trainer ranks hold one GPU each and the engine, in the bundle of its
+    first rank and asking for nothing, is shown its ranks' GPUs (what vLLM's workers will use);
+    the launcher waits for the engines to be up, and an engine that fails first is one line."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from arl.cluster.actors import colocated_gpus, place_actors
+    from arl.cluster.launcher import _wait_up
+    from arl.cluster.mailbox import mailboxes
+    from arl.cluster.placement import Node, placement
+
+    cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_8gpu.yaml"), [
+        "layout.gpus_per_node=2", "layout.colocate=true", "layout.rollout_gpus=2", "layout.trainer_gpus=2",
+        "trainer.world_size=2", "rollout.tensor_parallel=2"])
+    placed = placement(cfg, [Node(0, 16, 2)], "test")
+    assert placed.colocated and placed.engine_gpus == 2 and placed.n_engines == 1 and not placed.engines
+    ray.init(address=os.environ["RAY_ADDRESS"], namespace="arl-test", configure_logging=False, log_to_driver=False)
+    try:
+        pg = placement_group([b.resources() for b in placed.trainers], strategy="PACK")
+        ray.get(pg.ready(), timeout=60)
+        ranks, engines = place_actors(ray, placed, pg, [], 0, {})
+        seen = ray.get([r.visible.remote() for r in ranks])
+        assert sorted(seen) == ["0", "1"]  # one GPU each, as Ray gave them
+        assert ray.get(engines[0].visible.remote()) == ",".join(seen)  # the engine sees both
+        assert len({ray.get(a.node.remote()) for a in ranks + engines}) == 1
+        assert colocated_gpus(ray, ranks, 1, 2) == seen  # two engines of one GPU each: one rank's each
+        mail = mailboxes(ray, 1, 2)
+
+        @ray.remote(num_cpus=0)
+        def up(box):
+            box.put(("ready", os.getpid()))
+
+        _wait_up(ray, mail.ready, {up.remote(mail.ready): "engine 0"}, 60)  # returns once marked
+
+        @ray.remote(num_cpus=0)
+        def fails():
+            raise RuntimeError("no memory left for the KV cache")
+
+        with pytest.raises(RuntimeError, match="^ray: engine 0 failed: .*no memory left for the KV cache.* before "
+                                               "its engine was up"):
+            _wait_up(ray, mail.ready, {fails.remote(): "engine 0"}, 60)
+    finally:
+        ray.shutdown()

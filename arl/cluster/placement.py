@@ -7,7 +7,8 @@ it into placement groups).
 * Rollout engines: one placement group each, STRICT_PACK (an engine's GPUs on one node): one bundle
   of ``gpus_per_engine`` GPUs (tensor parallel x vLLM data parallel) + ``ray.cpus_per_engine`` CPUs.
 * Colocated (``layout.colocate``): engines take no bundle of their own; engine ``e`` shares the GPUs
-  of trainer bundles ``[e*g, (e+1)*g)`` (fractional GPU requests inside the trainers' group).
+  of trainer bundles ``[e*g, (e+1)*g)``, one node's (the trainer actors hold those GPUs; the engine
+  actor runs in bundle ``e*g`` asking for none and is shown them: arl/cluster/launcher.py).
 
 Node roles (``ray.nodes[].role``): trainer bundles go to ``trainer`` or role-less nodes, engine
 bundles to ``rollout`` or role-less ones (dedicated rollout nodes).  On a Ray cluster a role is a

@@ -48,10 +48,10 @@ class RayConfig(_Section):
 
 
 LAUNCHER_DESCRIPTION = (
-    "auto: ray, except a colocated layout (local); ray: trainer ranks and rollout engines as Ray actors in "
-    "placement groups on a local cluster arl starts or the one ray.address names (arl/cluster, docs/ray.md; GPU "
-    "layouts: separate trainer and rollout GPUs, not yet run on GPUs); local: this process spawns them (one "
-    "machine: the CPU layout, the colocated GPU node).")
+    "auto: ray; ray: trainer ranks and rollout engines as Ray actors in placement groups on a local cluster arl "
+    "starts or the one ray.address names (arl/cluster, docs/ray.md; every layout: CPU, separate trainer and rollout "
+    "GPUs, colocated GPUs); local: this process spawns them without Ray (one machine: the CPU layout, the colocated "
+    "GPU node).")
 LauncherName = Literal["auto", "local", "ray"]
 
 

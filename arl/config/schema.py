@@ -428,12 +428,9 @@ class TrainConfig(Section):
         return bool(sp)
 
     def launcher_used(self) -> str:
-        """``launcher`` resolved: ``auto`` is Ray (arl/cluster), except a colocated layout (the GPU node;
-        on CPU, its stand-in), which the local launcher runs until Ray places a trainer rank and an
-        engine on one GPU (docs/ray.md)."""
-        if self.launcher != "auto":
-            return self.launcher
-        return "local" if self.layout.colocate else "ray"
+        """``launcher`` resolved: ``auto`` is Ray (arl/cluster) for every layout; ``local`` (this
+        process spawns the ranks and engines, one machine) only when asked for (docs/ray.md)."""
+        return "ray" if self.launcher == "auto" else self.launcher
 
     def num_engines(self) -> int:
         """Rollout engines of this layout (see ``rollout.engines``)."""

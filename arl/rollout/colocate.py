@@ -111,9 +111,15 @@ def ready_file(key: str, engine: int) -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"arl-engine-ready-{key}-{engine}"
 
 
-def mark_ready(path: Optional[str]) -> None:
-    if path is not None:
-        Path(path).write_text(str(os.getpid()))
+def mark_ready(where) -> None:
+    """``where``: None, a file path (the local launcher's marker), or a channel (a Ray run's mailbox
+    box, which the launcher reads wherever the engine runs)."""
+    if where is None:
+        return
+    if hasattr(where, "put"):
+        where.put(("ready", os.getpid()))
+    else:
+        Path(where).write_text(str(os.getpid()))
 
 
 def wait_ready(paths: Sequence[Path], alive: Callable[[], bool] = lambda: True, timeout_s: float = 1800.0) -> None:

