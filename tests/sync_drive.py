@@ -4,6 +4,7 @@ the weight-sync tests (tests/test_tied_weight_sync.py, tests/test_lora_sync.py).
 import contextlib
 import queue
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -59,6 +60,11 @@ class Link:
 
     def broadcast(self, msg):
         self.orders.put(msg)
+
+    def poll(self, timeout_s: float) -> bool:
+        """What the sender does while the engine joins (RolloutLink.poll): nothing comes back here."""
+        time.sleep(timeout_s)
+        return False
 
 
 def sync_into_engine(engine, trainer, mode: str, arun, monkeypatch, overrides=(),

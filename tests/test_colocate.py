@@ -57,7 +57,8 @@ def test_schedule_follows_colocate_and_staleness():
 def test_one_gpu_config_dry_run_prints_the_colocated_layout_and_vllm_share(capsys):
     assert main(["--config", ONE_GPU, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "engine 0: colocated on the GPUs of trainer rank 0 (no bundle of its own" in out  # on Ray
+    assert ("engine 0: colocated on the GPUs of trainer rank 0 (tensor parallel 1 x data parallel 1; no bundle of its "
+            "own: in trainer rank 0's, asking for no GPU)") in out  # on Ray
     assert "schedule: colocated, alternating" in out
     assert "memory estimate per colocated GPU" in out and "vLLM (0.5 of the GPU)" in out
     pl = plan(load_config(ONE_GPU, []))

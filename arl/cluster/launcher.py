@@ -6,11 +6,10 @@
   made for this run, never written to disk, its files under $TMPDIR/arl-ray-<pid>) and stops it at
   the end, on an error too.  On a joined cluster the actors get the driver's ARL_* / VLLM_* and
   thread settings (``actor_env``) and work in the driver's directory where their node has it.
-* Trainer ranks: one actor per bundle of the trainers' group, each running ``trainer_rank`` with
-  its own ``torch.distributed`` group; rank 0's actor picks MASTER_ADDR/MASTER_PORT (and the
-  weight-sync port) on its node and the others are handed them.
-* Engines: one actor per engine's group running ``rollout_process`` (the same loop as the other
-  launchers).  ``batches`` and every ``orders`` are boxes of one mailbox actor
+* Actors (arl/cluster/actors.py): one per bundle of the trainers' group, each running
+  ``trainer_rank`` with its own ``torch.distributed`` group (rank 0's actor picks
+  MASTER_ADDR/MASTER_PORT and the weight-sync port on its node; the others are handed them), and
+  one per engine running ``rollout_process`` (the same loop as the local launcher's).  ``batches`` and every ``orders`` are boxes of one mailbox actor
   (arl/cluster/mailbox.py): the items travel through Ray (authenticated), no socket of arl's own
   accepts pickles.  Each trainer rank fetches its micro-batches from Ray's object store (rank 0
   posts their references in the rank's box), not from rank 0 over ``torch.distributed``.
@@ -19,7 +18,7 @@ Every layout: the CPU layout (what the tests run); GPU layouts with separate tra
 GPUs (each actor sees its bundle's GPUs as Ray sets CUDA_VISIBLE_DEVICES; an engine's tensor / data
 parallel workers are processes of its actor); colocated GPU layouts (``layout.colocate``): the
 trainer actors hold the GPUs (one bundle each), engine ``e`` runs in the bundle of trainer rank
-``e * g`` without a GPU request of its own and is shown its trainers' GPUs (``colocated_gpus``).
+``e * g`` without a GPU request of its own and is shown its trainers' GPUs (``place_actors``).
 Colocated, the trainer ranks start once every engine is up and asleep (the mailbox's ready box).
 """
 from __future__ import annotations

@@ -139,9 +139,10 @@ class Placement:
         lines = [f"placement (Ray; cluster from {self.source}: {len(self.nodes)} node(s){head}):",
                  f"  trainers: 1 placement group, PACK, {len(t)} bundle(s) {_res(t[0])}"]
         if self.colocated:
-            g = self.engine_gpus
-            lines += [f"  engine {i}: colocated on the GPUs of {_ranks(list(range(i * g, (i + 1) * g)))} (no bundle of "
-                      "its own; it sleeps while they step)" for i in range(self.n_engines)]
+            g, tp = self.engine_gpus, self.tensor_parallel
+            lines += [f"  engine {i}: colocated on the GPUs of {_ranks(list(range(i * g, (i + 1) * g)))} (tensor parallel "
+                      f"{tp} x data parallel {max(1, g // tp)}; no bundle of its own: in trainer rank {i * g}'s, asking for "
+                      "no GPU)" for i in range(self.n_engines)]
         elif e:
             dp = max(1, e[0].gpus // self.tensor_parallel) if e[0].gpus else 1
             par = f" (tensor parallel {self.tensor_parallel} x data parallel {dp})" if e[0].gpus else ""
