@@ -1,7 +1,7 @@
 """pytest plugin for the by-hand runs of docs/ray.md: every ``python -m arl.train`` a test starts
 (not ``--dry-run``) gets ``launcher=local`` appended, and the overrides in ``ARL_LOCAL_EXTRA``
-(space-separated) after it: the suite's runs on the local launcher instead of Ray.  Not loaded by
-default:
+(space-separated) after it: the suite's runs on the local launcher instead of Ray (the tests skip
+their checks of Ray's own lines: ARL_TESTS_LAUNCHER=local).  Not loaded by default:
 
     PYTHONPATH=$PWD/tests:$PWD python -m pytest -p on_local tests/test_gym_env.py::test_three_rl_steps_with_held_out_evaluation
 """
@@ -9,6 +9,7 @@ import os
 import subprocess
 
 _run, _popen_init = subprocess.run, subprocess.Popen.__init__
+os.environ["ARL_TESTS_LAUNCHER"] = "local"
 
 
 def _on_local(cmd):

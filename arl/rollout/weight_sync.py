@@ -130,7 +130,8 @@ LATEST = "arl-weight-sync/latest"  # the store's newest group (epoch): the waite
 def source_store(host: str, port: int, world_size: int, timeout_s: float = 1800.0):
     """The group's TCP store, hosted by the source (trainer rank 0) for the whole run: every group
     of the run (``epoch``) lives under its own prefix in it.  It does not wait for the receivers to
-    connect: one that died before it joined would hold the source there (``members_joined``)."""
+    connect: one that died before it joined would hold the source there (the source waits for the
+    receivers' ranks instead, answering the engines: arl/trainer/sync.py)."""
     import torch.distributed as dist
 
     return dist.TCPStore(host, int(port), world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
