@@ -35,6 +35,10 @@ def test_one_gpu_node_is_colocated_by_default():
     (["layout.rollout_gpus=1", "layout.trainer_gpus=1"], "must both equal layout.gpus_per_node (2)"),
     (["rollout.weight_sync=group"], "which NCCL refuses on one GPU"),
     (["layout.nodes=2", "trainer.world_size=4"], "layout.colocate: one node only"),
+    # on Ray (the default) as under the local launcher: every GPU a trainer rank and one engine's share
+    (["rollout.engines=2"], "rollout.engines (2) x GPUs per engine (2) must equal trainer.world_size (2)"),
+    (["rollout.tensor_parallel=3"], "layout.rollout_gpus must be a multiple of rollout.tensor_parallel"),
+    (["trainer.world_size=1"], "trainer.world_size = 1 must equal layout.trainer_gpus x layout.nodes = 2"),
 ])
 def test_colocated_config_errors(overrides, msg):
     base = ["layout.device=cuda", "layout.gpus_per_node=2", "layout.colocate=true", "trainer.world_size=2"]
@@ -169,9 +173,10 @@ def test_colocated_engine_shares_its_trainer_ranks_gpus_on_ray():
         "trainer.world_size=2", "rollout.tensor_parallel=2"])
     placed = placement(cfg, [Node(0, 16, 2)], "test")
     assert placed.colocated and placed.engine_gpus == 2 and placed.n_engines == 1 and not placed.engines
+    assert placed.trainer_strategy == "STRICT_PACK"
     ray.init(address=os.environ["RAY_ADDRESS"], namespace="arl-test", configure_logging=False, log_to_driver=False)
     try:
-        pg = placement_group([b.resources() for b in placed.trainers], strategy="PACK")
+        pg = placement_group([b.resources() for b in placed.trainers], strategy=placed.trainer_strategy)
         ray.get(pg.ready(), timeout=60)
         ranks, engines = place_actors(ray, placed, pg, [], 0, {})
         seen = ray.get([r.visible.remote() for r in ranks])
@@ -182,10 +187,14 @@ def test_colocated_engine_shares_its_trainer_ranks_gpus_on_ray():
         mail = mailboxes(ray, 1, 2)
 
         @ray.remote(num_cpus=0)
-        def up(box):
-            box.put(("ready", os.getpid()))
+        def up(box, engine):
+            box.put(("ready", engine))
 
-        _wait_up(ray, mail.ready, {up.remote(mail.ready): "engine 0"}, 60)  # returns once marked
+        marks = [up.remote(mail.ready, e) for e in (0, 0, 1)]  # engine 0 marked twice (it restarted)
+        _wait_up(ray, mail.ready, {m: f"engine {e}" for m, e in zip(marks[1:], (0, 1))}, 60)  # both up
+        with pytest.raises(RuntimeError, match=r"^ray: engine [01] ended before its engine was up \(colocated\)$"):
+            _wait_up(ray, mail.ready, {up.remote(mail.ready, 1): "engine 0", up.remote(mail.ready, 1): "engine 1"},
+                     60)  # two marks of engine 1 are not engines 0 and 1 up
 
         @ray.remote(num_cpus=0)
         def fails():

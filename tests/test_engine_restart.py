@@ -4,6 +4,7 @@ without processes (tests/test_ray_launcher.py and tests/test_ray_nodes.py kill r
 import contextlib
 import queue
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -56,6 +57,19 @@ def test_restarted_engine_starts_at_its_next_batch_with_the_current_weights(caps
     assert "held-out evaluation of version 7 lost with engine 0's restart; its record has none" in out
 
 
+def test_restart_answered_inside_a_sync_leaves_that_versions_evaluation_to_the_sync(capsys):
+    """A restart answered while version 8's group forms (``in_sync``): 8's evaluation is ordered by
+    the sync itself right after (not twice); 7's was lost with the engine."""
+    cfg = load_config(None, ["env.eval_tasks=4"])
+    link = _link(1)
+    log = OrderedLog(_Logger(), {7, 8})
+    sync = SimpleNamespace(mode="file", last=("/dev/shm/arl-weights-1/v8", 8, None), in_sync=8)
+    resync_engine(0, link, sync, log, cfg)
+    assert _orders(link.orders[0]) == [("start", 0), ("weights", "/dev/shm/arl-weights-1/v8", 8, None)]
+    assert log.unanswered(8) == [8] and 7 not in log.eval_versions
+    assert "held-out evaluation of version 7 lost with engine 0's restart" in capsys.readouterr().out
+
+
 def test_restart_before_the_first_sync_and_under_the_group_sync(capsys):
     cfg = load_config(None)
     link = _link(1)
@@ -72,7 +86,7 @@ class _Engine(threading.Thread):
     """An engine's one worker, in a thread: takes its orders like the rollout worker (join_sync,
     weights; the stand-in model runner keeps what it loads), until "stop"."""
 
-    def __init__(self, orders, ignore_before_start=False, die_at_join=False):
+    def __init__(self, orders, ignore_before_start=False, die_at_join=None):
         super().__init__(daemon=True)
         self.orders, self.skip, self.die_at_join = orders, ignore_before_start, die_at_join
         self.loaded, self.versions, self.ranks = {}, [], []
@@ -85,8 +99,17 @@ class _Engine(threading.Thread):
                 continue  # a restarted engine: its former self's orders
             if msg[0] == "start":
                 self.skip = False
-            elif msg[0] == "join_sync" and self.die_at_join:
-                return  # dies with the order taken, before joining (ARL_TEST_KILL_ENGINE=<e>:join)
+            elif msg[0] == "join_sync" and self.die_at_join:  # dies with the order taken (ARL_TEST_KILL_ENGINE=<e>:join)
+                if self.die_at_join == "after_taking_its_rank":  # ... and a rank in the group, beating once
+                    import datetime
+
+                    import torch.distributed as dist
+
+                    host, port, n, _, epoch = msg[1:]
+                    run = dist.TCPStore(host, int(port), n, is_master=False, timeout=datetime.timedelta(seconds=60))
+                    group = dist.PrefixStore(f"arl-weight-sync/{epoch}", run)
+                    group.add(f"beat/{int(group.add('receivers', 1))}", 1)
+                return
             elif msg[0] == "join_sync":
                 self.ranks.append(ext.arl_join_weight_sync(*msg[1:5], 60.0, msg[5]))
             elif msg[0] == "weights":
@@ -183,10 +206,12 @@ def test_restarted_engine_rejoins_a_new_weight_sync_group(monkeypatch, capsys, b
 
 
 @pytest.mark.parametrize("zero3", [False, True])
-def test_engine_that_dies_before_the_first_group_forms(monkeypatch, capsys, zero3):
-    """Engine 1 dies on its first join order, before joining; engine 0 has taken its rank in group 0
-    and waits.  The trainer's first sync does not sit in the rendezvous until its timeout: it answers
-    the engines meanwhile, the restarted engine 1's "restarted" brings every engine into group 1
+@pytest.mark.parametrize("dies", ["before_taking_a_rank", "after_taking_its_rank"])
+def test_engine_that_dies_before_the_first_group_forms(monkeypatch, capsys, zero3, dies):
+    """Engine 1 dies on its first join order, before or after taking its rank in group 0 (then every
+    rank is taken, but it beats no more); engine 0 has taken its rank and waits.  Nobody enters group
+    0's rendezvous (it would wait for the dead one until the timeout): the trainer answers the engines
+    meanwhile, the restarted engine 1's "restarted" (a second later) brings every engine into group 1
     (engine 0 gives group 0 up), and version 1 reaches both over it, bitwise."""
     from arl.procs import free_port
     from arl.trainer import sync as sync_mod
@@ -198,11 +223,12 @@ def test_engine_that_dies_before_the_first_group_forms(monkeypatch, capsys, zero
     link = RolloutLink(queue.Queue(), [queue.Queue(), queue.Queue()], on_eval=lambda v, s: None,
                        on_restart=lambda e: resync_engine(e, link, senders[0], None, cfg))
     senders.append(sync_mod.WeightSender(cfg, tr, 0, link, ("127.0.0.1", free_port())))
-    a, dead = _Engine(link.orders[0]), _Engine(link.orders[1], die_at_join=True)
+    a, dead = _Engine(link.orders[0]), _Engine(link.orders[1], die_at_join=dies)
     c = _Engine(link.orders[1], ignore_before_start=True)  # Ray's restart of engine 1
 
     def ray_restarts_it():
         dead.join(timeout=60)
+        time.sleep(1.0)  # Ray notices the death and starts the actor again: the others beat meanwhile
         c.start()
         link.batches.put(("restarted", 1))
 

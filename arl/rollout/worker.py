@@ -269,7 +269,7 @@ class RolloutWorker:
         self.schedule = make_schedule(cfg, self.engine)  # who has the device when (arl/rollout/colocate.py)
         try:
             await self.schedule.started()
-            mark_ready(self.ready_file)
+            mark_ready(self.ready_file, self.index)
             orders = asyncio.create_task(self._take_orders())
             await self.synced.wait()  # the first weights (after SFT / from the checkpoint)
             n_engines = cfg.num_engines()

@@ -30,7 +30,9 @@ def resync_engine(engine: int, link, sync, log, cfg: TrainConfig) -> None:
         link.send(engine, ("weights", source, version, chooser))
     if engine != 0 or log is None:
         return
-    for v in log.unanswered(version):
+    # answered inside version's own sync (its group's join): its evaluation is ordered after that sync
+    upto = version - 1 if getattr(sync, "in_sync", None) == version else version
+    for v in log.unanswered(upto):
         if v == version:
             link.send(0, ("eval", v, cfg.env.eval_tasks))
         else:

@@ -26,8 +26,8 @@ from ..model.tied import is_tied, untied_state
 from ..rollout.colocate import trainer_turn_ends
 from ..rollout.lora_sync import lora_sync_mode
 from ..rollout.engine import write_sync_weights
-from ..rollout.weight_sync import (FromGroup, WeightSyncBroken, announce, make_group, plan_buckets, receivers_in, send,
-                                   send_buckets, sender_backend, source_store, tensor_meta)
+from ..rollout.weight_sync import (Attendance, FromGroup, WeightSyncBroken, announce, make_group, plan_buckets,
+                                   receivers_in, send, send_buckets, sender_backend, source_store, tensor_meta)
 from ..rollout.worker import engine_workers
 from . import faults
 from .adapter_sync import AdapterSender
@@ -126,6 +126,7 @@ class WeightSender:
         self.kept: Optional[dict] = None
         # (source, version, chooser state) of the last sync; source: its directory (file mode) or None
         self.last: Optional[tuple] = None
+        self.in_sync: Optional[int] = None  # the version being sent (a restart answered meanwhile: restarts.py)
         # tied embeddings: the head is the embedding, which the engines load under both names
         # (arl/rollout/weight_sync.py), so it is not sent twice
         self.tied = is_tied(trainer.module)
@@ -160,7 +161,11 @@ class WeightSender:
         self.last = (None, version, chooser_state)
         if self.keep:
             self.kept = {k: v.to("cpu", copy=True) for k, v in state.items()}
-        self._broadcast(state, version, chooser_state)
+        self.in_sync = version
+        try:
+            self._broadcast(state, version, chooser_state)
+        finally:
+            self.in_sync = None
 
     def _broadcast(self, state: dict, version: int, chooser_state: Optional[dict], kill_point: bool = True) -> None:
         """Group mode: every engine's workers receive ``state`` (joining the group first when there is none)."""
@@ -196,17 +201,18 @@ class WeightSender:
                   flush=True)
 
     def _members_joined(self, epoch: int, n: int) -> bool:
-        """Until the ``n - 1`` engine workers have taken their ranks in group ``epoch``, answering the
-        engines meanwhile (``link.poll``): one that died before joining comes back restarted, and
-        its answer (``rejoin``) forms a newer group, so this one is given up (False); one that failed
-        ends the run with its error instead of a wait for the rendezvous' timeout."""
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while receivers_in(self.store, epoch) < n - 1:
+        """Until the ``n - 1`` engine workers have taken their ranks in group ``epoch`` and are alive
+        (``Attendance``; then they are let in), answering the engines meanwhile (``link.poll``): one
+        that died before or after taking its rank comes back restarted, and its answer (``rejoin``)
+        forms a newer group, so this one is given up (False); one that failed ends the run with its
+        error instead of a wait for the rendezvous' timeout."""
+        deadline, present = time.monotonic() + JOIN_TIMEOUT_S, Attendance(self.store, epoch, n)
+        while not present.all_alive():
             if self.epoch != epoch:
                 return False
             if time.monotonic() > deadline:
                 raise RuntimeError(f"weight sync group {epoch}: {receivers_in(self.store, epoch)} of {n - 1} engine "
-                                   f"workers joined within {JOIN_TIMEOUT_S:.0f} s")
+                                   f"workers joined and alive within {JOIN_TIMEOUT_S:.0f} s")
             self.link.poll(0.2)
         return self.epoch == epoch
 
@@ -214,8 +220,8 @@ class WeightSender:
         """Group mode, trainer rank 0, an engine was restarted (arl/trainer/restarts.py): its new
         workers cannot enter the group its former self was in, so every engine joins a new one
         and receives the last synced weights again (the trainer has not updated since: this runs
-        while rank 0 waits for the next batch).  Rank 0 alone reads them, or under ZeRO-3 its host
-        copy (``keep``)."""
+        while rank 0 waits for the next batch, or inside a sync while the engines join, nested in
+        ``_members_joined``).  Rank 0 alone reads them, or under ZeRO-3 its host copy (``keep``)."""
         _, version, chooser_state = self.last
         self.group, self.epoch = None, self.epoch + 1
         if self.kept is not None:
