@@ -203,6 +203,6 @@ def test_colocated_engine_shares_its_trainer_ranks_gpus_on_ray():
 
         with pytest.raises(RuntimeError, match="^ray: engine 0 failed: .*no memory left for the KV cache.* before "
                                                "its engine was up"):
-            _wait_up(ray, mail.ready, {fails.remote(): "engine 0"}, 60)
+            _wait_up(ray, mailboxes(ray, 1, 1).ready, {fails.remote(): "engine 0"}, 60)  # fresh: as above
     finally:
         ray.shutdown()
