@@ -26,13 +26,17 @@ is (full fine-tuning at ``--full-lr``).  Arm ``lora``: ``model.lora={r, alpha}``
     python bench/bench_lora.py --out runs/lora              # 15 steps per arm (hours on 2 loaded cores)
     python bench/bench_lora.py --out runs/lora --resume     # reuse the arms already finished in --out
 
-The last stdout line is the JSON of the comparison (also ``result.json`` in ``--out``).
+The last stdout line is the JSON of the comparison (also ``result.json`` and ``table.md`` in
+``--out``, which holds the runs and stays out of git: ``runs/`` is ignored).  ``--record TAG`` also
+writes the two summaries where docs/lora.md cites them, ``bench/results/lora/result_TAG.json`` and
+``table_TAG.md`` (the committed records; bench/results/README.md lists each one's command).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -72,6 +76,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="the seed of both arms (the SFT start's too)")
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma list from {list(ARMS)}")
     ap.add_argument("--out", default=None, help="the SFT start, one folder per arm, result.json (default: a temp dir)")
+    ap.add_argument("--record", default=None, metavar="TAG",
+                    help="also write bench/results/lora/result_TAG.json and table_TAG.md (committed summaries)")
     ap.add_argument("--resume", action="store_true", help="reuse the SFT start and the arms finished in --out")
     ap.add_argument("--quick", action="store_true", help="2 steps per arm, a tiny SFT and evaluation: the harness")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -91,6 +97,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         ap.error("--arm-steps: ARM=N, e.g. lora_adapter=5")
     if set(args.arm_steps) - set(ARMS) or any(n < 1 for n in args.arm_steps.values()):
         ap.error(f"--arm-steps: an arm of {list(ARMS)} and N >= 1")
+    if args.record is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", args.record):
+        ap.error(f"--record: a file-name tag (letters, digits, . _ -), got {args.record!r}")
     return args
 
 
@@ -260,6 +268,11 @@ def main(argv: Optional[list] = None) -> dict:
     res = build_result(arms, args, lrs, meta)
     (base / "result.json").write_text(json.dumps(res, indent=1))
     (base / "table.md").write_text(markdown(res))
+    if args.record:
+        rec = ROOT / "bench" / "results" / "lora"
+        rec.mkdir(parents=True, exist_ok=True)
+        (rec / f"result_{args.record}.json").write_text(json.dumps(res, indent=1))
+        (rec / f"table_{args.record}.md").write_text(markdown(res))
     print(markdown(res))
     print(json.dumps(res))
     return res

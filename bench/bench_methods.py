@@ -30,12 +30,12 @@ evaluation was already inside such an event (one collapse, counted once).
 ``run.json`` written when the run ended) instead of running them again, so the table can be built
 over several sessions; each run records its own date, commit and load average.  ``--light``
 deletes a finished run's weights (checkpoints, HF export, snapshots, TensorBoard) and keeps its
-records, so ``--out`` stays small enough to commit (the SFT start's HF export is kept: every later
-run starts from it):
+records (the SFT start's HF export is kept: every later run starts from it).  The last stdout line
+is the JSON of the table; ``table.json``, ``table.md`` and ``curves.png``/``curves_step.png``
+(``arl.plot``: mean and spread per method) are written into ``--table-dir`` (default: ``--out``).
+The runs stay out of git (``runs/`` is ignored); only the table is committed:
 
-    python bench/bench_methods.py --out bench/results/methods --resume --light  The last stdout
-line is the JSON of the table; ``table.json`` and ``curves.png`` (``arl.plot``: mean and spread
-per method) are written into ``--out``.
+    python bench/bench_methods.py --out runs/methods --table-dir bench/results/methods --resume --light --wall 600
 """
 from __future__ import annotations
 
@@ -379,7 +379,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the --top methods")
     ap.add_argument("--top", type=int, default=3, help="methods that get every seed")
     ap.add_argument("--wall", type=float, default=900.0, help="wall budget of one run in seconds")
-    ap.add_argument("--out", default=None, help="run directories and table.json (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="the run directories (default: a temp dir)")
+    ap.add_argument("--table-dir", default=None,
+                    help="where table.json, table.md and the curves go (default: --out); the runs stay in --out")
     ap.add_argument("--resume", action="store_true", help="read runs already finished in --out")
     ap.add_argument("--quick", action="store_true", help="2 methods, 1 rate, 1 seed, a few steps: the harness")
     ap.add_argument("--step-horizon", type=int, default=STEP_HORIZON,
@@ -412,6 +414,8 @@ def main() -> None:
     args.resume = args.resume or args.table_only
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="arl-bench-methods-"))
     base.mkdir(parents=True, exist_ok=True)
+    table_dir = Path(args.table_dir) if args.table_dir else base
+    table_dir.mkdir(parents=True, exist_ok=True)
 
     start_cfg = run_config(args.config, base / "sft_start", common)
     if args.table_only:
@@ -459,9 +463,9 @@ def main() -> None:
     from arl.plot import plot_groups
 
     groups = {m: [r["dir"] for r in runs[m]] for m in order}
-    png = plot_groups(groups, base / "curves.png", key="success/heldout", x="wall", zero=True)
+    png = plot_groups(groups, table_dir / "curves.png", key="success/heldout", x="wall", zero=True)
     png_step = plot_groups({m: g for m, g in groups.items() if METHODS[m].kind == "rl"},  # SFT steps differ
-                           base / "curves_step.png", key="success/heldout", x="step", zero=True)
+                           table_dir / "curves_step.png", key="success/heldout", x="step", zero=True)
     table = {"bench": "methods", "quick": args.quick, "config": args.config, "wall_budget_s": args.wall,
              "step_horizon": args.step_horizon,
              "lrs": lrs, "sft_lrs": sft_lrs, "seeds": seeds, "top": args.top, "date": time.strftime("%Y-%m-%d"),
@@ -472,8 +476,8 @@ def main() -> None:
              "curves": {m: [{"seed": r.get("run", {}).get("seed"), "curve": r["curve"]} for r in runs[m]]
                         for m in order}}
     table = _clean(table)
-    (base / "table.json").write_text(json.dumps(table, indent=1))
-    (base / "table.md").write_text(markdown_table(rows, grid, args.step_horizon))
+    (table_dir / "table.json").write_text(json.dumps(table, indent=1))
+    (table_dir / "table.md").write_text(markdown_table(rows, grid, args.step_horizon))
     print(json.dumps(table))
 
 

@@ -45,6 +45,9 @@ def test_parse_args_defaults_and_quick():
     for bad in ("lora_adapter", "qlora=5", "lora=0"):
         with pytest.raises(SystemExit):
             bl.parse_args(["--arm-steps", bad])
+    assert a.record is None and bl.parse_args(["--record", "15step_lr3e-4_seed1"]).record == "15step_lr3e-4_seed1"
+    with pytest.raises(SystemExit):
+        bl.parse_args(["--record", "../x"])  # a tag, not a path: the record stays in bench/results/lora
 
 
 def test_arm_steps_shortens_one_arm(tmp_path):

@@ -159,3 +159,19 @@ def test_table_only_builds_from_finished_runs(tmp_path, monkeypatch, capsys):
     assert table["rows"][0]["seeds"] == [0, 1] and table["rows"][0]["lr"] == 2e-4
     assert table["missing"] == ["ipa_chunk/lr0.0004/seed0", "grpo_token/lr0.0002/seed2"]
     assert (tmp_path / "table.md").is_file() and (tmp_path / "curves.png").is_file()
+
+
+def test_table_dir_takes_the_table_and_leaves_the_runs(tmp_path, monkeypatch, capsys):
+    """``--table-dir``: the table and its curves go there (the committed summary), the runs stay
+    in ``--out`` (an ignored folder): nothing of a run is written beside the table."""
+    runs, tables = tmp_path / "runs", tmp_path / "results"
+    d = runs / "grpo_token" / "lr0.0002" / "seed0"
+    d.mkdir(parents=True)
+    _run(d, [0.0, 0.5, 0.9])
+    monkeypatch.setattr(bm, "run_method", lambda *a, **k: pytest.fail("--table-only started a run"))
+    monkeypatch.setattr(sys, "argv", ["bench_methods.py", "--out", str(runs), "--table-dir", str(tables),
+                                      "--table-only", "--methods", "grpo_token", "--lrs", "2e-4", "--seeds", "0"])
+    bm.main()
+    capsys.readouterr()
+    assert sorted(p.name for p in tables.iterdir()) == ["curves.png", "curves_step.png", "table.json", "table.md"]
+    assert not (runs / "table.json").exists()
