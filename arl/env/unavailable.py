@@ -1,9 +1,10 @@
 """Ecosystem environment packages arl has no adapter for yet, and why: such an ``env.name`` fails with
 its one line here (at ``--dry-run``) instead of "unknown env".  Empty today.
 
-Both packages that conflict with arl's pins (checked 2026-12-05 with ``python -m pip install --dry-run
-PKG==X -c /work/venv-constraints.txt`` against this machine's package sources) now have adapters that
-run them from a venv of their own, so no install extra changes arl's packages (docs/envs.md):
+Both packages that conflict with arl's pins (checked 2026-12-05 by resolving each against arl's
+installed set: ``python -m pip freeze > pins.txt`` in arl's venv, then ``python -m pip install
+--dry-run PKG==X -c pins.txt``) now have adapters that run them from a venv of their own, so no
+install extra changes arl's packages (docs/envs.md):
 
 - ``openenv==0.10.0``: its servers run from ``.venv-openenv`` (``bash install.sh --openenv``); arl
   speaks their HTTP/WebSocket protocol (``env.name: openenv``).

@@ -107,9 +107,3 @@ def base_state_dict(model) -> dict:
     """The base weights with the adapters off (what the adapter sync serves them on), under the
     base model's Hugging Face names: the model's own tensors, no copies."""
     return {_hf_name(k): v for k, v in model.state_dict().items() if ".lora_" not in k}
-
-
-def adapter_state_dict(model) -> dict:
-    from peft.utils import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(model)
