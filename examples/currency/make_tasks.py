@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--demo-kinds", default="0", help="comma-separated KINDS indices the demonstrations show")
     # the demonstrated category has one currency pair: its demonstrations teach a constant get_rate
-    # call (docs/user_task_finding.md); these show its wording with every known pair instead
+    # call (docs/your_task.md, the currency section); these show its wording with every known pair instead
     ap.add_argument("--demos-any-pair", default="demos_any_pair.jsonl",
                     help="also write demonstrations of the same categories with any currency pair here ('' : none)")
     a = ap.parse_args(argv)
