@@ -1,0 +1,111 @@
+"""Ulysses sequence parallelism (arl/model/ulysses.py): the sharded packed forward on 2 gloo ranks
+equals the unsharded one, values and parameter gradients, with sequences split across the shard
+boundary and grouped-query heads that do and do not split over the ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from arl.model.ulysses import plan_shard
+
+
+
+def tiny_qwen(num_key_value_heads: int = 2):
+    """tests/two_rank.py's tiny Qwen2 (4 query heads) with ``num_key_value_heads`` kv heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=num_key_value_heads, intermediate_size=64, max_position_embeddings=256)
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def test_plan_shard_pads_to_equal_shards():
+    cu = torch.tensor([0, 5, 12, 13])
+    a, b = plan_shard(cu, 2, 0), plan_shard(cu, 2, 1)
+    assert (a.padded, a.local, a.start, a.real) == (14, 7, 0, 7)
+    assert (b.start, b.stop, b.real) == (7, 14, 6)
+    assert b.cu_seqlens.tolist() == [0, 5, 12, 13, 14]  # the pad token: a sequence of its own
+    assert plan_shard(torch.tensor([0, 6, 12]), 3, 2).cu_seqlens.tolist() == [0, 6, 12]
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        plan_shard(cu, 2, 2)
+
+
+def test_heads_must_split():
+    from arl.model.ulysses import check_heads
+
+    with pytest.raises(ValueError, match=r"sequence_parallel: 3 must divide the model's attention heads \(4\)"):
+        check_heads(tiny_qwen().config, 3)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    lens = [9, 23, 4, 17]  # 53 tokens: the shards (27 each) split the second sequence
+    ids = torch.randint(0, 64, (sum(lens),), generator=g)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    return ids, cu
+
+
+def _reference(kv_heads):
+    from arl.model.packed import packed_hidden_states
+
+    model = tiny_qwen(num_key_value_heads=kv_heads)
+    ids, cu = _batch()
+    h = packed_hidden_states(model, ids, cu, attn="varlen_sdpa")
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))
+    (h * w).sum().backward()
+    return h.detach(), w, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank, world, port, kv_heads, q):
+    import os
+
+    import torch.distributed as dist
+
+    from arl.model.ulysses import sp_hidden_states
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = tiny_qwen(num_key_value_heads=kv_heads)
+        ids, cu = _batch()
+        shard = plan_shard(cu, world, rank)
+        h = sp_hidden_states(model, ids, cu, shard)
+        _, w, _ = _reference(kv_heads)
+        (h[:shard.real] * w[shard.start:shard.start + shard.real]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for g in grads.values():  # each rank holds its tokens' share of the gradient
+            dist.all_reduce(g)
+        # numpy: pickled by value (a tensor would travel as a shared-memory handle that dies with this process)
+        q.put((rank, h[:shard.real].detach().numpy(), {n: g.numpy() for n, g in grads.items()} if rank == 0 else None))
+    except BaseException as e:  # the parent reads the cause instead of waiting out its timeout
+        q.put((rank, None, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 2 kv heads split over 2 ranks; 1 is expanded first
+def test_two_rank_forward_and_gradients_equal_one_rank(kv_heads):
+    from arl.procs import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, kv_heads, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (h, g)) for r, h, g in (q.get(timeout=120) for _ in procs))
+    assert all(h is not None for h, _ in got.values()), [g for _, g in got.values()]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    ref_h, _, ref_g = _reference(kv_heads)
+    torch.testing.assert_close(torch.cat([torch.from_numpy(got[0][0]), torch.from_numpy(got[1][0])]), ref_h, rtol=1e-5, atol=1e-5)
+    assert sorted(got[0][1]) == sorted(ref_g)
+    for n, g in got[0][1].items():  # the suite's fp32 gradient tolerance: atol relative to the largest entry
+        torch.testing.assert_close(torch.from_numpy(g), ref_g[n], rtol=1e-4, atol=1e-5 * float(ref_g[n].abs().max()),
+                                   msg=lambda m: f"{n}: {m}")
