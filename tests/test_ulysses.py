@@ -109,3 +109,105 @@ def test_two_rank_forward_and_gradients_equal_one_rank(kv_heads):
     for n, g in got[0][1].items():  # the suite's fp32 gradient tolerance: atol relative to the largest entry
         torch.testing.assert_close(torch.from_numpy(g), ref_g[n], rtol=1e-4, atol=1e-5 * float(ref_g[n].abs().max()),
                                    msg=lambda m: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------ the loss over a split batch
+LEVELS = [("token", "ppo_clip"), ("sequence", "ppo_clip"), ("chunk", "ppo_clip")]
+
+
+def _loss_inputs(T, cu):
+    """Chunk ids (model turns of 1-7 tokens between observations), per-sequence advantages, and old
+    logprobs a little off the current ones, all fixed by seeds."""
+    import numpy as np
+
+    from two_rank import random_chunk_ids
+
+    rng = np.random.default_rng(3)
+    bounds = cu.tolist()
+    parts, base = [], 0
+    for a, b in zip(bounds[:-1], bounds[1:]):  # chunk ids rise through the packed batch
+        c = random_chunk_ids(rng, b - a)
+        parts.append(np.where(c >= 0, c + base, -1))
+        base += int(c.max()) + 1
+    chunks = torch.from_numpy(np.concatenate(parts))
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0])
+    noise = torch.randn(T, generator=torch.Generator().manual_seed(4)) * 0.05
+    return chunks, adv, noise
+
+
+def _loss(logp, cu, level, surrogate):
+    from arl.ops.policy_loss import LossConfig, policy_loss
+
+    chunks, adv, noise = _loss_inputs(logp.shape[0], cu)
+    old = (logp.detach() + noise).masked_fill(chunks < 0, 0.0)
+    cfg = LossConfig(ratio_level=level, surrogate=surrogate, clip_high=0.28)
+    return policy_loss(logp, old, advantages=adv, cu_seqlens=cu.int(), chunk_ids=chunks.int(), config=cfg).loss
+
+
+def _loss_reference(level, surrogate):
+    from arl.model.packed import packed_logprobs
+
+    model = tiny_qwen(2)
+    ids, cu = _batch()
+    logp, _ = packed_logprobs(model, ids, cu, attn="varlen_sdpa")
+    loss = _loss(logp, cu, level, surrogate)
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _loss_worker(rank, world, port, q):
+    import os
+
+    import torch.distributed as dist
+
+    from arl.model.ulysses import sp_logprobs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for level, surrogate in LEVELS:
+            model = tiny_qwen(2)
+            ids, cu = _batch()
+            logp, _ = sp_logprobs(model, ids, cu, plan_shard(cu, world, rank))
+            loss = _loss(logp, cu, level, surrogate)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            for g in grads.values():
+                dist.all_reduce(g)
+            out[level] = (float(loss), {n: g.numpy() for n, g in grads.items()})
+        q.put((rank, out if rank == 0 else {}, None))
+    except BaseException as e:
+        q.put((rank, None, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_loss_over_a_split_batch_equals_one_rank():
+    """A chunk and a sequence straddle the boundary (the second sequence spans tokens 9-31, the
+    shards are 0-26 and 27-53): token, sequence (GSPO) and chunk (IPA) ratio levels."""
+    from arl.procs import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_loss_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {r: (out, err) for r, out, err in (q.get(timeout=180) for _ in procs)}
+    for p in procs:
+        p.join(60)
+    assert all(out is not None for out, _ in got.values()), [err for _, err in got.values()]
+    chunks, _, _ = _loss_inputs(*_batch()[0].shape, _batch()[1])
+    assert chunks[26] >= 0 and chunks[26] == chunks[27], "no chunk straddles the shard boundary"
+    for level, surrogate in LEVELS:
+        loss, grads = got[0][0][level]
+        ref_loss, ref_g = _loss_reference(level, surrogate)
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), level
+        assert sorted(grads) == sorted(ref_g)
+        for n, g in grads.items():
+            torch.testing.assert_close(torch.from_numpy(g), ref_g[n], rtol=1e-4,
+                                       atol=1e-5 * float(ref_g[n].abs().max()), msg=lambda m: f"{level} {n}: {m}")

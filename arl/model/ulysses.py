@@ -168,3 +168,45 @@ def sp_hidden_states(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, s
     with active(shard), _attention_implementation(model, ARL_ULYSSES):
         out = _base_model(model)(input_ids=ids[sl][None], position_ids=pos[sl][None], use_cache=False)
     return out.last_hidden_state[0]
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(sum) whose backward passes the gradient through: every rank of the group computes
+    the same loss from the summed vector, so each rank's own entries get that loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def sp_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, shard: SPShard, temperature: float = 1.0,
+                with_entropy: bool = False, align: str = "target", backend: str = "auto"):
+    """``packed_logprobs``' [T] logprobs (and entropies) of the WHOLE batch on every rank of the SP
+    group, each rank computing its own tokens' rows through the fused head.  The loss then sees the
+    batch whole, so chunk and sequence aggregates that straddle a shard boundary are exact, and its
+    gradient flows back to each rank's own rows only.  What crosses the wire is the [T] vectors
+    (4 bytes a token each), next to the all-to-alls' 4 x T x hidden / P per layer."""
+    from .packed import _ALIGN, _head_logprobs
+
+    if align not in _ALIGN:
+        raise ValueError(f"align: unknown {align!r}; choose from {sorted(_ALIGN)}")
+    hidden = sp_hidden_states(model, input_ids, cu_seqlens, shard)
+    T, device = shard.total, hidden.device
+    has_next = torch.ones(T, dtype=torch.bool, device=device)
+    has_next[cu_seqlens[1:].to(device).long() - 1] = False
+    mine = torch.zeros(T, dtype=torch.bool, device=device)
+    mine[shard.start:shard.start + shard.real] = True
+    src = (has_next & mine).nonzero().squeeze(1)  # global positions this rank predicts from
+    lp, ent = _head_logprobs(model, hidden.index_select(0, src - shard.start), input_ids.to(device)[src + 1],
+                             temperature=temperature, with_entropy=with_entropy, backend=backend)
+    dst = src + _ALIGN[align]
+    zeros = torch.zeros(T, dtype=lp.dtype, device=device)
+    logp = _SumOverGroup.apply(zeros.index_copy(0, dst, lp), shard.group)
+    entropy = _SumOverGroup.apply(zeros.index_copy(0, dst, ent), shard.group) if with_entropy else None
+    return logp, entropy
