@@ -150,7 +150,45 @@ def plan(cfg: TrainConfig) -> Plan:
     resident = _trainer_estimate(pl, cfg, a, P)
     if cfg.layout.device == "cuda":
         _check_gpu_budget(pl, cfg, P, resident)
+    pl.notes.extend(_sequence_parallel_lines(pl, cfg, a))
     return pl
+
+
+SP_SIZES = (1, 2, 4, 8)
+_WHOLE_VECTORS = 6  # [T] fp32 vectors each SP rank holds whole: logp, old, rollout, ref, entropy, chunk ids
+
+
+def _sequence_parallel_lines(pl: Plan, cfg: TrainConfig, a: ArchConfig) -> list:
+    """Ulysses sequence parallelism (arl/model/ulysses.py) per SP size: the activations of one micro-batch
+    on each rank (its T/SP tokens) and, on a GPU, the longest trajectory whose micro-batch fits next to
+    the rank's state (weights, optimizer, head block), which does not shrink with SP."""
+    tb = pl.trainer_bytes
+    T, wbytes = cfg.trainer.micro_batch_tokens, 4 if cfg.model.dtype == "float32" else 2
+    act_tok = tb["activations (micro-batch)"] / T  # bytes a token's activations take on its rank
+    fixed = tb["total (fused)"] - tb["activations (micro-batch)"] - tb["logits (fused op)"]
+    budget = cfg.layout.gpu_memory_gib * GiB if cfg.layout.device == "cuda" else None
+    world = cfg.trainer.world_size
+    lines = [f"sequence parallel (Ulysses; heads {a.heads}, kv heads {a.kv_heads}, {world} trainer ranks), "
+             f"per rank at micro_batch_tokens {T}:"]
+    for sp in SP_SIZES:
+        if a.heads % sp:
+            lines.append(f"  SP={sp}  not possible: {a.heads} attention heads do not split over {sp} ranks")
+            continue
+        act = act_tok * T / sp
+        line = f"  SP={sp}  activations {act / GiB:6.2f} GiB"
+        if budget is not None:
+            per_tok = (act_tok + 12) / sp + 4 * _WHOLE_VECTORS  # its share of the activations and head rows
+            longest = max(0, int((budget - fixed) / per_tok))
+            line += f"  longest trajectory on one {cfg.layout.gpu_memory_gib:g} GiB GPU ~{longest / 1000:.0f}k tokens"
+        notes = []
+        if world % sp:
+            notes.append(f"needs a multiple of {sp} trainer ranks")
+        else:
+            notes.append(f"data parallel {world // sp}")
+        if sp > 1 and a.kv_heads % sp:
+            notes.append(f"kv heads expanded to {a.heads} before the all-to-all")
+        lines.append(line + "  (" + "; ".join(notes) + ")")
+    return lines
 
 
 def _share_prefix_line(cfg: TrainConfig) -> str:

@@ -22,6 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .packed import (_ALIGN, _attention_implementation, _base_model, _check_cu_seqlens, _head_logprobs,
+                     _varlen_sdpa_attention, position_ids_from_cu_seqlens)
+
 ARL_ULYSSES = "arl_ulysses"  # name under which the SP attention is registered in transformers
 
 
@@ -115,8 +118,6 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, s
                        **kwargs):
     """transformers attention function: query [1, heads, T/P, D], key/value [1, kv_heads, T/P, D] of
     this rank's tokens -> ([1, T/P, heads, D], None), attention over whole sequences."""
-    from .packed import _varlen_sdpa_attention
-
     if not _ACTIVE:
         raise RuntimeError("arl_ulysses: attention called outside a sequence-parallel forward")
     shard = _ACTIVE[-1]
@@ -154,8 +155,6 @@ def sp_hidden_states(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, s
     """This rank's final hidden states [T/P, H] of the packed batch ``input_ids`` [T] (every rank of
     the group passes the whole batch: token ids are small next to the activations).  Rows past
     ``shard.real`` are padding."""
-    from .packed import _attention_implementation, _base_model, _check_cu_seqlens, position_ids_from_cu_seqlens
-
     _check_cu_seqlens(input_ids, cu_seqlens)
     check_heads(model.config, shard.size)
     register_with_transformers()
@@ -192,8 +191,6 @@ def sp_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, shard:
     batch whole, so chunk and sequence aggregates that straddle a shard boundary are exact, and its
     gradient flows back to each rank's own rows only.  What crosses the wire is the [T] vectors
     (4 bytes a token each), next to the all-to-alls' 4 x T x hidden / P per layer."""
-    from .packed import _ALIGN, _head_logprobs
-
     if align not in _ALIGN:
         raise ValueError(f"align: unknown {align!r}; choose from {sorted(_ALIGN)}")
     hidden = sp_hidden_states(model, input_ids, cu_seqlens, shard)
