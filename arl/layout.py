@@ -163,8 +163,8 @@ def _sequence_parallel_lines(pl: Plan, cfg: TrainConfig, a: ArchConfig) -> list:
     on each rank (its T/SP tokens) and, on a GPU, the longest trajectory whose micro-batch fits next to
     the rank's state (weights, optimizer, head block), which does not shrink with SP."""
     tb = pl.trainer_bytes
-    T, wbytes = cfg.trainer.micro_batch_tokens, 4 if cfg.model.dtype == "float32" else 2
-    act_tok = tb["activations (micro-batch)"] / T  # bytes a token's activations take on its rank
+    T = cfg.trainer.micro_batch_tokens
+    act_tok = tb["activations (micro-batch)"] / (T // cfg.trainer.sequence_parallel)  # bytes a token takes on its rank
     fixed = tb["total (fused)"] - tb["activations (micro-batch)"] - tb["logits (fused op)"]
     budget = cfg.layout.gpu_memory_gib * GiB if cfg.layout.device == "cuda" else None
     world = cfg.trainer.world_size
@@ -180,7 +180,7 @@ def _sequence_parallel_lines(pl: Plan, cfg: TrainConfig, a: ArchConfig) -> list:
             per_tok = (act_tok + 12) / sp + 4 * _WHOLE_VECTORS  # its share of the activations and head rows
             longest = max(0, int((budget - fixed) / per_tok))
             line += f"  longest trajectory on one {cfg.layout.gpu_memory_gib:g} GiB GPU ~{longest / 1000:.0f}k tokens"
-        notes = []
+        notes = ["configured"] if sp == cfg.trainer.sequence_parallel else []
         if world % sp:
             notes.append(f"needs a multiple of {sp} trainer ranks")
         else:
@@ -238,7 +238,8 @@ def _trainer_estimate(pl: Plan, cfg: TrainConfig, a: ArchConfig, P: int) -> floa
     per_param = {0: 16.0, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[stage]
     if wbytes == 4:  # pure fp32 training: weights 4 + grads 4 + Adam m, v 8
         per_param = {0: 16.0, 1: 8 + 8 / dp, 2: 4 + 12 / dp, 3: 16 / dp}[stage]
-    T, H, L = cfg.trainer.micro_batch_tokens, a.hidden, a.layers
+    # a rank holds 1/SP of a micro-batch's tokens (trainer.sequence_parallel)
+    T, H, L = cfg.trainer.micro_batch_tokens // cfg.trainer.sequence_parallel, a.hidden, a.layers
     act = (2 * T * H * L + 34 * T * H) if cfg.model.gradient_checkpointing else 34 * T * H * L
     lora = cfg.model.lora
     off = cfg.trainer.offload

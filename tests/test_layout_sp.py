@@ -32,3 +32,18 @@ def test_cpu_plan_has_no_gpu_budget_and_names_uneven_splits():
     head, *rows = _sp_lines("tiny_cpu.yaml")
     assert all("longest" not in r for r in rows)
     assert "needs a multiple of 4 trainer ranks; kv heads expanded to 4" in rows[2]
+
+
+def test_config_refuses_what_has_no_sp_path():
+    import pytest
+
+    from arl.config import ConfigError
+
+    cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
+    for overrides, why in [(["trainer.sequence_parallel=3"], "3 must divide trainer.world_size \\(2\\)"),
+                           (["trainer.sequence_parallel=2", "trainer.share_prefix=true"], "share_prefix: true"),
+                           (["trainer.sequence_parallel=2", "algo.advantage=gae"], "critic")]:
+        with pytest.raises(ConfigError, match=f"trainer.sequence_parallel: .*{why}"):
+            load_config(cfg, overrides)
+    on = load_config(cfg, ["trainer.sequence_parallel=2"])
+    assert not on.shares_prefix()  # auto resolves off beside SP: no tree path there

@@ -11,6 +11,7 @@ from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
 from .log_config import WANDB_PIN, LoggingConfig, WandbConfig  # noqa: F401 (re-exported)
+from .parallel import check_sequence_parallel
 from .ray import LAUNCHER_DESCRIPTION, LauncherName, RayConfig, check_ray
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
 
@@ -261,6 +262,9 @@ class TrainerConfig(Section):
         "auto", description="Compute each token prefix shared within a micro-batch (a group's prompt, the system + "
         "tools block) once; same loss and gradients (docs/share_prefix.md). true needs attn auto or varlen_sdpa; auto: "
         "on for the CPU layout with those (measured faster there), off on GPU until measured there.")
+    sequence_parallel: int = Field(
+        1, ge=1, description="Ranks splitting each micro-batch (micro_batch_tokens) along the sequence, Ulysses "
+        "(arl/model/ulysses.py); data parallel = world_size / this; divides the heads. Not with share_prefix or a critic.")
     deterministic: bool = Field(
         False, description="Reproducible runs: deterministic torch algorithms and batches generated in task order.")
     cpu_threads: Optional[int] = Field(
@@ -326,8 +330,7 @@ class TrainConfig(Section):
         "runs/default", description="Directory of the run's metrics, checkpoints and final HF export (hf/).")
     model: ModelConfig = Field(ModelConfig(), description="The policy model: which one, its dtype and attention.")
     env: EnvConfig = Field(EnvConfig(), description="The environment, its tasks and reward, and evaluation.")
-    rollout: RolloutConfig = Field(
-        RolloutConfig(), description="Generation: vLLM engines, sampling, batch shape, faults.")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="Generation: vLLM engines, sampling, batch shape, faults.")
     trainer: TrainerConfig = Field(
         TrainerConfig(), description="The DeepSpeed trainer ranks: steps, batches, optimizer, checkpoints.")
     algo: AlgoConfig = Field(AlgoConfig(), description="Which advantage estimator and trainer objective the run uses.")
@@ -335,8 +338,7 @@ class TrainConfig(Section):
                              "aggregation, KL and entropy.")
     sft: SFTConfig = Field(SFTConfig(), description="The SFT warm start on demonstrations before RL.")
     layout: LayoutConfig = Field(LayoutConfig(), description="Where the processes run: CPU, or GPUs per node.")
-    logging: LoggingConfig = Field(
-        LoggingConfig(), description="Metrics outputs: JSONL, TensorBoard, progress bar, W&B.")
+    logging: LoggingConfig = Field(LoggingConfig(), description="Metrics outputs: JSONL, TensorBoard, progress bar, W&B.")
     stabilizers: StabilizerConfig = Field(
         StabilizerConfig(), description="Stabilizers, each off by default but the stall guard.")
     critic: CriticConfig = Field(
@@ -418,6 +420,7 @@ class TrainConfig(Section):
         if self.trainer.share_prefix is True and self.model.attn_implementation not in SHARE_PREFIX_ATTN:
             raise ValueError(f"trainer.share_prefix: needs model.attn_implementation auto or varlen_sdpa, got "
                              f"{self.model.attn_implementation}")
+        check_sequence_parallel(self)
         if self.rollout.max_total_tokens > self.trainer.micro_batch_tokens:
             raise ValueError(
                 f"rollout.max_total_tokens = {self.rollout.max_total_tokens} exceeds trainer.micro_batch_tokens = "
@@ -429,8 +432,9 @@ class TrainConfig(Section):
         shared-prefix path (1.28x the main job's step, 1.81x the SmolLM2 example's: docs/share_prefix.md),
         off on GPU, where its step time has not been measured yet."""
         sp = self.trainer.share_prefix
-        if sp == "auto":
-            return self.layout.device == "cpu" and self.model.attn_implementation in SHARE_PREFIX_ATTN
+        if sp == "auto":  # (off beside sequence parallelism: no tree path there)
+            return (self.layout.device == "cpu" and self.model.attn_implementation in SHARE_PREFIX_ATTN
+                    and self.trainer.sequence_parallel == 1)
         return bool(sp)
 
     def launcher_used(self) -> str:

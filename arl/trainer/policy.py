@@ -29,6 +29,7 @@ from .dist import all_max_int, all_sum, any_rank, rank, world_size
 from .engine import deepspeed_config, lr_lambda, make_engine, make_optimizer  # noqa: F401 (re-exported)
 from .objectives import Forward, LossOut, make_objective
 from .park import Parking
+from .seqpar import SequenceParallel
 
 
 # config keys whose positive value makes a model's train-mode forward random (HF names: dropout,
@@ -59,7 +60,8 @@ class PolicyTrainer:
                  dtype: torch.dtype = torch.float32, loss_backend: str = "auto", temperature: float = 1.0,
                  ref_model: Optional[torch.nn.Module] = None, attn: str = "auto", objective: str = "policy_gradient",
                  critic: Optional[CriticConfig] = None, head_grad_in_forward: bool = True,
-                 offload: Optional[OffloadConfig] = None, park_while_generating: bool = False):
+                 offload: Optional[OffloadConfig] = None, park_while_generating: bool = False,
+                 sequence_parallel: int = 1):
         from deepspeed.accelerator import get_accelerator
 
         # where DeepSpeed puts the module (cuda:LOCAL_RANK on GPU nodes; the model arrives on CPU)
@@ -84,6 +86,7 @@ class PolicyTrainer:
         self.optimizer = self.engine.optimizer
         self.objective.build(build, self.device, attn)  # a separate critic's own engine (arl/trainer/critic_model.py)
         self.world = world_size()
+        self.sp = SequenceParallel(sequence_parallel, getattr(model, "config", None))  # arl/trainer/seqpar.py
         self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
         self.last_old_logps: list = []  # the old logprobs the last rl_step trained against
         if zero_stage == 0 and dtype == torch.float32:
@@ -158,6 +161,8 @@ class PolicyTrainer:
                  head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
+        if self.sp.on:  # the config refuses what SP does not cover (shared prefixes, the critic's hidden states)
+            return self.sp.logprobs(hf_model(model), mb, self.device, self.temperature, with_entropy)
         return micro_batch_logprobs(hf_model(model), mb, self.device, temperature=self.temperature,  # share_prefix
                                     with_entropy=with_entropy, attn=self.attn, return_hidden=return_hidden,
                                     head_grad=head_grad)
@@ -231,7 +236,8 @@ class PolicyTrainer:
                 g["lr"] = 0.0
             self.engine.step()
         gn = self.engine.get_global_grad_norm()
-        out = {k: float(sum(v) if k in COUNT_METRICS else sum(v) / len(v)) for k, v in metrics.items() if v}
+        # counts are summed over the ranks when logged: a sequence-parallel group's ranks share each count
+        out = {k: float(sum(v) / self.sp.size if k in COUNT_METRICS else sum(v) / len(v)) for k, v in metrics.items() if v}
         out["grad_norm"] = float(gn) if gn is not None else float("nan")
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         return out
@@ -280,7 +286,7 @@ class PolicyTrainer:
         """``(Forward, whether the head's gradient was produced in forward)`` of micro-batch ``i``."""
         ref = ref_logps[i].to(self.device) if ref_logps is not None and ref_logps[i] is not None else None
         plan = None
-        if old_logps is None and self.head_grad_in_forward:  # the loss's gradient is local to each token
+        if old_logps is None and self.head_grad_in_forward and not self.sp.on:  # the loss's gradient is local
             plan = self.objective.head_grad(mb, loss_cfg, ref, float(self.world), self.device)
         logp, ent, *hidden = self.logprobs(mb, with_entropy=True, return_hidden=self.objective.needs_hidden,
                                            head_grad=plan)
@@ -292,8 +298,8 @@ class PolicyTrainer:
 
     def _record(self, metrics, parts, mb: MicroBatch, fwd: Forward, out: LossOut, n_mbs: int, threshold) -> None:
         # the step's loss is the sum of every micro-batch's over every rank: averaged over this rank's
-        # micro-batches here and over the ranks when logged, hence the two factors
-        metrics["loss"].append(float(out.loss.detach()) * n_mbs * self.world)
+        # micro-batches here and over the replicas when logged, hence the two factors
+        metrics["loss"].append(float(out.loss.detach()) * n_mbs * self.sp.dp)
         for k, v in out.metrics.items():
             metrics[k].append(float(v))
         if fwd.entropy is not None:

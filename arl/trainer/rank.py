@@ -185,7 +185,8 @@ class TrainerRank:
                                 temperature=cfg.rollout.temperature, ref_model=ref, attn=cfg.model.attn_implementation,
                                 objective=cfg.algo.objective_name(cfg.stabilizers.ipa.enabled), critic=cfg.critic,
                                 head_grad_in_forward=cfg.trainer.head_grad_in_forward, offload=cfg.trainer.offload,
-                                park_while_generating=cfg.trainer.offload.while_generating)
+                                park_while_generating=cfg.trainer.offload.while_generating,
+                                sequence_parallel=cfg.trainer.sequence_parallel)
         if rank == 0:
             self.stab = Stabilizers(cfg.stabilizers, cfg.loss, decode=self.tokenizer.decode, algo=cfg.algo)
         if resume_step is not None:
@@ -291,11 +292,12 @@ class TrainerRank:
             batch = self.link.next_batch()
             loss_cfg = self.stab.loss_config(step, self.success)
             prep = self.stab.prepare(batch.trainable(), loss_cfg)
-            packer = PackerConfig(token_budget=self.cfg.trainer.micro_batch_tokens, num_ranks=self.world,
+            # one plan per data-parallel replica: a sequence-parallel group shares its micro-batches
+            packer = PackerConfig(token_budget=self.cfg.trainer.micro_batch_tokens, num_ranks=self.tr.sp.dp,
                                   seed=self.cfg.seed + step, share_prefix=self.cfg.shares_prefix())
             packed = pack_step(prep.trajectories, packer, loss_cfg, advantages=prep.advantages)
             self.stab.apply(packed, prep, loss_cfg)  # turn credit segments, IPA loss roles
-            parts = packed.ranks
+            parts = self.tr.sp.replica_parts(packed.ranks)
             extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(batch.trajectories)}
             if packer.share_prefix:  # what was shared; a one-line reason when a group fell back
                 extra.update(log_share(packed, packer.min_shared, step + 1))
