@@ -61,11 +61,12 @@ def _step(model, T: int, shard):
     from arl.model.ulysses import sp_logprobs
     from arl.ops.policy_loss import LossConfig, policy_loss
 
-    ids, cu, chunks, noise = _batch(T)
+    dev = next(model.parameters()).device
+    ids, cu, chunks, noise = (x.to(dev) for x in _batch(T))
     model.zero_grad(set_to_none=True)
     logp, _ = sp_logprobs(model, ids, cu, shard)
     old = (logp.detach() + noise).masked_fill(chunks < 0, 0.0)
-    out = policy_loss(logp, old, advantages=torch.tensor([1.0]), cu_seqlens=cu.int(), chunk_ids=chunks.int(),
+    out = policy_loss(logp, old, advantages=torch.tensor([1.0], device=dev), cu_seqlens=cu.int(), chunk_ids=chunks.int(),
                       config=LossConfig(ratio_level="token", clip_high=0.28))
     out.loss.backward()
     return None
@@ -78,15 +79,18 @@ def _worker(rank, world, port, args, lengths, q):
     from bench_logprob import peak_bytes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, args.threads // world))
     try:
-        model = _model(args.layers, args.hidden)
+        model = _model(args.layers, args.hidden).to(args.device if not cuda else f"cuda:{rank}")
         out = {}
         for T in lengths:
             shard = plan_shard(torch.tensor([0, T]), world, rank)
             _step(model, T, shard)  # warm-up
-            peak, _, _ = peak_bytes(lambda: _step(model, T, shard))
+            peak, _, _ = peak_bytes(lambda: _step(model, T, shard), next(model.parameters()).device)
             times = []
             for _ in range(args.reps if T == args.tokens else 0):
                 dist.barrier()
@@ -104,6 +108,9 @@ def _worker(rank, world, port, args, lengths, q):
 
 
 def run(world: int, args, lengths) -> dict:
+    if args.device == "cuda" and torch.cuda.device_count() < world:
+        raise SystemExit(f"bench_sequence_parallel: SP={world} on cuda needs {world} GPUs, "
+                         f"this machine has {torch.cuda.device_count()}")
     """{T: {"peak_mb": the largest rank's, "step_s"}} over ``world`` ranks."""
     from arl.procs import free_port
 
@@ -134,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed steps (median; default 3, quick 1)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads shared by the ranks")
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: one GPU per rank over NCCL (SP=2 needs two GPUs)")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (4096 if args.quick else 16384)
     args.reps = args.reps or (1 if args.quick else 3)

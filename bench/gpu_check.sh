@@ -104,6 +104,9 @@ stage bench_logprob 80 python3 bench/bench_logprob.py --dtype bfloat16
 # its auto default stays off on GPU until this has measured it (docs/share_prefix.md)
 stage bench_share_prefix 120 python3 bench/bench_trainer.py --shapes calc --reps 3
 stage bench_policy_loss 240 python3 bench/bench_policy_loss.py
+if [ "$(nvidia-smi -L 2> /dev/null | wc -l)" -ge 2 ]; then  # Ulysses all-to-alls over NCCL need two GPUs
+  stage bench_sequence_parallel 120 python3 bench/bench_sequence_parallel.py --quick --device cuda
+fi
 # where the time of one fused fwd+bwd at 1M tokens goes: kernels vs host-side work
 stage profile 60 python3 - <<'PY'
 import sys, torch
