@@ -47,7 +47,7 @@ def _batch():
     return ids, cu
 
 
-def _reference(kv_heads):
+def _reference(kv_heads, ckpt=False):
     from arl.model.packed import packed_hidden_states
 
     model = tiny_qwen(num_key_value_heads=kv_heads)
@@ -58,7 +58,7 @@ def _reference(kv_heads):
     return h.detach(), w, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank, world, port, kv_heads, q):
+def _worker(rank, world, port, kv_heads, q, ckpt=False):
     import os
 
     import torch.distributed as dist
@@ -70,6 +70,9 @@ def _worker(rank, world, port, kv_heads, q):
     torch.set_num_threads(1)
     try:
         model = tiny_qwen(num_key_value_heads=kv_heads)
+        if ckpt:  # the layers' forward runs again in backward, all-to-alls included
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         ids, cu = _batch()
         shard = plan_shard(cu, world, rank)
         h = sp_hidden_states(model, ids, cu, shard)
@@ -88,14 +91,14 @@ def _worker(rank, world, port, kv_heads, q):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads", [2, 1])  # 2 kv heads split over 2 ranks; 1 is expanded first
-def test_two_rank_forward_and_gradients_equal_one_rank(kv_heads):
+@pytest.mark.parametrize("kv_heads,ckpt", [(2, False), (1, False), (2, True)])  # 1 kv head: expanded first
+def test_two_rank_forward_and_gradients_equal_one_rank(kv_heads, ckpt):
     from arl.procs import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, kv_heads, q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, kv_heads, q, ckpt)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict((r, (h, g)) for r, h, g in (q.get(timeout=120) for _ in procs))

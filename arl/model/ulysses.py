@@ -106,12 +106,17 @@ _ACTIVE: list = []  # the shard of the forward in progress (a stack: one per nes
 
 
 @contextlib.contextmanager
-def active(shard: SPShard):
+def active(shard: SPShard, keep: bool = False):
+    """The shard the attention reads.  ``keep``: left in place after the forward, for gradient
+    checkpointing's recomputation in backward (as the attention implementation is, packed.py); the
+    next forward replaces it."""
     _ACTIVE.append(shard)
     try:
         yield
     finally:
         _ACTIVE.pop()
+        if keep:
+            _ACTIVE[:] = [shard]
 
 
 def _ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -164,7 +169,8 @@ def sp_hidden_states(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, s
     ids[:shard.total] = input_ids.long()
     pos = position_ids_from_cu_seqlens(cu, shard.padded)
     sl = slice(shard.start, shard.stop)
-    with active(shard), _attention_implementation(model, ARL_ULYSSES):
+    keep = getattr(model, "is_gradient_checkpointing", False) and model.training and torch.is_grad_enabled()
+    with active(shard, keep), _attention_implementation(model, ARL_ULYSSES):
         out = _base_model(model)(input_ids=ids[sl][None], position_ids=pos[sl][None], use_cache=False)
     return out.last_hidden_state[0]
 
