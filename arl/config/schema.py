@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..ops.policy_loss.api import not_covered
 from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
@@ -250,8 +251,8 @@ class TrainerConfig(Section):
         False, description="Keep a frozen copy of the starting policy for KL; needed by loss.kl_beta > 0 and "
         "stabilizers.kl.")
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = Field(
-        "auto", description="Policy-loss kernel: auto = CUDA op, else Triton on GPU; the C++ op on CPU; reference "
-        "(torch) as the last resort.")
+        "auto", description="Policy-loss kernel: auto = the fastest that covers the loss options (CUDA op, else Triton "
+        "on GPU; the C++ op on CPU), else reference (torch, every registered loss); --dry-run says which.")
     # at V=151936 the grad-in-forward head's extra peak with the entropy is 14.3% of naive's and its
     # step 0.85x the naive head's (the recompute head: 1.05x; quiet CPU, README)
     head_grad_in_forward: bool = Field(
@@ -371,6 +372,9 @@ class TrainConfig(Section):
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         check_turn_credit_loss(self.stabilizers, self.loss)
+        if self.trainer.backend != "auto" and (gap := not_covered(self.trainer.backend, self.loss)) is not None:
+            raise ValueError(f"trainer.backend: {self.trainer.backend!r} does not run loss.{gap}; "
+                             "use auto (the torch reference where no kernel covers the loss) or reference")
         check_algo(self.algo, self.critic, self.stabilizers, self.loss)
         check_ray(self)
         if self.critic.model == "separate" and self.model.lora is not None:
