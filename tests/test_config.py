@@ -102,6 +102,17 @@ def test_a_loss_without_a_kernel_runs_on_the_reference_and_the_dry_run_says_so(m
         assert "loss: ppo_clip: cpu (the fastest cpu kernel covering the loss options)" in capsys.readouterr().out
 
 
+def test_the_cispo_main_job_is_the_main_job_with_cispo_on_the_reference(capsys):
+    path = os.path.join(ROOT, "configs", "tiny_cpu_cispo.yaml")
+    assert main(["--config", path, "--dry-run"]) == 0
+    assert "loss: cispo has no fused backend" in capsys.readouterr().out
+    got, main_job = load_config(path).model_dump(), load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")).model_dump()
+    assert got["loss"] == {**main_job["loss"], "surrogate": "cispo"}
+    for d in (got, main_job):
+        del d["loss"], d["output_dir"], d["trainer"]["steps"], d["trainer"]["max_wall_s"]
+    assert got == main_job
+
+
 def test_bad_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: [unclosed\n")

@@ -30,7 +30,8 @@ class LossConfig(OneLineErrors):
     # surrogates and KL estimators are registries (registry.py), checked by name below, not Literals
     surrogate: str = Field(
         "ppo_clip", description="A registered surrogate (spec.py): ppo_clip, the clipped PPO surrogate; topr: "
-        "positive advantages untruncated, negative ones weighted by sg(clamp(ratio, 0, 1)).")
+        "positive advantages untruncated, negative ones weighted by sg(clamp(ratio, 0, 1)); cispo: every token's "
+        "log-prob weighted by sg(clip(ratio)) (MiniMax-M1; no kernel: the torch reference).")
     clip_low: float = Field(0.2, description="Lower clip: ratios below 1 - clip_low are clipped; in [0, 1).")
     clip_high: float = Field(
         0.2, description="Upper clip: ratios above 1 + clip_high are clipped; DAPO's clip-higher raises it to 0.28.")

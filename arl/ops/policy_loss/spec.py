@@ -28,6 +28,8 @@ Surrogate pg_t (a registered torch function of (A, r, logp, cfg); ``register_sur
   ppo_clip: pg1 = -A r, pg2 = -A clip(r, 1-clip_low, 1+clip_high); pg = pg2 if pg2 > pg1 else pg1;
             dual_clip c: if A < 0 and pg > -c A then pg = -c A.
   topr:     pg = -A * v * logp_t with v = 1 if A >= 0 else sg(min(r, 1)).
+  cispo:    pg = -sg(clip(r, 1-clip_low, 1+clip_high)) * A * logp_t (MiniMax-M1): the weight is
+            clipped, never the gradient, so every token keeps one; clipped = r outside the range.
 
 Token loss l_t = w_t pg_t + kl_beta * kl_t - entropy_coef * H_t, kl from ref_logp (a registered
   torch function of (logp, ref, cfg); ``register_kl_estimator``):
@@ -175,6 +177,12 @@ def _ppo_clip(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossCon
 def _topr(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
     v = torch.where(A >= 0, torch.ones_like(r), r.detach().clamp_max(1.0))
     return -A * v * logp, (A < 0) & (r > 1), torch.zeros_like(logp, dtype=torch.bool)
+
+
+@register_surrogate("cispo")
+def _cispo(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
+    v = r.detach().clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    return -v * A * logp, v != r.detach(), torch.zeros_like(logp, dtype=torch.bool)
 
 
 register_kl_estimator("k1")(lambda logp, ref, cfg: logp - ref)
