@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
     # what the run starts from (skipped dataset rows included)
-    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg)]), flush=True)
+    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg), loss_line(cfg)]), flush=True)
     if cfg.launcher_used() == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
         try:
             run_dir = launch_ray(cfg, resume=args.resume)
