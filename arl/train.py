@@ -29,6 +29,7 @@ from .launch import launch
 from .layout import plan
 from .prepare import preflight
 from .model.resolve import arch_mismatches, resolve_model
+from .ops.policy_loss.api import choose_backend
 from .procs import RunFailed
 from .rollout.engine_args import render_engine_args
 from .rollout.worker import engine_args
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
             return 2
         print(f"config OK: {args.config or '<built-in default>'}")
         print(launcher_line(cfg))
+        print(loss_line(cfg))
         print(model_line)
         print("\n".join(checks))
         print(layout.render())
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
     # what the run starts from (skipped dataset rows included)
-    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg)]), flush=True)
+    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg), loss_line(cfg)]), flush=True)
     if cfg.launcher_used() == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
         try:
             run_dir = launch_ray(cfg, resume=args.resume)
@@ -126,6 +128,15 @@ def main(argv=None) -> int:
             return 1
     print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
     return 0
+
+
+def loss_line(cfg) -> str:
+    """Which policy-loss backend the trainer runs (``trainer.backend``; auto: chosen for the
+    layout's device on this machine), and why."""
+    if cfg.trainer.backend != "auto":
+        return f"loss: {cfg.loss.surrogate}: {cfg.trainer.backend} (trainer.backend)"
+    name, why = choose_backend(cfg.loss, cfg.layout.device)
+    return f"loss: {why}" if name == "reference" else f"loss: {cfg.loss.surrogate}: {name} ({why})"
 
 
 def launcher_line(cfg) -> str:

@@ -8,6 +8,7 @@ import torch
 
 from arl import LossConfig
 from arl.algo.advantages import group_advantages
+from arl.ops.policy_loss.spec import KL_ESTIMATORS, SURROGATES
 
 ADV_EPS = 1e-6  # the estimators' eps (algo.advantage's default)
 
@@ -121,6 +122,28 @@ def config_id(d: dict) -> str:
 
 CONFIGS = [LossConfig(**d) for d in config_grid()]
 CONFIG_IDS = [config_id(d) for d in config_grid()]
+
+
+def registry_grid():
+    """The grid's rows for the registered surrogates and KL estimators it does not name (a loss
+    written as one torch function): every ratio level x aggregation, and a KL row per level, in
+    registration order.  Kept apart from ``config_grid`` so its indices stay put."""
+    out = []
+    for sur in (s for s in SURROGATES if s not in ("ppo_clip", "topr")):
+        for level, agg in itertools.product(("token", "sequence", "chunk"), (
+                "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")):
+            out.append(dict(ratio_level=level, surrogate=sur, loss_agg=agg))
+        out.append(dict(ratio_level="chunk", surrogate=sur, gamma=0.95, mismatch_level="chunk", mismatch_high=5.0,
+                        kl_beta=0.1, entropy_coef=0.01, clip_high=0.28))
+    for est in (k for k in KL_ESTIMATORS if k not in ("k1", "k2", "k3")):
+        for level in ("token", "sequence", "chunk"):
+            out.append(dict(ratio_level=level, kl_beta=0.1, kl_estimator=est))
+    return out
+
+
+# every registered option: the conformance suite runs each backend on the ones it declares
+ALL_CONFIGS = CONFIGS + [LossConfig(**d) for d in registry_grid()]
+ALL_CONFIG_IDS = CONFIG_IDS + [config_id(d) for d in registry_grid()]
 
 
 UNTRAINED_INSIDE_D = (0.1, -0.05, 3.0, 0.04, 0.3, 0.0, 0.2, -0.1)  # logp - old_logp per token

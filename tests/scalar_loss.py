@@ -124,6 +124,11 @@ def scalar_policy_loss(logp, old, adv, cu, chunk, cfg, rollout=None, ref=None, e
             dpg = dpg if lr_active else 0.0
             for u in seg:  # lr is the mean over the segment
                 grad[u] += scale * w * dpg / len(seg)
+        elif cfg.surrogate == "cispo":  # the clipped ratio is a constant weight: every token keeps its gradient
+            v = min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
+            pg = -v * a * logp[t]
+            grad[t] += scale * w * (-v * a)
+            clipped, dual = v != r, False
         else:
             v = 1.0 if a >= 0 else min(r, 1.0)
             pg = -a * v * logp[t]

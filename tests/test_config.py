@@ -62,6 +62,8 @@ def test_dry_run_from_the_command_line():
     (["trainer.zero_stage=5"], "trainer.zero_stage: Input should be 0, 1, 2 or 3"),
     (["loss.ratio_level=turn"], "loss.ratio_level: Input should be 'token', 'sequence' or 'chunk'"),
     (["loss.clip_low=1.5"], "loss.clip_low: 1.5 must be in [0, 1)"),
+    (["loss.surrogate=ppo"], "loss.surrogate: unknown 'ppo'; registered: "),
+    (["loss.kl_estimator=k4"], "loss.kl_estimator: unknown 'k4'; registered: k1, k2, k3"),
     (["loss.clip_hi=0.3"], "loss.clip_hi: unknown key (allowed: agg_constant,"),
     (["rollout.group_size=0"], "rollout.group_size: Input should be greater than or equal to 1"),
     (["loss.kl_beta=0.1"], "loss.kl_beta > 0 needs trainer.reference_model: true"),
@@ -78,6 +80,37 @@ def test_bad_configs_fail_with_one_line(overrides, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert msg in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_loss_without_a_kernel_runs_on_the_reference_and_the_dry_run_says_so(monkeypatch, capsys):
+    """A surrogate registered as one torch function (here ppo_clip under another name, no kernel):
+    auto takes the reference, an explicit kernel is a one-line config error."""
+    from arl.ops.policy_loss import available_backends, spec
+
+    monkeypatch.setitem(spec.SURROGATES, "ppo_mirror", spec.SURROGATES["ppo_clip"])
+    cpu = "cpu" in available_backends()  # the C++ op built here
+    assert main(["--dry-run", "loss.surrogate=ppo_mirror"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("loss:"))
+    assert line == ("loss: ppo_mirror has no fused backend (cpu does not cover surrogate 'ppo_mirror'): torch reference"
+                    if cpu else "loss: cpu not available here: torch reference")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["loss.surrogate=ppo_mirror", "trainer.backend=cpu"])
+    assert str(e.value).endswith("trainer.backend: 'cpu' does not run loss.surrogate 'ppo_mirror'; use auto (the "
+                                 "torch reference where no kernel covers the loss) or reference")
+    if cpu:
+        assert main(["--dry-run"]) == 0
+        assert "loss: ppo_clip: cpu (the fastest cpu kernel covering the loss options)" in capsys.readouterr().out
+
+
+def test_the_cispo_main_job_is_the_main_job_with_cispo_on_the_reference(capsys):
+    path = os.path.join(ROOT, "configs", "tiny_cpu_cispo.yaml")
+    assert main(["--config", path, "--dry-run"]) == 0
+    assert "loss: cispo has no fused backend" in capsys.readouterr().out
+    got, main_job = load_config(path).model_dump(), load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")).model_dump()
+    assert got["loss"] == {**main_job["loss"], "surrogate": "cispo"}
+    for d in (got, main_job):
+        del d["loss"], d["output_dir"], d["trainer"]["steps"], d["trainer"]["max_wall_s"]
+    assert got == main_job
 
 
 def test_bad_files(tmp_path):

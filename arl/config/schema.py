@@ -11,9 +11,9 @@ from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
 from .log_config import WANDB_PIN, LoggingConfig, WandbConfig  # noqa: F401 (re-exported)
-from .parallel import check_sequence_parallel
 from .ray import LAUNCHER_DESCRIPTION, LauncherName, RayConfig, check_ray
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
+from .trainer_checks import check_backend, check_sequence_parallel
 
 SHARE_PREFIX_ATTN = ("auto", "varlen_sdpa")  # attention with a shared-prefix path (arl/model/shared_prefix.py)
 
@@ -251,8 +251,8 @@ class TrainerConfig(Section):
         False, description="Keep a frozen copy of the starting policy for KL; needed by loss.kl_beta > 0 and "
         "stabilizers.kl.")
     backend: Literal["auto", "reference", "cpu", "triton", "cuda"] = Field(
-        "auto", description="Policy-loss kernel: auto = CUDA op, else Triton on GPU; the C++ op on CPU; reference "
-        "(torch) as the last resort.")
+        "auto", description="Policy-loss kernel: auto = the fastest that covers the loss options (CUDA op, else Triton "
+        "on GPU; the C++ op on CPU), else reference (torch, every registered loss); --dry-run says which.")
     # at V=151936 the grad-in-forward head's extra peak with the entropy is 14.3% of naive's and its
     # step 0.85x the naive head's (the recompute head: 1.05x; quiet CPU, README)
     head_grad_in_forward: bool = Field(
@@ -373,6 +373,7 @@ class TrainConfig(Section):
         if self.stabilizers.kl.enabled and not self.trainer.reference_model:
             raise ValueError("stabilizers.kl.enabled needs trainer.reference_model: true")
         check_turn_credit_loss(self.stabilizers, self.loss)
+        check_backend(self)
         check_algo(self.algo, self.critic, self.stabilizers, self.loss)
         check_ray(self)
         if self.critic.model == "separate" and self.model.lora is not None:

@@ -116,6 +116,9 @@ CONFIGS = {
     "mismatch_sequence_truncate": LossConfig(ratio_level="token", mismatch_level="sequence", mismatch_mode="truncate",
                                              mismatch_high=1.1, loss_agg="seq-mean-token-sum"),
     "topr_mismatch_chunk": LossConfig(surrogate="topr", mismatch_level="chunk", loss_agg="seq-mean-token-sum-norm"),
+    # a surrogate with no kernel: its plan comes from the registered function alone
+    "cispo_main_job": LossConfig(surrogate="cispo", ratio_level="chunk", clip_high=0.28, gamma=0.95,
+                                 mismatch_level="chunk", mismatch_high=5.0),
     "kl_k1": LossConfig(kl_beta=0.1, kl_estimator="k1"),
     "kl_k2_norm_const": LossConfig(kl_beta=0.2, kl_estimator="k2", loss_agg="seq-mean-token-sum-norm", agg_constant=50.0),
     "kl_k3_clamped": LossConfig(kl_beta=0.3, kl_estimator="k3", log_ratio_clamp=0.4, ratio_level="sequence"),

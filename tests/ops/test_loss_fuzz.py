@@ -5,7 +5,8 @@ under the Triton interpreter), lengths 0-4096 (zero-length sequences included), 
 (agentic turns, single-token chunks, random masks, sequences with no trained token), advantages of
 an estimator of arl/algo/advantages.py (float64, as the trainer computes them before packing) over
 zero-variance and near-constant reward groups, log-ratios up to +-30, fp32 or bf16 inputs, and a
-LossConfig drawn uniformly from the whole option space (``OPTIONS``).
+LossConfig drawn uniformly from the whole option space (``OPTIONS``: every registered surrogate and
+KL estimator); a kernel backend draws from the part of it that it declares it runs (``options_for``).
 
 Backends (every one in ``arl.available_backends()`` but the reference) against the reference, at
 tolerances relative to each value's own scale (``mag``: the same quantity with every term taken by
@@ -46,6 +47,8 @@ from hypothesis import strategies as st
 from arl import LossConfig, available_backends, policy_loss
 from arl.algo.advantages import group_advantages
 from arl.ops.policy_loss import METRIC_KEYS
+from arl.ops.policy_loss.api import backend_covers
+from arl.ops.policy_loss.spec import KL_ESTIMATORS, SURROGATES
 from scalar_loss import scalar_policy_loss
 
 pytestmark = pytest.mark.slow  # the fuzz runs for minutes
@@ -69,7 +72,7 @@ FRACTION_ATOL = 1e-6
 
 OPTIONS = dict(  # the whole option space; each example picks uniformly from every row (config_from)
     ratio_level=["token", "sequence", "chunk"],
-    surrogate=["ppo_clip", "topr"],
+    surrogate=list(SURROGATES),  # registration order: a kernel's rows (options_for) keep their example stream
     clip_low=[0.1, 0.2],
     clip_high=[0.2, 0.28],
     dual_clip=[None, 3.0],
@@ -83,15 +86,23 @@ OPTIONS = dict(  # the whole option space; each example picks uniformly from eve
     loss_agg=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
     agg_constant=[None, 64.0],
     kl_beta=[0.0, 0.1],
-    kl_estimator=["k1", "k2", "k3"],
+    kl_estimator=list(KL_ESTIMATORS),
     entropy_coef=[0.0, 0.01],
     log_ratio_clamp=[20.0, 5.0, None],
 )
 
 
-def config_from(rng: np.random.Generator) -> tuple[LossConfig, str]:
-    """(LossConfig, advantage estimator) drawn from OPTIONS."""
-    d = {k: v[int(rng.integers(len(v)))] for k, v in OPTIONS.items()}
+def options_for(backend=None) -> dict:
+    """OPTIONS cut to the values ``backend`` declares it runs (None: the reference, every value)."""
+    covers = backend_covers(backend) if backend is not None else None
+    if covers is None:
+        return OPTIONS
+    return {k: [x for x in v if k not in covers or x in covers[k]] for k, v in OPTIONS.items()}
+
+
+def config_from(rng: np.random.Generator, backend=None) -> tuple[LossConfig, str]:
+    """(LossConfig, advantage estimator) drawn from OPTIONS (``backend``'s declared part of it)."""
+    d = {k: v[int(rng.integers(len(v)))] for k, v in options_for(backend).items()}
     return LossConfig(**{k: v for k, v in d.items() if k != "advantage"}), d["advantage"]
 
 
@@ -126,9 +137,9 @@ def layout(rng: np.random.Generator, L: int, mode: str, next_id: int):
 
 
 @st.composite
-def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False):
+def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False, backend=None):
     """spec=True: small float64 examples for the scalar spec.  Examples past 12 sequences keep their
-    sequences short."""
+    sequences short.  ``backend``: configs from the options it declares."""
     n_seq = draw(st.one_of(st.integers(1, 12), st.integers(13, min(40, max_seq)),
                            st.integers(min(257, max_seq), max_seq)))
     big = n_seq <= 12 and draw(st.booleans())
@@ -148,7 +159,7 @@ def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False):
     # left e.g. token-level dual clip without KL in 2 of 200 examples.  A failure prints it in full.
     mix = zlib.crc32(repr((n_seq, lengths, modes, seed, scale, rewards_kind, group_size, shuffle_groups, normalizer,
                            str(dtype))).encode())
-    cfg, estimator = config_from(np.random.default_rng([seed, mix]))
+    cfg, estimator = config_from(np.random.default_rng([seed, mix]), backend)
     return dict(cfg=cfg, estimator=estimator, lengths=lengths, modes=modes, seed=seed, scale=scale, dtype=dtype,
                 rewards_kind=rewards_kind, group_size=group_size, shuffle_groups=shuffle_groups, normalizer=normalizer)
 
@@ -221,7 +232,8 @@ def magnitudes(b, cfg, normalizer):
     """Each compared value's own scale: the value with every term of its arithmetic taken by its
     absolute value, from float64 reference runs that isolate the terms (each of one sign):
       policy terms  advantages of one sign (negative: the larger of the clipped/unclipped branch;
-                    positive for TOPR and positive_only, whose negative terms are smaller or 0)
+                    positive for the weighted-logp surrogates (e.g. TOPR) and positive_only,
+                    whose negative terms are smaller or 0)
       KL terms      advantages 0, k1 against ref' = logp - m: kl_t = m_t, the term's magnitude
                     (k1 |logp - ref|, k2 the value, k3 exp(x) + |x| + 1: exp(x) - x - 1 cancels)
       entropy term  advantages 0, no KL
@@ -233,7 +245,7 @@ def magnitudes(b, cfg, normalizer):
     tr = b64["chunk_ids"] >= 0
     dc = clamp(b64["logp"] - b64["old_logp"])[tr]
     adv = b64["advantages"].abs()
-    sign = 1.0 if cfg.surrogate == "topr" or cfg.positive_only else -1.0
+    sign = -1.0 if cfg.surrogate == "ppo_clip" and not cfg.positive_only else 1.0
     zero = torch.zeros_like(adv)
     plain = _with(cfg, kl_beta=0.0, entropy_coef=0.0)
     pg_out, _, _ = evaluate(b64, plain, "reference", normalizer, advantages=sign * adv)
@@ -330,7 +342,7 @@ def test_fuzz_backend_matches_reference(backend):
     max_seq = 40 if backend == "triton" and INTERPRETED else 300
 
     @_settings(n)
-    @given(case=cases(max_seq=max_seq))
+    @given(case=cases(max_seq=max_seq, backend=backend))
     def run(case):
         check(case, backend)
         if PROGRESS:

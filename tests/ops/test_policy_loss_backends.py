@@ -5,7 +5,9 @@ reference's bad-input errors; empty batches; second backward and grad_out scalin
 summing to the whole; extreme log-ratios; long sequences.
 
 Parametrized over the backends: "cpu" (C++ op), "triton" (under TRITON_INTERPRET=1 on CPU, see
-conftest.py, or compiled on a GPU), "cuda" (GPU only).  Checks that only make sense for one
+conftest.py, or compiled on a GPU), "cuda" (GPU only).  Each backend runs on exactly the options it
+declares (``register_backend(covers=...)``); outside them it refuses, and ``auto`` takes the
+reference.  Checks that only make sense for one
 backend are at the end, marked by backend.  Batches are small where Triton runs interpreted."""
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import torch
 from arl import LossConfig, available_backends, policy_loss
 from arl.ops._triton import triton_available
 from arl.ops.policy_loss import METRIC_KEYS, LossInputs, reference_policy_loss
-from arl.ops.policy_loss.api import _auto
+from arl.ops.policy_loss import spec
+from arl.ops.policy_loss.api import _auto, backend_covers, choose_backend, not_covered
+from arl.ops.policy_loss.local_grad import local_logp_grad
 from arl.algo.advantages import group_advantages
-from loss_utils import CONFIG_IDS, CONFIGS, Batch, make_batch, untrained_inside_chunk_batch
+from loss_utils import ALL_CONFIG_IDS, ALL_CONFIGS, CONFIGS, Batch, make_batch, untrained_inside_chunk_batch
 
 GPU = torch.cuda.is_available()
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -37,6 +41,13 @@ def _only(*names):
 
 
 BACKENDS = _only("cpu", "triton", "cuda")
+KERNELS = ("cpu", "triton", "cuda")
+
+
+def _declared(names):
+    """(backend, config) of every grid config (every registered option) a backend declares it runs."""
+    return [pytest.param(n, cfg, id=f"{n}-{cid}", marks=pytest.mark.skipif(not _AVAIL[n](), reason=_WHY[n]))
+            for n in names for cfg, cid in zip(ALL_CONFIGS, ALL_CONFIG_IDS) if not_covered(n, cfg) is None]
 GPU_BACKENDS = [n for n in ("cuda", "triton") if GPU and _AVAIL[n]()]
 
 
@@ -94,11 +105,70 @@ def assert_same(b, cfg, backend, normalizer=None, tol=TOL, grad_tol=None):
 
 
 # ------------------------------------------------------------------------------ every backend
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("backend,cfg", _declared(KERNELS))
 def test_matches_reference(batch_sets, cfg, backend):
     for b in batch_sets[backend]:
         assert_same(b, cfg, backend)
+
+
+def _active(cfg, key):
+    """Whether option ``key`` of ``cfg`` is in use (an estimator at kl_beta 0 or a mode at level none is not)."""
+    return {"kl_estimator": cfg.kl_beta > 0, "mismatch_mode": cfg.mismatch_level != "none"}.get(key, True)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_the_suite_runs_every_option_a_backend_declares(backend):
+    """Each declared value is in some config test_matches_reference runs on that backend, and every
+    registered surrogate and KL estimator is in the grid (run, or refused below)."""
+    runs = [c for c in ALL_CONFIGS if not_covered(backend, c) is None]
+    for key, values in backend_covers(backend).items():
+        assert set(values) <= {getattr(c, key) for c in runs if _active(c, key)}, key
+    assert {c.surrogate for c in ALL_CONFIGS} == set(spec.SURROGATES)
+    assert {c.kl_estimator for c in ALL_CONFIGS if c.kl_beta > 0} == set(spec.KL_ESTIMATORS)
+
+
+def _mirror_ppo(A, r, logp, cfg):
+    return spec.SURROGATES["ppo_clip"](A, r, logp, cfg)
+
+
+@pytest.fixture
+def unfused(monkeypatch):
+    """A surrogate registered as one torch function and no kernel: ppo_clip under another name."""
+    monkeypatch.setitem(spec.SURROGATES, "ppo_clip_mirror", _mirror_ppo)
+    return LossConfig(surrogate="ppo_clip_mirror", ratio_level="chunk", gamma=0.9, mismatch_level="chunk",
+                      mismatch_high=5.0, kl_beta=0.1, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outside_its_declared_set_a_backend_refuses_and_auto_takes_the_reference(unfused, backend):
+    b = _on(make_batch(n_seq=8, max_len=40, seed=12), backend)
+    with pytest.raises(ValueError) as e:
+        run(b, unfused, backend)
+    assert str(e.value).startswith(f"backend: {backend!r} does not run surrogate 'ppo_clip_mirror'")
+    assert "\n" not in str(e.value)
+    name, why = choose_backend(unfused, DEVICE[backend])
+    assert name == "reference" and why.endswith(": torch reference"), why
+    if DEVICE[backend] == "cpu":  # the C++ op is the CPU's one candidate
+        assert why == "ppo_clip_mirror has no fused backend (cpu does not cover surrogate 'ppo_clip_mirror'): torch reference"
+    auto, g_auto, ge_auto = run(b, unfused, "auto")
+    ref, g_ref, ge_ref = run(b, unfused, "reference")
+    assert auto.loss.item() == ref.loss.item() and torch.equal(g_auto, g_ref) and torch.equal(ge_auto, ge_ref)
+
+
+def test_a_registered_surrogate_trains_through_the_reference_and_the_head_plan(unfused):
+    """The mirror gives ppo_clip's loss, gradients and metrics on the reference, and the same
+    grad-in-forward plan (local_grad.py derives it from the function by autograd)."""
+    b = make_batch(n_seq=8, max_len=40, seed=13)
+    ppo = LossConfig(**{**unfused.model_dump(), "surrogate": "ppo_clip"})
+    got, g, ge = run(b, unfused, "auto")
+    want, g_want, ge_want = run(b, ppo, "reference")
+    assert got.loss.item() == want.loss.item() and torch.equal(g, g_want) and torch.equal(ge, ge_want)
+    for k in METRIC_KEYS:
+        assert torch.equal(got.metrics[k], want.metrics[k]), k
+    kw = dict(b.kwargs(with_optional=False), rollout_logp=b.rollout_logp, ref_logp=b.ref_logp, with_entropy=True)
+    p1, p2 = local_logp_grad(config=unfused, **kw), local_logp_grad(config=ppo, **kw)
+    for x, y in zip(p1.grad(0, b.logp.numel(), b.logp), p2.grad(0, b.logp.numel(), b.logp)):
+        assert torch.equal(x, y)
 
 
 NORMALIZER_CFGS = [CONFIGS[0], CONFIGS[5], CONFIGS[-2], LossConfig(ratio_level="sequence", entropy_coef=0.01),

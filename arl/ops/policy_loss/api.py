@@ -2,7 +2,10 @@
 
 A backend is ``fn(inputs: LossInputs, config: LossConfig, normalizer) -> LossOutput`` whose loss is
 differentiable w.r.t. ``inputs.logp`` (and ``inputs.entropy``).  Kernels register themselves with
-``register_backend`` (fused.py); ``reference`` is the specification they are tested against.
+``register_backend`` (fused.py), each with the options it accelerates (``covers``: LossConfig key ->
+values, options.py ``KERNEL_COVERS``); ``reference`` is the specification they are tested against and
+covers every registered surrogate and KL estimator.  ``backend="auto"`` takes the fastest available
+backend of the tensors' device that covers the config, else the reference (``choose_backend``).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .config import LossConfig
+from .options import uncovered
 from .spec import reference_policy_loss
 from .types import LossInputs, LossOutput
 from .validate import validate_advantages, validate_inputs
@@ -18,15 +22,31 @@ from .validate import validate_advantages, validate_inputs
 Backend = Callable[[LossInputs, LossConfig, Optional[float]], LossOutput]
 _BACKENDS: Dict[str, Backend] = {}
 _AVAILABLE: Dict[str, Callable[[], bool]] = {}
+_COVERS: Dict[str, Optional[dict]] = {}  # None: every option (the reference)
+# auto's candidates per device type, fastest first (bench/bench_policy_loss.py)
+_FASTEST = {"cuda": ("cuda", "triton"), "cpu": ("cpu",)}
 
 
-def register_backend(name: str, available: Callable[[], bool] = lambda: True):
+def register_backend(name: str, available: Callable[[], bool] = lambda: True, covers: Optional[dict] = None):
+    """``covers``: LossConfig key -> the values the backend runs (options.py ``uncovered``); None: all."""
     def deco(fn: Backend) -> Backend:
         _BACKENDS[name] = fn
         _AVAILABLE[name] = available
+        _COVERS[name] = covers
         return fn
 
     return deco
+
+
+def backend_covers(name: str) -> Optional[dict]:
+    """The options backend ``name`` declared it runs (None: every registered option)."""
+    return _COVERS[name]
+
+
+def not_covered(name: str, cfg: LossConfig) -> Optional[str]:
+    """The first option of ``cfg`` backend ``name`` does not run (``"surrogate 'cispo'"``), or None."""
+    covers = _COVERS[name]
+    return None if covers is None else uncovered(cfg, covers)
 
 
 def available_backends() -> list[str]:
@@ -36,13 +56,27 @@ def available_backends() -> list[str]:
 register_backend("reference")(reference_policy_loss)
 
 
-def _auto(inp: LossInputs) -> str:
-    """GPU tensors: CUDA op, else Triton; CPU tensors: the C++ op; reference as the last resort."""
-    order = ("cuda", "triton") if inp.logp.is_cuda else ("cpu",)
-    for name in order:
-        if name in _BACKENDS and _AVAILABLE[name]():
-            return name
-    return "reference"
+def choose_backend(cfg: LossConfig, device: str) -> tuple[str, str]:
+    """(backend, why) of ``backend="auto"`` for tensors on ``device`` ("cpu" / "cuda"): the fastest
+    available backend that covers ``cfg``, else the torch reference."""
+    missing = []
+    for name in _FASTEST.get(device, ()):
+        if name not in _BACKENDS or not _AVAILABLE[name]():
+            missing.append(f"{name} not available here")
+        elif (gap := not_covered(name, cfg)) is not None:
+            missing.append(f"{name} does not cover {gap}")
+        else:
+            return name, f"the fastest {device} kernel covering the loss options"
+    if missing and all("does not cover" in m for m in missing):
+        return "reference", f"{cfg.surrogate} has no fused backend ({'; '.join(missing)}): torch reference"
+    why = "; ".join(missing) if missing else f"no fused backend for {device}"
+    return "reference", f"{why}: torch reference"
+
+
+def _auto(inp: LossInputs, cfg: Optional[LossConfig] = None) -> str:
+    """GPU tensors: CUDA op, else Triton; CPU tensors: the C++ op; each only where it covers the
+    config; the reference as the last resort."""
+    return choose_backend(cfg if cfg is not None else LossConfig(), "cuda" if inp.logp.is_cuda else "cpu")[0]
 
 
 def policy_loss(
@@ -59,7 +93,7 @@ def policy_loss(
     normalizer: Optional[float] = None,
     backend: str = "reference",
 ) -> LossOutput:
-    """Clipped / TOPR policy loss over a packed batch; see ``spec.py`` for the math.
+    """The policy loss of any registered surrogate over a packed batch; see ``spec.py`` for the math.
 
     ``advantages`` [N] (required): one advantage per trajectory, computed over the whole step before
     packing by an estimator of ``arl.algo.advantages`` (e.g. ``group_advantages(rewards, group_ids,
@@ -77,10 +111,13 @@ def policy_loss(
         normalizer = float(normalizer.item())
     if cfg.validate_inputs:
         validate_inputs(inp, cfg, normalizer)
-    name = _auto(inp) if backend == "auto" else backend
+    name = _auto(inp, cfg) if backend == "auto" else backend
     if name not in _BACKENDS:
         raise ValueError(f"backend: unknown {backend!r}; choose from {['auto'] + sorted(_BACKENDS)}")
     if not _AVAILABLE[name]():
         raise ValueError(f"backend: {name!r} is not available here; available: {available_backends()}")
+    if (gap := not_covered(name, cfg)) is not None:
+        raise ValueError(f"backend: {name!r} does not run {gap}; use 'auto' (falls back to the torch reference) "
+                         "or 'reference'")
     return _BACKENDS[name](inp, cfg, normalizer)
 

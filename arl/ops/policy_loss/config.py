@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ...errors import OneLineErrors
+from .registry import KL_ESTIMATORS, SURROGATES
 
 RatioLevel = Literal["token", "sequence", "chunk"]
-Surrogate = Literal["ppo_clip", "topr"]
 MismatchLevel = Literal["none", "token", "sequence", "chunk"]
 MismatchMode = Literal["mask", "truncate"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
 
 
 class LossConfig(OneLineErrors):
@@ -28,9 +27,11 @@ class LossConfig(OneLineErrors):
     ratio_level: RatioLevel = Field(
         "token", description="Granularity of the importance ratio: token (PPO/GRPO), sequence (GSPO) or chunk (IPA, "
         "one model turn); turn credit and the critic need token or chunk.")
-    surrogate: Surrogate = Field(
-        "ppo_clip", description="ppo_clip: the clipped PPO surrogate; topr: positive advantages untruncated, negative "
-        "ones weighted by sg(clamp(ratio, 0, 1)).")
+    # surrogates and KL estimators are registries (registry.py), checked by name below, not Literals
+    surrogate: str = Field(
+        "ppo_clip", description="A registered surrogate (spec.py): ppo_clip, the clipped PPO surrogate; topr: "
+        "positive advantages untruncated, negative ones weighted by sg(clamp(ratio, 0, 1)); cispo: every token's "
+        "log-prob weighted by sg(clip(ratio)) (MiniMax-M1; no kernel: the torch reference).")
     clip_low: float = Field(0.2, description="Lower clip: ratios below 1 - clip_low are clipped; in [0, 1).")
     clip_high: float = Field(
         0.2, description="Upper clip: ratios above 1 + clip_high are clipped; DAPO's clip-higher raises it to 0.28.")
@@ -59,14 +60,23 @@ class LossConfig(OneLineErrors):
     kl_beta: float = Field(
         0.0, description="Weight of the KL penalty to the frozen reference model; > 0 needs "
         "trainer.reference_model: true.")
-    kl_estimator: KLEstimator = Field(
-        "k3", description="KL estimator per token: k1 (log-ratio), k2 (half its square) or k3 (exp(x) - x - 1).")
+    kl_estimator: str = Field(
+        "k3", description="A registered KL estimator per token (spec.py): k1 (log-ratio), k2 (half its square) or k3 "
+        "(exp(x) - x - 1).")
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus in the loss; 0: off.")
     log_ratio_clamp: Optional[float] = Field(
         20.0, description="Every log-ratio is clamped to +-this before exp, against overflow; null: no clamp.")
     validate_inputs: bool = Field(
         True, description="Check the loss inputs (shapes, ids, finite values) on every call; false skips the checks "
         "once a pipeline is trusted.")
+
+    @field_validator("surrogate", "kl_estimator")
+    @classmethod
+    def _registered(cls, name: str, info) -> str:
+        table = SURROGATES if info.field_name == "surrogate" else KL_ESTIMATORS
+        if name not in table:
+            raise ValueError(f"unknown {name!r}; registered: {', '.join(sorted(table))}")
+        return name
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "LossConfig":

@@ -5,7 +5,9 @@ metrics and 1/D, and how to build dL/dentropy):
   cpu     the C++ op torch.ops.arl.policy_loss (csrc/policy_loss/cpu.cpp, library arl._C)
   cuda    the CUDA op torch.ops.arl.policy_loss_cuda (csrc/policy_loss/cuda.cu, library arl._C_cuda)
   triton  the Triton kernel (triton_kernel.py, launched by triton_launch.py)
-Each reports whether it can run here; the compiled libraries and Triton are imported lazily.
+Each reports whether it can run here; the compiled libraries and Triton are imported lazily.  Each
+declares the options it runs (``covers``): all three read the one option table, so each covers what
+that table has a code for (options.py ``KERNEL_COVERS``); a config outside it runs on the reference.
 
 Memory: forward scales dL/dlogp by 1/D in place (memory just written) and backward hands that
 buffer over, not a copy, multiplied by grad_out only when grad_out != 1.  The C++/CUDA ops do not
@@ -23,7 +25,7 @@ import torch
 from .._triton import triton_available
 from .api import register_backend
 from .config import LossConfig
-from .options import kernel_options, kernel_tensors
+from .options import KERNEL_COVERS, kernel_options, kernel_tensors
 from .spec import METRIC_KEYS
 from .types import KernelLaunch, LossInputs, LossOutput
 
@@ -114,7 +116,7 @@ def _warn_unloadable(module: str, e: BaseException) -> None:
                   "python setup.py build_ext --inplace)", RuntimeWarning, stacklevel=3)
 
 
-@register_backend("cpu", available=lambda: _have_op("arl._C", "policy_loss"))
+@register_backend("cpu", available=lambda: _have_op("arl._C", "policy_loss"), covers=KERNEL_COVERS)
 def cpu_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
     if inp.logp.device.type != "cpu":
         raise ValueError(f"logp: backend 'cpu' needs CPU tensors, got device {inp.logp.device}")
@@ -122,7 +124,8 @@ def cpu_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOu
     return fused_policy_loss(inp, cfg, normalizer, launch)
 
 
-@register_backend("cuda", available=lambda: _have_op("arl._C_cuda", "policy_loss_cuda") and torch.cuda.is_available())
+@register_backend("cuda", available=lambda: _have_op("arl._C_cuda", "policy_loss_cuda") and torch.cuda.is_available(),
+                  covers=KERNEL_COVERS)
 def cuda_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
     if not inp.logp.is_cuda:
         raise ValueError(f"logp: backend 'cuda' needs CUDA tensors, got device {inp.logp.device}")
@@ -131,7 +134,7 @@ def cuda_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossO
     return fused_policy_loss(inp, cfg, normalizer, launch)
 
 
-@register_backend("triton", available=triton_available)
+@register_backend("triton", available=triton_available, covers=KERNEL_COVERS)
 def triton_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
     from .triton_launch import triton_launch  # Triton is optional, and its kernels compile at import
 

@@ -2,27 +2,32 @@
 logprobs ARE this pass's (``old_logp = logp.detach()``, the trainer's one-update-per-batch step).
 
 Then every log-ratio is exactly 0 (token, chunk and sequence level alike: a mean of zeros), so
-r = 1, no clip or dual clip is active (pg2 = pg1 at r = 1, and c|A| > |A|), and by the spec
-(spec.py), with k_t = scale * coef_t * (-A_t) / D on trained tokens (0 elsewhere):
+r = 1, and by the spec (spec.py) the surrogate pg_t = f(A_t, r_t, logp_t) of any registered
+function f has two slopes at r = 1 per trained token: a_t = d f / d logp_t and b_t = d f / d r_t,
+found here by autograd on f itself (so a new surrogate needs no code here).  With
+c_t = scale * coef_t / D on trained tokens (0 elsewhere):
 
-    ppo_clip:  dL/dlogp_u = mean over the ratio segment R(u) of  w_t k_t     (d r_t / d logp_u = 1/|R|)
-    topr:      dL/dlogp_u = w_u k_u                                           (v = sg(min(r, 1)) = 1)
-    + kl_beta * scale * coef_u / D * dkl_u/dlogp_u      (k1: 1; k2: logp - ref; k3: 1 - exp(x) inside the clamp)
-    dL/dentropy_u = -entropy_coef * scale * coef_u / D  (trained tokens, when an entropy is passed)
+    dL/dlogp_u = w_u c_u a_u  +  mean over the ratio segment R(u) of  w_t c_t b_t    (d r_t / d logp_u = 1/|R|)
+    + kl_beta * c_u * dkl_u/dlogp_u     (autograd on the registered KL estimator, per tile)
+    dL/dentropy_u = -entropy_coef * c_u  (trained tokens, when an entropy is passed)
 
+ppo_clip: a = 0, b = -A (no clip or dual clip is active at r = 1); topr and cispo: a = -A, b = 0
+(their weights are stop-gradients, 1 at r = 1).  The slopes must not move with logp's value (they
+are taken at two values of it; a surrogate whose slope does gets no plan: the ordinary backward).
 A_t, coef_t and D are constants of the batch.  The mismatch weight w (no gradient) is a function
 of the old logprobs, i.e. of this pass's logp values: at level ``token`` of the token's own, at
 ``chunk`` / ``sequence`` of its whole segment's.  So the gradient of a token depends on logp values
 of other tokens exactly when a mismatch level is set and the segment is wider than the token: the
 ``dependency level`` (``LogpGrad.dependency``) is the mismatch level, widened to the ratio level
-under ppo_clip (the ratio mean sums w over R).  A head that computes the gradient during its
+when some b != 0 (the ratio mean sums w over R).  A head that computes the gradient during its
 forward must then see whole dependency segments in one token tile (``LogpGrad.cuts``); a segment
 longer than its tile cap is the case with no local gradient, and the caller falls back to the
 ordinary backward.  The entropy bonus is local too (its coefficient is a constant); the head needs
 its whole vocabulary row for it, which arl/ops/logprob/grad_in_forward.py has.
 
-Not covered (``local_logp_grad`` returns None and why): IPA's mixed loss (a different loss: the
-trainer never asks).  Tested against the spec's autograd in tests/ops/test_logprob_grad_in_forward.py.
+Not covered (``local_logp_grad`` returns None): IPA's mixed loss (a different loss: the trainer
+never asks), and a surrogate whose slopes at r = 1 depend on logp.  Tested against the spec's
+autograd in tests/ops/test_logprob_grad_in_forward.py.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Optional
 import torch
 
 from .config import LossConfig
-from .spec import PackLayout, agg_denominator, discounted_advantage
+from .spec import KL_ESTIMATORS, SURROGATES, PackLayout, agg_denominator, discounted_advantage
 
 _LEVEL_RANK = {"none": 0, "token": 1, "chunk": 2, "sequence": 3}
 
@@ -44,7 +49,8 @@ class LogpGrad:
     positions i0:i1, given their logp values; only valid on tiles whose bounds come from ``cuts``."""
 
     cfg: LossConfig
-    k: torch.Tensor  # [n] scale * coef * (-A) / D on trained tokens, 0 elsewhere
+    k: torch.Tensor  # [n] c * a: the token's own slope (d pg / d logp) on trained tokens, 0 elsewhere
+    kr: Optional[torch.Tensor]  # [n] c * b: the slope through the ratio (d pg / d r); None: b = 0 everywhere
     const: Optional[torch.Tensor]  # [n] the whole dL/dlogp minus the KL part when w needs no logp (mismatch none)
     ratio_seg: torch.Tensor  # [n] ratio-level segment id (-1: untrained)
     mm_seg: Optional[torch.Tensor]  # [n] mismatch-level segment id (-1: untrained); None: mismatch none
@@ -72,7 +78,7 @@ class LogpGrad:
         if int(trained.sum()) != int(trained[pos].sum()):
             return None
         take = lambda x: None if x is None else x[pos]  # noqa: E731
-        return LogpGrad(self.cfg, self.k[pos], take(self.const), self.ratio_seg[pos], take(self.mm_seg),
+        return LogpGrad(self.cfg, self.k[pos], take(self.kr), take(self.const), self.ratio_seg[pos], take(self.mm_seg),
                         take(self.roll), take(self.kl_c), take(self.ref), take(self.ent_c), take(self.dep_seg))
 
     def cuts(self, max_rows: int) -> Optional[list]:
@@ -114,11 +120,8 @@ class LogpGrad:
             g = self.const[i0:i1].clone()
         else:
             w = self._mismatch_weight(i0, i1, lp)
-            kw = w * self.k[i0:i1]
-            if cfg.surrogate == "topr" or cfg.ratio_level == "token":
-                g = kw
-            else:  # the ratio's segment mean: every member's w k, shared out over the segment
-                g = _segment_mean(kw, self.ratio_seg[i0:i1])
+            g = _pg_grad(cfg, w * self.k[i0:i1], None if self.kr is None else w * self.kr[i0:i1],
+                         self.ratio_seg[i0:i1])
         if self.kl_c is not None:
             g = g + self.kl_c[i0:i1] * _kl_grad(lp, self.ref[i0:i1].to(lp.dtype), cfg)
         e = None if self.ent_c is None else self.ent_c[i0:i1]
@@ -158,14 +161,36 @@ def _segment_mean(x: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
 
 
 def _kl_grad(lp: torch.Tensor, ref: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    if cfg.kl_estimator == "k1":
-        return torch.ones_like(lp)
-    if cfg.kl_estimator == "k2":
-        return lp - ref
-    x = ref - lp  # k3 = exp(x) - x - 1 with x = clamp(ref - logp): d/dlogp = 1 - exp(x) inside the clamp
-    c = cfg.log_ratio_clamp
-    inside = torch.ones_like(x, dtype=torch.bool) if c is None else (x >= -c) & (x <= c)
-    return torch.where(inside, 1.0 - torch.exp(_clamp(x, cfg)), torch.zeros_like(x))
+    """d kl / d logp of the registered estimator, by autograd on it (its clamp included)."""
+    with torch.enable_grad():
+        x = lp.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(KL_ESTIMATORS[cfg.kl_estimator](x, ref, cfg).sum(), x)
+    return g
+
+
+def _pg_grad(cfg: LossConfig, ka: torch.Tensor, kb: Optional[torch.Tensor], ratio_seg: torch.Tensor) -> torch.Tensor:
+    """The surrogate's dL/dlogp from its weighted slopes: a token's own, plus its ratio segment's
+    mean of the slope through r (the token itself at ratio level token)."""
+    if kb is None:
+        return ka
+    return ka + (kb if cfg.ratio_level == "token" else _segment_mean(kb, ratio_seg))
+
+
+def _surrogate_slopes(cfg: LossConfig, A: torch.Tensor) -> Optional[tuple]:
+    """(a, b): d pg / d logp and d pg / d r of the registered surrogate at r = 1, per trained token,
+    b None when 0 everywhere; None when a slope moves with logp (taken at logp = 0 and -1)."""
+    fn, slopes = SURROGATES[cfg.surrogate], []
+    for at in (0.0, -1.0):
+        with torch.enable_grad():
+            r = torch.ones_like(A).requires_grad_(True)
+            lp = torch.full_like(A, at).requires_grad_(True)
+            pg = fn(A, r, lp, cfg)[0]
+            ga, gb = torch.autograd.grad(pg.sum(), (lp, r), allow_unused=True, materialize_grads=True)
+        slopes.append((ga.detach(), gb.detach()))
+    (a, b), (a2, b2) = slopes
+    if not (torch.equal(a, a2) and torch.equal(b, b2)):
+        return None
+    return a, (b if bool(b.any()) else None)
 
 
 def local_logp_grad(
@@ -180,7 +205,7 @@ def local_logp_grad(
     normalizer: Optional[float] = None,
     scale: float = 1.0,
     dtype: torch.dtype = torch.float32,
-) -> LogpGrad:
+) -> Optional[LogpGrad]:
     """The gradient plan of ``policy_loss(logp, logp.detach(), ...)`` times ``scale`` (the caller's
     loss multiplier), for the same keyword arguments; ``with_entropy``: an entropy is passed."""
     cfg = config
@@ -198,6 +223,9 @@ def local_logp_grad(
     A = discounted_advantage(advantages.to(dev).to(dtype), lay, cfg.gamma)
     if cfg.positive_only:
         A = A.clamp_min(0)
+    slopes = _surrogate_slopes(cfg, A)
+    if slopes is None:
+        return None
     # aggregation: per-token coefficient and denominator (spec.py, "Aggregation")
     n_s = lay.tokens_per_seq.to(dtype)
     S = int((lay.tokens_per_seq > 0).sum().item())
@@ -212,17 +240,17 @@ def local_logp_grad(
         out[tidx] = vals
         return out
 
-    k = full(-A * c)
+    k = full(slopes[0] * c)
+    kr = None if slopes[1] is None else full(slopes[1] * c)
     rseg_t, _ = lay.segment_of_trained(cfg.ratio_level)
     ratio_seg = full(rseg_t.long(), -1)
     mm_seg = roll = dep_seg = const = None
     if cfg.mismatch_level == "none":
-        # w = 1: the whole pg gradient is a constant (the ratio segment's mean of k)
-        const = k if cfg.surrogate == "topr" or cfg.ratio_level == "token" else _segment_mean(k, ratio_seg)
+        const = _pg_grad(cfg, k, kr, ratio_seg)  # w = 1: the whole pg gradient is a constant
     else:
         mm_seg = full(lay.segment_of_trained(cfg.mismatch_level)[0].long(), -1)
         roll = rollout_logp.to(dev)
-        widen = cfg.surrogate == "ppo_clip" and _LEVEL_RANK[cfg.ratio_level] > _LEVEL_RANK[cfg.mismatch_level]
+        widen = kr is not None and _LEVEL_RANK[cfg.ratio_level] > _LEVEL_RANK[cfg.mismatch_level]
         level = cfg.ratio_level if widen else cfg.mismatch_level
         if level != "token":
             dep_seg = full(lay.segment_of_trained(level)[0].long(), -1)
@@ -231,4 +259,4 @@ def local_logp_grad(
         kl_c, ref = full(c * cfg.kl_beta), ref_logp.to(dev)
     if with_entropy and cfg.entropy_coef != 0:
         ent_c = full(c * -cfg.entropy_coef)
-    return LogpGrad(cfg, k, const, ratio_seg, mm_seg, roll, kl_c, ref, ent_c, dep_seg)
+    return LogpGrad(cfg, k, kr, const, ratio_seg, mm_seg, roll, kl_c, ref, ent_c, dep_seg)

@@ -31,6 +31,25 @@ FOPTS = ("clip_low", "clip_high", "dual_clip", "gamma", "mismatch_low", "mismatc
 
 KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
+# What a kernel of this table accelerates: LossConfig key -> the values it has a code for.  The C++,
+# CUDA and Triton backends declare it (fused.py); a config outside it runs on the torch reference.
+KERNEL_COVERS = dict(
+    ratio_level=frozenset(LEVEL) - {"none"}, surrogate=frozenset(SURROGATE), mismatch_level=frozenset(LEVEL),
+    mismatch_mode=frozenset(MISMATCH_MODE), loss_agg=frozenset(LOSS_AGG), kl_estimator=frozenset(KL) - {"off"},
+)
+
+
+def uncovered(cfg: LossConfig, covers: dict) -> Optional[str]:
+    """The first option of ``cfg`` outside ``covers`` as ``"key 'value'"``, or None when all are in.
+    Options a config switches off (the KL estimator at kl_beta 0, the mismatch mode at level none)
+    never exclude a backend."""
+    idle = {"kl_estimator": cfg.kl_beta == 0, "mismatch_mode": cfg.mismatch_level == "none"}
+    for key, values in covers.items():
+        v = getattr(cfg, key)
+        if not idle.get(key, False) and v not in values:
+            return f"{key} {v!r}"
+    return None
+
 
 def kernel_options(cfg: LossConfig, normalizer: Optional[float]) -> tuple[list[int], list[float]]:
     """LossConfig -> (iopts, fopts) in IOPTS / FOPTS order."""

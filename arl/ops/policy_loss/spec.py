@@ -24,12 +24,15 @@ Mismatch weight w_t (no gradient): m = exp(clamp(mean over the level's segment o
   old_logp - rollout_logp)); mask: w = 1[low <= m <= high]; truncate: w = min(m, high);
   level none: w = 1.
 
-Surrogate pg_t:
+Surrogate pg_t (a registered torch function of (A, r, logp, cfg); ``register_surrogate``):
   ppo_clip: pg1 = -A r, pg2 = -A clip(r, 1-clip_low, 1+clip_high); pg = pg2 if pg2 > pg1 else pg1;
             dual_clip c: if A < 0 and pg > -c A then pg = -c A.
   topr:     pg = -A * v * logp_t with v = 1 if A >= 0 else sg(min(r, 1)).
+  cispo:    pg = -sg(clip(r, 1-clip_low, 1+clip_high)) * A * logp_t (MiniMax-M1): the weight is
+            clipped, never the gradient, so every token keeps one; clipped = r outside the range.
 
-Token loss l_t = w_t pg_t + kl_beta * kl_t - entropy_coef * H_t, kl from ref_logp:
+Token loss l_t = w_t pg_t + kl_beta * kl_t - entropy_coef * H_t, kl from ref_logp (a registered
+  torch function of (logp, ref, cfg); ``register_kl_estimator``):
   k1: logp - ref; k2: (logp - ref)^2 / 2; k3: exp(x) - x - 1 with x = clamp(ref - logp).
 
 Aggregation: loss = sum_t M_t coef_t l_t / D with
@@ -44,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from .config import LossConfig
+from .registry import KL_ESTIMATORS, SURROGATES, register_kl_estimator, register_surrogate  # noqa: F401 (API)
 from .types import LossInputs, LossOutput
 
 METRIC_KEYS = (
@@ -152,6 +156,10 @@ def _mismatch_weight(cfg: LossConfig, lay: PackLayout, old: torch.Tensor, roll) 
     return m.clamp_max(cfg.mismatch_high), m > cfg.mismatch_high
 
 
+# A surrogate or KL estimator is ONE torch function registered by name (registry.py).  The reference
+# (this file) runs any registered name on any device; a fused backend runs only the names it declares
+# (api.py ``register_backend(covers=...)``), so a new one trains with no kernel change.
+@register_surrogate("ppo_clip")
 def _ppo_clip(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
     pg1 = -A * r
     pg2 = -A * r.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
@@ -165,26 +173,27 @@ def _ppo_clip(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossCon
     return pg, clipped, dual
 
 
+@register_surrogate("topr")
 def _topr(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
     v = torch.where(A >= 0, torch.ones_like(r), r.detach().clamp_max(1.0))
     return -A * v * logp, (A < 0) & (r > 1), torch.zeros_like(logp, dtype=torch.bool)
 
 
-# surrogate name -> (A, r, logp, cfg) -> (pg_t, clipped, dual-clipped)
-SURROGATES = {"ppo_clip": _ppo_clip, "topr": _topr}
+@register_surrogate("cispo")
+def _cispo(A: torch.Tensor, r: torch.Tensor, logp: torch.Tensor, cfg: LossConfig) -> tuple:
+    v = r.detach().clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    return -v * A * logp, v != r.detach(), torch.zeros_like(logp, dtype=torch.bool)
 
 
+register_kl_estimator("k1")(lambda logp, ref, cfg: logp - ref)
+register_kl_estimator("k2")(lambda logp, ref, cfg: 0.5 * (logp - ref) ** 2)
+
+
+@register_kl_estimator("k3")
 def _k3(logp: torch.Tensor, ref: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     x = _clamp(ref - logp, cfg)
     return torch.exp(x) - x - 1
 
-
-# kl estimator name -> (logp, ref, cfg) -> kl_t
-KL_ESTIMATORS = {
-    "k1": lambda logp, ref, cfg: logp - ref,
-    "k2": lambda logp, ref, cfg: 0.5 * (logp - ref) ** 2,
-    "k3": _k3,
-}
 
 
 def _metrics(cfg, logp, old, r, A, w, pg, clipped, dual, altered, kl, ent) -> dict:

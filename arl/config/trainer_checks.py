@@ -1,5 +1,17 @@
-"""Cross-checks of ``trainer.sequence_parallel`` (arl/trainer/seqpar.py) against the rest of a config."""
+"""Cross-checks of the trainer section against the rest of a config: the loss kernel against the loss
+options, ``trainer.sequence_parallel`` (arl/trainer/seqpar.py) against the ranks and the parts without
+an SP path."""
 from __future__ import annotations
+
+from ..ops.policy_loss.api import not_covered
+
+
+def check_backend(cfg) -> None:
+    """An explicit loss kernel that does not run the configured loss: one line."""
+    backend = cfg.trainer.backend
+    if backend != "auto" and (gap := not_covered(backend, cfg.loss)) is not None:
+        raise ValueError(f"trainer.backend: {backend!r} does not run loss.{gap}; "
+                         "use auto (the torch reference where no kernel covers the loss) or reference")
 
 
 def check_sequence_parallel(cfg) -> None:
