@@ -29,7 +29,19 @@ def model_dir_for(cfg: TrainConfig) -> str:
     HF cache: ``resolve_model``), or the locally built tiny model."""
     if cfg.model.name_or_path != "tiny":
         return resolve_model(cfg.model.name_or_path)
-    return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,)))
+    return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,),
+                                env_kwargs={cfg.env.name: tiny_corpus_kwargs(cfg)}))
+
+
+def tiny_corpus_kwargs(cfg: TrainConfig) -> dict:
+    """The configured env's constructor arguments for the tiny model's corpus: the run's own, which
+    ``--dry-run`` makes the env with (without them an env with a required argument, MCP's ``command``,
+    would fail only when the run builds the model), less a vLLM tool parser: it reads the model's
+    tokenizer, the one this corpus is for (the corpus is the env's prompts and tasks, not its calls)."""
+    kwargs = env_kwargs(cfg.env)
+    if isinstance(kwargs.get("parser"), str) and kwargs["parser"] not in PARSERS:
+        del kwargs["parser"]
+    return kwargs
 
 
 def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
