@@ -67,6 +67,11 @@ def _local_tokenizer(cfg: TrainConfig):
         return None
 
 
+def renders_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders tools (else the prompt teaches the Hermes format)."""
+    return ChatFormat(tokenizer).supports_tools
+
+
 def preflight(cfg: TrainConfig) -> list:
     """What ``--dry-run`` checks, and every launcher before it starts a process: the task dataset
     loads, the environment (with its reward function and tools) is made and resets its first task,
@@ -100,7 +105,7 @@ def preflight(cfg: TrainConfig) -> list:
     lines += check_door(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
                         tasks.train_row(0) if tasks is not None else None,
                         tasks.origin(0) if tasks is not None else "seed 0", demos, str(cfg.sft.dataset),
-                        tokenizer=_local_tokenizer(cfg))
+                        tokenizer=_local_tokenizer(cfg), renders_tools=renders_tools)
     return lines
 
 

@@ -163,6 +163,7 @@ def test_dry_run_catches_a_parser_that_cannot_read_the_format_the_prompt_teaches
     has none (the tiny model).  (vLLM's llama3_json does read hermes' JSON, so it passes.)"""
     from arl.env.door import check_door, prompt_mismatch
     from arl.model.tiny import CHAT_TEMPLATE
+    from arl.prepare import renders_tools
 
     plain = byte_tokenizer(LLAMA_SPECIAL + ["<tool_call>", "</tool_call>"], "<|begin_of_text|>", "<|eot_id|>", None)
     plain.chat_template = CHAT_TEMPLATE  # renders messages only: no tools, no tool calls
@@ -172,10 +173,24 @@ def test_dry_run_catches_a_parser_that_cannot_read_the_format_the_prompt_teaches
             "hermes, or a model whose template renders tools")
     for given in (plain, None):
         with pytest.raises(ValueError) as e:
-            check_door("tools", {**kw, "parser": "qwen3_xml", "tokenizer": plain}, None, "-", None, "-", tokenizer=given)
+            check_door("tools", {**kw, "parser": "qwen3_xml", "tokenizer": plain}, None, "-", None, "-", tokenizer=given,
+                       renders_tools=renders_tools)  # as arl.prepare.preflight calls it
         assert str(e.value) == want
+    assert renders_tools(plain) is False and renders_tools(llama_tok) is True
     # hermes reads what the prompt teaches; a template that renders tools teaches its own format
-    assert prompt_mismatch(make_parser("hermes"), plain, [RATE]) is None
-    assert prompt_mismatch(make_parser("llama3_json", plain), plain, [RATE]) is None
-    assert prompt_mismatch(make_parser("qwen3_xml", plain), plain, None) is None  # no tools: nothing taught
-    assert prompt_mismatch(make_parser("qwen3_xml", llama_tok), llama_tok, [RATE]) is None
+    assert prompt_mismatch(make_parser("hermes"), False, [RATE]) is None
+    assert prompt_mismatch(make_parser("llama3_json", plain), False, [RATE]) is None
+    assert prompt_mismatch(make_parser("qwen3_xml", plain), False, None) is None  # no tools: nothing taught
+    assert prompt_mismatch(make_parser("qwen3_xml", llama_tok), True, [RATE]) is None
+    assert prompt_mismatch(make_parser("qwen3_xml", plain), False, [RATE]) == want
+
+
+def test_preflight_hands_the_door_its_tools_rendering_check(monkeypatch):
+    """The env layer cannot import the rollout layer's ChatFormat: the preflight passes it in."""
+    import arl.prepare as prepare
+    from arl.config import load_config
+
+    seen = {}
+    monkeypatch.setattr(prepare, "check_door", lambda *a, **kw: seen.update(kw) or [])
+    prepare.preflight(load_config(None, []))
+    assert seen["renders_tools"] is prepare.renders_tools
