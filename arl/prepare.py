@@ -29,7 +29,19 @@ def model_dir_for(cfg: TrainConfig) -> str:
     HF cache: ``resolve_model``), or the locally built tiny model."""
     if cfg.model.name_or_path != "tiny":
         return resolve_model(cfg.model.name_or_path)
-    return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,)))
+    return str(build_tiny_model(config=cfg.model.tiny, seed=cfg.seed, envs=(cfg.env.name,),
+                                env_kwargs={cfg.env.name: tiny_corpus_kwargs(cfg)}))
+
+
+def tiny_corpus_kwargs(cfg: TrainConfig) -> dict:
+    """The configured env's constructor arguments for the tiny model's corpus: the run's own, which
+    ``--dry-run`` makes the env with (without them an env with a required argument, MCP's ``command``,
+    would fail only when the run builds the model), less a vLLM tool parser: it reads the model's
+    tokenizer, the one this corpus is for (the corpus is the env's prompts and tasks, not its calls)."""
+    kwargs = env_kwargs(cfg.env)
+    if isinstance(kwargs.get("parser"), str) and kwargs["parser"] not in PARSERS:
+        del kwargs["parser"]
+    return kwargs
 
 
 def sft_demos(cfg: TrainConfig, model_dir: str) -> list:
@@ -53,6 +65,11 @@ def _local_tokenizer(cfg: TrainConfig):
         return AutoTokenizer.from_pretrained(resolve_model(cfg.model.name_or_path))
     except Exception:  # not here (the dry run warns about that itself) or not loadable
         return None
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders tools (else the prompt teaches the Hermes format)."""
+    return ChatFormat(tokenizer).supports_tools
 
 
 def preflight(cfg: TrainConfig) -> list:
@@ -88,7 +105,7 @@ def preflight(cfg: TrainConfig) -> list:
     lines += check_door(cfg.env.name, env_kwargs(cfg.env, _parser_model_dir(cfg)),
                         tasks.train_row(0) if tasks is not None else None,
                         tasks.origin(0) if tasks is not None else "seed 0", demos, str(cfg.sft.dataset),
-                        tokenizer=_local_tokenizer(cfg))
+                        tokenizer=_local_tokenizer(cfg), renders_tools=renders_tools)
     return lines
 
 

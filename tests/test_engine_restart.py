@@ -16,6 +16,9 @@ from arl.trainer.link import RolloutLink
 from arl.trainer.restarts import resync_engine
 from arl.trainer.step_log import OrderedLog
 
+# every test here takes under 4 s (2 CPU cores, -n 2); a regression in the group's epochs or its
+# rendezvous hangs instead of failing, so a minute, not pytest.ini's 900 s, names the test that hung
+pytestmark = pytest.mark.timeout(60)
 
 class _Logger:
     def __init__(self):

@@ -156,11 +156,13 @@ def test_the_rollout_manager_retries_the_episode_on_a_new_server(fmt, tmp_path):
 
 
 def test_a_server_that_fails_to_start_and_a_missing_package_are_one_line(tmp_path, monkeypatch):
-    (tmp_path / "broken.py").write_text("raise SystemExit('no tools today')\n")
+    # the server's last stderr line is in the error: the MCP client itself sees only the closed pipe
+    (tmp_path / "broken.py").write_text("import sys\nprint('loading', file=sys.stderr)\n"
+                                        "raise SystemExit('no tools today')\n")
     with pytest.raises(ValueError) as e:
         make_env("mcp", command="python", args=[str(tmp_path / "broken.py")], reward_fn="examples.mcp.reward:score")
     assert str(e.value) == (f"env.kwargs.command: MCP server 'python {tmp_path / 'broken.py'}' failed to start "
-                            "(MCPError: Connection closed)")
+                            "(MCPError: Connection closed; stderr: no tools today)")
     with pytest.raises(ValueError, match=r"^env.kwargs.command: MCP server 'no-such-server' failed to start "
                                          r"\(FileNotFoundError: "):
         make_env("mcp", command="no-such-server", reward_fn="examples.mcp.reward:score")

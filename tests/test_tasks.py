@@ -180,6 +180,35 @@ def test_hf_sources_through_load_dataset(tmp_path, monkeypatch):
                                    "failed (") and "\n" not in str(e.value)
 
 
+def test_an_uncached_hub_id_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    """A run (not offline mode, which this suite's conftest sets) whose Hub cannot be reached: an
+    uncached hub id is one line within seconds, not after huggingface_hub's half a minute of
+    "Retrying in Ns"; the offline mode it borrows for the call is given back."""
+    datasets = pytest.importorskip("datasets", reason="datasets not installed (pip install datasets)")
+    import time
+
+    from huggingface_hub import constants
+
+    from arl.procs import free_port
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        read_tasks("hf:arl-no-such-org/no-such-dataset@train")
+    took = time.monotonic() - start
+    msg = str(e.value)
+    assert msg.startswith("env.dataset: hf:arl-no-such-org/no-such-dataset@train: not in the local datasets cache, "
+                          "and the Hub (127.0.0.1) cannot be reached from here (") and "\n" not in msg
+    assert msg.endswith("; download it where there is network, or give a local folder as hf:<folder>")
+    assert took < 15, took  # the retries alone take 31 s (1 + 2 + 4 + 8 + 16)
+    assert datasets.config.HF_HUB_OFFLINE is False and constants.HF_HUB_OFFLINE is False
+
+
 # ----------------------------------------------------------------------------- split and order
 
 @pytest.mark.parametrize("n,fraction,n_eval", [(100, 0.1, 10), (10, 0.04, 1), (2, 0.01, 1), (1, 0.1, 0),

@@ -154,3 +154,43 @@ def test_dry_run_catches_a_parser_that_cannot_read_the_templates_calls(llama_tok
     with pytest.raises(ValueError, match="^env.tool_parser 'hermes' cannot read"):
         check_door("tools", {"tools": ["fxplug:get_rate"], "reward_fn": "fxplug:reward"}, None, "-", None, "-",
                    tokenizer=llama_tok)
+
+
+def test_dry_run_catches_a_parser_that_cannot_read_the_format_the_prompt_teaches(llama_tok, fxplug):
+    """A template that does not render tools: the prompt teaches the hermes format in the system
+    message (arl/rollout/episode.py), so a parser that cannot read it (qwen3_xml) would read no
+    call; the dry run says so in one line.  The parser's own tokenizer is checked when the dry run
+    has none (the tiny model).  (vLLM's llama3_json does read hermes' JSON, so it passes.)"""
+    from arl.env.door import check_door, prompt_mismatch
+    from arl.model.tiny import CHAT_TEMPLATE
+    from arl.prepare import renders_tools
+
+    plain = byte_tokenizer(LLAMA_SPECIAL + ["<tool_call>", "</tool_call>"], "<|begin_of_text|>", "<|eot_id|>", None)
+    plain.chat_template = CHAT_TEMPLATE  # renders messages only: no tools, no tool calls
+    kw = {"tools": ["fxplug:get_rate"], "reward_fn": "fxplug:reward"}
+    want = ("env.tool_parser 'qwen3_xml': this model's chat template does not render tools, so the prompt teaches "
+            "the hermes format (<tool_call>...</tool_call>), which 'qwen3_xml' cannot read; use env.tool_parser: "
+            "hermes, or a model whose template renders tools")
+    for given in (plain, None):
+        with pytest.raises(ValueError) as e:
+            check_door("tools", {**kw, "parser": "qwen3_xml", "tokenizer": plain}, None, "-", None, "-", tokenizer=given,
+                       renders_tools=renders_tools)  # as arl.prepare.preflight calls it
+        assert str(e.value) == want
+    assert renders_tools(plain) is False and renders_tools(llama_tok) is True
+    # hermes reads what the prompt teaches; a template that renders tools teaches its own format
+    assert prompt_mismatch(make_parser("hermes"), False, [RATE]) is None
+    assert prompt_mismatch(make_parser("llama3_json", plain), False, [RATE]) is None
+    assert prompt_mismatch(make_parser("qwen3_xml", plain), False, None) is None  # no tools: nothing taught
+    assert prompt_mismatch(make_parser("qwen3_xml", llama_tok), True, [RATE]) is None
+    assert prompt_mismatch(make_parser("qwen3_xml", plain), False, [RATE]) == want
+
+
+def test_preflight_hands_the_door_its_tools_rendering_check(monkeypatch):
+    """The env layer cannot import the rollout layer's ChatFormat: the preflight passes it in."""
+    import arl.prepare as prepare
+    from arl.config import load_config
+
+    seen = {}
+    monkeypatch.setattr(prepare, "check_door", lambda *a, **kw: seen.update(kw) or [])
+    prepare.preflight(load_config(None, []))
+    assert seen["renders_tools"] is prepare.renders_tools

@@ -9,7 +9,11 @@ from the Hub or its local cache) or a local dataset folder (``hf:./my_dataset@tr
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -110,6 +114,56 @@ def _saved(path: Path, key: str) -> Iterator[Record]:
     yield from _rows(_one_split(ds, datasets, key, str(path), f"give one split's directory, e.g. {path}/{{}}"))
 
 
+HUB_PROBE_S = 3.0  # how long the Hub gets to accept a connection before a hub id is read from the cache alone
+
+
+def _hub_endpoint() -> str:
+    try:
+        from huggingface_hub import constants
+        return constants.ENDPOINT
+    except ImportError:
+        return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def _hub_unreachable() -> Optional[str]:
+    """The Hub's host when it cannot be reached from here (no DNS, no route, nothing listening within
+    ``HUB_PROBE_S``), else None.  Behind a proxy the answer is left to the HTTP client (None)."""
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return None
+    url = urlparse(_hub_endpoint())
+    ok = []
+
+    def probe():
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                     HUB_PROBE_S).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    # in a thread: the connect timeout does not cover the name lookup (5 s per try without DNS)
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(HUB_PROBE_S)
+    return None if ok else (url.hostname or str(url))
+
+
+@contextlib.contextmanager
+def _offline(datasets):
+    """datasets and huggingface_hub in offline mode for one call (what HF_HUB_OFFLINE=1 does): the
+    cache is read, the Hub is not asked -- no "Retrying in Ns" loop of half a minute."""
+    from huggingface_hub import constants
+
+    old = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = old
+
+
 def _hub(source: str, key: str) -> Iterator[Record]:
     """``hf:<id or folder>[:config][@split]`` through ``datasets.load_dataset``."""
     spec = source[len(HF_PREFIX):]
@@ -118,9 +172,19 @@ def _hub(source: str, key: str) -> Iterator[Record]:
     if not name:
         raise ValueError(f"{key}: {source!r}: expected hf:<hub id or folder>[:config][@split]")
     datasets = _datasets(key, source)
+    # a hub id while the Hub cannot be reached: the cache alone, so an uncached one fails at once
+    # instead of after huggingface_hub's retries (offline mode already set: the caller's choice)
+    host = None
+    if not Path(name).expanduser().exists() and not datasets.config.HF_HUB_OFFLINE:
+        host = _hub_unreachable()
     try:
-        ds = datasets.load_dataset(name, config or None, split=split or None)
+        with _offline(datasets) if host else contextlib.nullcontext():
+            ds = datasets.load_dataset(name, config or None, split=split or None)
     except Exception as e:  # not on the Hub, offline and not cached, no such split or config, ...
+        if host:
+            raise ValueError(f"{key}: {source}: not in the local datasets cache, and the Hub ({host}) cannot be "
+                             f"reached from here ({_first_line(e)}); download it where there is network, or give "
+                             f"a local folder as {HF_PREFIX}<folder>") from None
         raise ValueError(f"{key}: {source}: datasets.load_dataset failed ({_first_line(e)})") from None
     yield from _rows(_one_split(ds, datasets, key, source, f"name one, e.g. {HF_PREFIX}{spec}@{{}}"))
 

@@ -1,6 +1,7 @@
 """What ``--dry-run`` checks about the user's own pieces beyond "the env is made and resets": the
 env's tool-call parser reads the calls the model's chat template writes (a Llama model on the
-default ``hermes`` would otherwise have every call count as its final answer), the demonstrations
+default ``hermes`` would otherwise have every call count as its final answer) and, where the
+template does not render tools, the Hermes format the prompt then teaches; the demonstrations
 call only declared tools, with arguments valid against each tool's schema, and the reward function
 (an env's ``reward_fn``, as the tools env has) runs once -- on the first demonstration (or, without
 demonstrations, on an episode that answered nothing) -- without raising.  Each failure is one line."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from .registry import make_env
 from .reward import EpisodeRecord, score
@@ -70,6 +71,23 @@ def format_mismatch(parser: ToolParser, tokenizer) -> Optional[str]:
                                      else "no arl or vLLM format reads them"))
 
 
+def prompt_mismatch(parser: ToolParser, renders_tools: bool, tools) -> Optional[str]:
+    """None unless the env has ``tools``, the model's chat template does not render them
+    (``renders_tools``: ``ChatFormat.supports_tools``) and ``parser`` cannot read the Hermes format;
+    else one line.  Without a template that renders tools, the episode's prompt teaches the Hermes
+    format in the system message (arl/rollout/episode.py), so a parser that does not read it
+    (``qwen3_xml``) would read no call at all."""
+    if not tools or renders_tools:
+        return None
+    hermes = PARSERS["hermes"]()
+    got = parser.parse(hermes.format_calls("", _PROBE)).calls
+    if [(c.name, c.arguments) for c in got] == [("arl_probe", {"n": 1})]:
+        return None
+    return (f"env.tool_parser {parser.name!r}: this model's chat template does not render tools, so the prompt "
+            f"teaches the hermes format ({hermes.OPEN}...{hermes.CLOSE}), which {parser.name!r} cannot read; "
+            "use env.tool_parser: hermes, or a model whose template renders tools")
+
+
 def demo_record(messages: List[Mapping]) -> EpisodeRecord:
     """The ``EpisodeRecord`` a reward function would get had the model played ``messages``."""
     calls, i = [], 0
@@ -105,14 +123,20 @@ def check_reward_once(env, task: Optional[dict], task_where: str, demo: Optional
 
 
 def check_door(name: str, kwargs: dict, task: Optional[dict], task_where: str, demos: Optional[List[list]],
-               demo_where: str, tokenizer=None) -> List[str]:
+               demo_where: str, tokenizer=None, renders_tools: Optional[Callable] = None) -> List[str]:
     """The checks above on the configured env (``tokenizer``: the model's, when it is on this
-    machine: its chat template's call format is checked against the env's parser); the dry run's
-    report lines."""
+    machine: its chat template's call format is checked against the env's parser;
+    ``renders_tools(tokenizer)``: whether the template renders tools, for the format the prompt
+    teaches -- given by the caller, the rollout layer's ``ChatFormat`` being above this one); the dry
+    run's report lines."""
     env = make_env(name, **kwargs)
     parser = getattr(env, "parser", None)
-    if tokenizer is not None and isinstance(parser, ToolParser):
-        wrong = format_mismatch(parser, tokenizer)
+    if isinstance(parser, ToolParser):
+        # a vLLM parser holds the model's tokenizer (also the tiny model's, which the dry run does not pass)
+        tok = tokenizer if tokenizer is not None else getattr(parser, "tokenizer", None)
+        wrong = format_mismatch(parser, tokenizer) if tokenizer is not None else None
+        if wrong is None and tok is not None and renders_tools is not None:
+            wrong = prompt_mismatch(parser, renders_tools(tok), getattr(env, "tools", None))
         if wrong:
             asyncio.run(env.close())
             raise ValueError(wrong)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import tempfile
 import threading
 from typing import Any, Dict, Optional
 
@@ -53,13 +54,19 @@ class McpServer:
     def __init__(self, params: Any, timeout_s: float, start_timeout_s: float):
         self.params, self.timeout_s, self.dead = params, timeout_s, False
         self.start_timeout_s = start_timeout_s
+        # the server's stderr, kept for the error of a server that dies at start (its own last word,
+        # e.g. the import that failed, where the MCP client sees only "Connection closed")
+        self.err = tempfile.TemporaryFile()
         self.ready: concurrent.futures.Future = concurrent.futures.Future()
         self._stop = asyncio.Event()  # (bound to the MCP loop on first use)
         self.task = asyncio.run_coroutine_threadsafe(self._hold(), _loop())
 
     async def _hold(self) -> None:
         try:
-            async with mcp_module().Client(self.params, read_timeout_seconds=self.start_timeout_s) as client:
+            from mcp.client.stdio import stdio_client
+
+            transport = stdio_client(self.params, errlog=self.err)
+            async with mcp_module().Client(transport, read_timeout_seconds=self.start_timeout_s) as client:
                 self.client = client
                 self.ready.set_result((await client.list_tools()).tools)
                 await self._stop.wait()
@@ -82,6 +89,15 @@ class McpServer:
                 self.dead = True
                 raise ServerDied(f"{type(e).__name__}: {e}") from None
             raise
+
+    def tail(self) -> str:
+        """The last non-empty line the server wrote to stderr ("" when none)."""
+        try:
+            self.err.seek(0)
+            lines = [x.strip() for x in self.err.read().decode(errors="replace").splitlines() if x.strip()]
+        except (OSError, ValueError):  # closed
+            return ""
+        return lines[-1][:300] if lines else ""
 
     def close(self) -> None:
         if not self.task.done():

@@ -66,8 +66,9 @@ class MCPEnv(ToolEnv):
             if isinstance(e, concurrent.futures.TimeoutError):
                 e = TimeoutError(f"no tools/list answer within {self.start_timeout_s:g}s")
             first = (str(e).splitlines() or [""])[0]
+            said = server.tail()
             raise ValueError(f"env.kwargs.command: MCP server {self._what!r} failed to start "
-                             f"({type(e).__name__}: {first})") from None
+                             f"({type(e).__name__}: {first}" + (f"; stderr: {said})" if said else ")")) from None
         return server
 
     def _caller(self, name: str):

@@ -14,7 +14,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import arl.env  # noqa: F401  (registers the built-in environments, whose texts make the corpus)
 
@@ -66,8 +66,8 @@ def _run_coro(coro):
     return box["r"]
 
 
-async def _env_texts(name: str, seeds: int) -> list[str]:
-    env = make_env(name)
+async def _env_texts(name: str, seeds: int, kwargs: Mapping) -> list[str]:
+    env = make_env(name, **kwargs)
     texts = [env.system_prompt or ""]
     try:
         for seed in range(seeds):
@@ -78,16 +78,29 @@ async def _env_texts(name: str, seeds: int) -> list[str]:
     return texts
 
 
-def build_corpus(envs: Sequence[str] | None = None, seeds: int = 16) -> list[str]:
-    """Deterministic training text: registered environments' prompts, tasks, demonstrations."""
+def build_corpus(envs: Sequence[str] | None = None, seeds: int = 16,
+                 env_kwargs: Mapping[str, Mapping] | None = None) -> list[str]:
+    """Deterministic training text: registered environments' prompts, tasks, demonstrations.
+    ``env_kwargs``: constructor arguments by env name, for an env that cannot be made without them
+    (a run's configured ``env.kwargs``: MCP's ``command``)."""
     names = sorted(ENVIRONMENTS) if envs is None else list(envs)
     texts = [FALLBACK_TEXT]
     for name in names:
-        try:
-            texts.extend(_run_coro(_env_texts(name, seeds)))
-        except Exception as e:  # an env that needs arguments or resources: skip it, loudly in metadata
-            if envs is not None:
-                raise ValueError(f"envs: environment {name!r} could not produce corpus text: {e}") from e
+        given = dict((env_kwargs or {}).get(name) or {})
+        # the env as registered first, so that the tiny models of configs whose env needs no
+        # arguments (and the runs measured on them) keep their tokenizer; the given kwargs where
+        # it cannot be made or reset without them
+        tries = [{}, given] if given else [{}]
+        for n, kwargs in enumerate(tries):
+            try:
+                texts.extend(_run_coro(_env_texts(name, seeds, kwargs)))
+                break
+            except Exception as e:  # an env that needs arguments or resources: skip it, loudly in metadata
+                if n + 1 < len(tries) or envs is None:
+                    continue
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise ValueError(f"envs: environment {name!r} could not produce the tiny model's corpus text "
+                                 f"(model.name_or_path: tiny; {type(e).__name__}: {first})") from None
     return [t for t in texts if t]
 
 
@@ -133,17 +146,17 @@ def default_cache_dir() -> Path:
 
 def build_tiny_model(out_dir: str | os.PathLike | None = None, config: TinyModelConfig | None = None, *,
                      seed: int = 0, envs: Optional[Sequence[str]] = None, corpus_seeds: int = 16,
-                     corpus: Sequence[str] | None = None) -> Path:
+                     corpus: Sequence[str] | None = None, env_kwargs: Mapping[str, Mapping] | None = None) -> Path:
     """Build (or reuse) the tiny model + tokenizer of ``config`` (the ``model.tiny`` section); return
     the HF-format directory.
 
     ``out_dir``: where to put it (default: the cache, keyed by content hash).  ``seed``: the weights'
     init seed.  ``corpus``: the tokenizer's training text (default: ``build_corpus(envs,
-    corpus_seeds)``, every registered environment when ``envs`` is None).
+    corpus_seeds, env_kwargs)``, every registered environment when ``envs`` is None).
     """
     cfg = config or TinyModelConfig()
     if corpus is None:
-        corpus = build_corpus(envs, corpus_seeds)
+        corpus = build_corpus(envs, corpus_seeds, env_kwargs)
     corpus = list(corpus)
     if not corpus or not all(isinstance(t, str) for t in corpus):
         raise ValueError("corpus: must be a non-empty list of strings")
