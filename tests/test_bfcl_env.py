@@ -22,8 +22,8 @@ def rows():
 
 
 # -- single turn ---------------------------------------------------------------------------------
-async def play(env, entry, texts):
-    await env.reset(0, task=entry)
+async def play(env, entry, texts, seed=0):
+    await env.reset(seed, task=entry)
     for text in texts:
         res = await env.step(text)
         if res.done:
@@ -143,3 +143,11 @@ def test_config_names_the_env():
     env = make_env(cfg.env.name, **cfg.env.kwargs)
     first = asyncio.run(env.reset(3))
     assert env.rows[3]["id"] == "live_simple_3-2-1" and first[-1]["content"].startswith("I need a 'Plus'")
+
+
+def test_a_pool_of_envs_shares_the_rows_and_episodes_leave_them_alone(rows):
+    a, b = (make_env("bfcl", categories=["multi_turn_base"], limit=2) for _ in range(2))
+    assert a.rows[1] is b.rows[1]
+    before = repr(a.rows[1])
+    asyncio.run(play(a, None, [t for turn in FIXTURE["multi_turn"][0]["turns"] for t in turn], seed=1))
+    assert a.verdict["valid"] and repr(b.rows[1]) == before

@@ -77,8 +77,8 @@ class BfclEnv(Environment):
 
     @property
     def rows(self) -> List[Dict[str, Any]]:
-        if self._rows is None:  # read on first use: a pool of envs shares BFCL's cached files
-            self._rows = load_entries(self.categories, self.limit)
+        if self._rows is None:  # read on first use, shared by the process's envs (reset copies its row)
+            self._rows = load_entries(self.categories, self.limit, copy_rows=False)
         return self._rows
 
     async def reset(self, seed: int, task: Optional[Mapping] = None) -> List[Dict[str, str]]:

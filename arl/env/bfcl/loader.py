@@ -109,14 +109,16 @@ def _entries(category: str) -> tuple:
     return tuple(rows)
 
 
-def load_entries(categories: List[str], limit: int | None = None) -> List[Dict[str, Any]]:
+def load_entries(categories: List[str], limit: int | None = None, copy_rows: bool = True) -> List[Dict[str, Any]]:
     """BFCL's rows of ``categories`` in its order (``limit``: the first N of each), each with its
     ``ground_truth`` and ``category``, prepared by BFCL's own loader (its function docs, with the
-    language hint it adds to every description)."""
+    language hint it adds to every description).  ``copy_rows=False``: the process's shared rows,
+    read-only (a pool of environments holds them once)."""
     out = []
     for c in check_categories(categories):
         rows = _entries(c)
-        out += [copy.deepcopy(r) for r in (rows if limit is None else rows[:limit])]
+        rows = rows if limit is None else rows[:limit]
+        out += [copy.deepcopy(r) for r in rows] if copy_rows else list(rows)
     return out
 
 
