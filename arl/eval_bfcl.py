@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -168,6 +169,8 @@ def render(summary: dict, model_dir: str, console: Optional[Console] = None) -> 
     for col, a in summary["aggregates"].items():
         part = "" if a["categories"] == a["of"] else f" (over {', '.join(a['categories'])} of {', '.join(a['of'])})"
         console.print(f"{col}: {100 * a['accuracy']:.1f}%{part}", markup=False, highlight=False)
+    if "wall_s" in summary:
+        console.print(f"{summary['rows']} rows in {summary['wall_s']:.0f} s (engine start included)")
     if summary["checker_errors"]:
         console.print(f"checker errors: {summary['checker_errors']} rows (marked checker_error, scored wrong)")
 
@@ -198,8 +201,9 @@ def main(argv=None) -> int:
         return 2
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep stdout for the table
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    t0 = time.monotonic()
     rows = asyncio.run(evaluate(cfg, model_dir, entries, transcripts=bool(args.show or out)))
-    summary = summarize(rows, categories)
+    summary = dict(summarize(rows, categories), wall_s=round(time.monotonic() - t0, 1))
     show(rows, args.show)
     render(summary, model_dir)
     if out is not None:
