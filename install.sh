@@ -22,12 +22,17 @@
 #   --verifiers   also verifiers' side in a venv of its own, .venv-verifiers (or ARL_VERIFIERS_VENV;
 #                 verifiers==0.4.0 conflicts with arl's pins, so never in arl's venv), for verifiers
 #                 environments (env.name: verifiers): tools/install_verifiers.sh
+#   --bfcl        also bfcl-eval==2026.3.23 (the Berkeley Function Calling Leaderboard's data and
+#                 checkers, env.name: bfcl and python -m arl.eval --bench bfcl) WITHOUT its
+#                 dependencies: it pins numpy==1.26.4 and ~30 API-client SDKs that arl never imports
+#                 (arl/env/bfcl/ keeps its model table out); what its checkers' imports need
+#                 (filelock, pandas, mpmath) comes with arl's pins and is checked after the install
 #   --wandb       also wandb 0.31.0, for logging.wandb (offline mode needs no account)
 #   --peer        also the peers of bench/bench_peer.py: TRL 1.16.0 and verl 0.9.1, each without
 #                 its dependencies (verl asks for transformers<5.11; the part the bench runs works
 #                 beside arl's 5.19), plus what their imports need
 #   --test-extras every extra the test suite exercises (what .ci/run installs): --gym --mcp
-#                 --openenv --verifiers --wandb --peer
+#                 --openenv --verifiers --wandb --peer --bfcl
 # The C++ op is built for x86-64-v3 (portable); ARL_CPU_ARCH=native builds for this CPU (setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -39,6 +44,7 @@ OPENENV=0
 VERIFIERS=0
 WANDB=0
 PEER=0
+BFCL=0
 ISOLATED=0
 VENV=${ARL_VENV:-.venv}
 TARGET=${ARL_PYTHON:-}
@@ -51,11 +57,12 @@ while [ $# -gt 0 ]; do
     --verifiers) VERIFIERS=1 ;;
     --wandb) WANDB=1 ;;
     --peer) PEER=1 ;;
-    --test-extras) GYM=1; MCP=1; OPENENV=1; VERIFIERS=1; WANDB=1; PEER=1 ;;
+    --bfcl) BFCL=1 ;;
+    --test-extras) GYM=1; MCP=1; OPENENV=1; VERIFIERS=1; WANDB=1; PEER=1; BFCL=1 ;;
     --isolated) ISOLATED=1 ;;
     --venv) VENV=${2:?--venv needs a directory}; shift ;;
     --python) TARGET=${2:?--python needs an interpreter}; shift ;;
-    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --openenv, --verifiers, --wandb, --peer, --test-extras)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $1 (known: --venv DIR, --isolated, --python PY, --smollm2, --gym, --mcp, --openenv, --verifiers, --wandb, --peer, --bfcl, --test-extras)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -300,6 +307,17 @@ if [ "$PEER" = 1 ]; then
   fi
   "$PY" -c "import trl, verl.trainer.ppo.core_algos" || die "--peer: trl or verl does not import (see above)"
   say "peers ready: python bench/bench_peer.py --quick"
+fi
+if [ "$BFCL" = 1 ]; then
+  # --no-deps: bfcl-eval's own requirements would replace arl's numpy and add ~30 SDKs
+  BFCL_PINS=(bfcl-eval==2026.3.23)
+  mapfile -t todo < <(check missing "${BFCL_PINS[@]}")
+  if [ ${#todo[@]} -gt 0 ]; then
+    say "installing: ${todo[*]} (without its dependencies)"
+    pip_install --no-deps "${BFCL_PINS[@]}"
+  fi
+  "$PY" -c "import arl.env.bfcl.loader as b; b.bfcl()" || die "--bfcl: BFCL's checkers do not import (see above)"
+  say "bfcl ready: python -m arl.eval --bench bfcl --model DIR (docs/bfcl.md)"
 fi
 # Every pin still holds at the end: a later step (the extras above, a dependency of one) that moved a
 # pinned package is reported here rather than found as an import error in a run.

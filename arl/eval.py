@@ -1,5 +1,7 @@
 """Evaluation only: ``python -m arl.eval --model DIR [--config X.yaml] [--tasks N] [--show N] [--out FILE] [key=value ...]``.
 
+``--bench bfcl``: the Berkeley Function Calling Leaderboard instead (arl/eval_bfcl.py, docs/bfcl.md).
+
 Greedy held-out success of the HF model in DIR (a run's ``hf/`` or ``checkpoints/step<N>/hf``, or
 any HF directory with its tokenizer) on the config's environment, and one row per task: seed,
 reward, success, model turns, tool calls and errors, fault.  It runs the training run's own engine
@@ -23,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from . import eval_bfcl
 from .config import ConfigError, TrainConfig, load_config
 from .rollout.episode import ChatFormat
 from .rollout.engine_args import check_engine_kwargs
@@ -132,6 +135,9 @@ def write_out(path: Path, rows: list, summary: dict, model_dir: str, config: Opt
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--bench" or a.startswith("--bench=") for a in argv):  # a benchmark of its own
+        return eval_bfcl.main(argv)
     args = parse_args(argv)
     try:
         cfg, model_dir, n, out = resolve(args)

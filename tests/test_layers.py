@@ -17,6 +17,7 @@ LAYERS = [
     ("trainer",),
     ("prepare", "layout", "plot"),
     ("launch", "cluster"),
+    ("eval_bfcl",),  # python -m arl.eval --bench bfcl: below eval, which dispatches to it
     ("train", "eval"),
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}

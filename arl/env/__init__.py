@@ -7,7 +7,7 @@ from .tool_env import ToolEnv
 from .tool_parsers import ParsedCall, ParsedCalls, ToolParser, get_parser, register_parser
 from .tools import Tool, load_tools, tool_from_callable, tool_from_schema
 from .vllm_parsers import make_parser
-from . import code, gym_env, long_lookup, mcp_env, openenv_env, toy, verifiers_env  # noqa: F401  (register code_exec, gym, long_lookup, mcp, openenv, toy_lookup, verifiers; ToolEnv: tools)
+from . import bfcl, code, gym_env, long_lookup, mcp_env, openenv_env, toy, verifiers_env  # noqa: F401  (register bfcl, code_exec, gym, long_lookup, mcp, openenv, toy_lookup, verifiers; ToolEnv: tools)
 
 __all__ = ["ANSWER_END", "ENVIRONMENTS", "Environment", "EpisodeRecord", "Fault", "ParsedCall", "ParsedCalls",
            "ParsedTurn", "RewardError", "STOP_STRINGS", "StepResult", "TOOL_CALL_END", "Tool", "ToolEnv", "ToolParser",
