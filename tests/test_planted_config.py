@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from arl.config import ConfigError, load_config
-from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.data.prefix_tree import build_layout, layout_compute
 from arl.data.share_report import share_report
 from arl.layout import _share_prefix_line
+
+from test_share_report import _traj
 
 GPU = "configs/qwen2.5-7b_8gpu.yaml"
 
@@ -32,14 +33,6 @@ def test_share_prefix_auto_stays_off_on_gpu_whatever_the_attention(attn):
     assert cfg.shares_prefix() is False
     assert _share_prefix_line(cfg) == "off (auto: GPU: not measured there yet)"
     assert load_config(GPU, [f"model.attn_implementation={attn}", "trainer.share_prefix=true"]).shares_prefix() is True
-
-
-def _traj(tokens, gid):
-    L = len(tokens)
-    chunk = np.full(L, -1, dtype=np.int32)
-    chunk[L // 2:] = 0
-    return Trajectory(tokens=np.asarray(tokens), chunk_ids=chunk, rollout_logp=np.zeros(L, np.float32), reward=1.0,
-                      group_id=gid)
 
 
 def test_a_split_group_with_different_prompts_is_reported_by_its_prompts():

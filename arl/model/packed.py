@@ -94,16 +94,20 @@ def _varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     return out.transpose(1, 2).contiguous(), None
 
 
-_REGISTERED = False
+_REGISTERED: set = set()
+
+
+def register_attention(name: str, fn) -> None:
+    """``fn`` under ``name`` in transformers' AttentionInterface, once per process."""
+    if name not in _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(name, fn)
+        _REGISTERED.add(name)
 
 
 def _register_with_transformers() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ARL_VARLEN_SDPA, _varlen_sdpa_attention)
-        _REGISTERED = True
+    register_attention(ARL_VARLEN_SDPA, _varlen_sdpa_attention)
 
 
 def _flash_available(device: torch.device) -> bool:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .packed import (_ALIGN, _attention_implementation, _base_model, _check_cu_seqlens, _head_logprobs,
-                     _varlen_sdpa_attention, position_ids_from_cu_seqlens)
+                     _varlen_sdpa_attention, position_ids_from_cu_seqlens, register_attention)
 
 ARL_ULYSSES = "arl_ulysses"  # name under which the SP attention is registered in transformers
 
@@ -137,16 +137,8 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return local.transpose(0, 1)[None].contiguous(), None
 
 
-_REGISTERED = False
-
-
 def register_with_transformers() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ARL_ULYSSES, _ulysses_attention)
-        _REGISTERED = True
+    register_attention(ARL_ULYSSES, _ulysses_attention)
 
 
 def check_heads(config, size: int) -> None:
