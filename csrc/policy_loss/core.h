@@ -26,16 +26,20 @@ enum Surrogate : int { kPPOClip = 0, kTOPR = 1 };
 enum MismatchMode : int { kMask = 0, kTruncate = 1 };
 enum LossAgg : int { kTokenMean = 0, kSeqMeanTokenMean = 1, kSeqMeanTokenSum = 2, kSeqMeanTokenSumNorm = 3 };
 enum KL : int { kKLOff = 0, kK1 = 1, kK2 = 2, kK3 = 3 };
+// where A_s comes from: given per sequence, or a group estimator computed in the pass (group_adv.py IN_PASS)
+enum AdvEstimator : int { kAdvGiven = 0, kGRPO = 1, kDrGRPO = 2, kRLOO = 3 };
+// columns of the step's [G, 4] float64 group table (group_adv.py GROUP_STATS)
+enum GroupStat : int { kGCount, kGSum, kGStd, kGZeroVar, kNumGroupStats };
 
 // Integer options, in the order of the op's `int[] iopts`.
 enum IOpt : int {
   kIRatioLevel, kISurrogate, kIPositiveOnly, kIMismatchLevel, kIMismatchMode, kILossAgg,
-  kIKL, kIEntropyTerm, kIHasDual, kIHasClamp, kIHasAggConstant, kIHasNormalizer, kINumIOpts
+  kIKL, kIEntropyTerm, kIHasDual, kIHasClamp, kIHasAggConstant, kIHasNormalizer, kIAdvEstimator, kINumIOpts
 };
 // Float options, in the order of the op's `float[] fopts`.
 enum FOpt : int {
   kFClipLow, kFClipHigh, kFDualClip, kFGamma, kFMismatchLow, kFMismatchHigh, kFAggConstant,
-  kFKLBeta, kFEntropyCoef, kFLogRatioClamp, kFNormalizer, kFNumFOpts
+  kFKLBeta, kFEntropyCoef, kFLogRatioClamp, kFNormalizer, kFAdvEps, kFNumFOpts
 };
 
 // Per-sequence partial sums, reduced in sequence order by the caller (determinism).
@@ -121,7 +125,37 @@ struct Opts {
   ARL_HD T clamp_gate(T x) const { return (!has_clamp || (x >= -clamp && x <= clamp)) ? T(1) : T(0); }
 };
 
-// ---- advantages: A_s is an input per sequence (arl/algo/advantages.py, before packing) ----
+// ---- in-pass advantages: the group estimator of sequence s from its reward r and its group's row g
+// of the step's table (count, sum, std, zero_var; group_adv.py), in double with the registry's
+// operations (arl/algo/advantages.py); a zero-variance group (a singleton too) gives exactly 0.
+// The caller rounds the result once to T, as a given advantage is rounded.
+ARL_HD inline double group_advantage(int est, double r, const double* g, double eps) {
+  if (g[kGZeroVar] != 0.0) return 0.0;
+  const double cnt = g[kGCount], sum = g[kGSum];
+  if (est == kRLOO) return r - (sum - r) / maxv(cnt - 1.0, 1.0);
+  const double d = r - sum / maxv(cnt, 1.0);
+  return est == kGRPO ? d / (g[kGStd] + eps) : d;
+}
+
+// The per-sequence advantage inputs: given (adv) or in-pass (rewards, group rows, the step's table).
+template <typename T>
+struct AdvIn {
+  const T* adv;             // [N] given advantages, or null
+  const double* rewards;    // [N] in-pass rewards
+  const int64_t* group;     // [N] row of each sequence in stats
+  const double* stats;      // [G, kNumGroupStats]
+  int64_t n_groups;         // G
+  int est;
+  double eps;
+  ARL_HD T of(int64_t s) const {
+    if (est == kAdvGiven) return adv[s];
+    const int64_t g = group[s];
+    if (g < 0 || g >= n_groups) return static_cast<T>(NAN);  // never read outside the table
+    return static_cast<T>(group_advantage(est, rewards[s], stats + g * kNumGroupStats, eps));
+  }
+};
+
+// ---- advantages: A_s per sequence (given, or in-pass above) ----
 // A_c = gamma**Delta(c) * A_s, Delta(c) = chunks after c in the sequence; positive_only clamps at 0.
 // The spec's underflow rule: discount and product in double, each flushed to 0 below T's smallest
 // normal, one rounding to T — no subnormal reaches T arithmetic (a GPU would flush it).

@@ -364,7 +364,7 @@ void process_sequence_fast(const Inputs<in_t, idx_t>& in, const Opts<T>& o, Chun
 }
 
 template <typename in_t, typename idx_t, typename T>
-void run(const Inputs<in_t, idx_t>& in, const T* adv, int64_t N, const int64_t* io, const double* fo, T* grad,
+void run(const Inputs<in_t, idx_t>& in, const AdvIn<T>& adv, int64_t N, const int64_t* io, const double* fo, T* grad,
          T* loss_out, T* stats, T* seq_coef) {
   const Opts<T> o = Opts<T>::make(io, fo);
 
@@ -382,10 +382,11 @@ void run(const Inputs<in_t, idx_t>& in, const T* adv, int64_t N, const int64_t* 
     for (int64_t s = 0; s < N; ++s) {
       Acc<T> acc;
       acc.zero();
+      const T adv_s = adv.of(s);  // given, or the group estimator computed here (in-pass)
       if (fast)
-        process_sequence_fast(in, o, chunk_fn, s, adv[s], grad, acc, seq_coef + s, spans);
+        process_sequence_fast(in, o, chunk_fn, s, adv_s, grad, acc, seq_coef + s, spans);
       else
-        process_sequence(in, o, s, adv[s], grad, acc, seq_coef + s);
+        process_sequence(in, o, s, adv_s, grad, acc, seq_coef + s);
       std::copy(acc.v, acc.v + kNumPartials, part.data() + s * kNumPartials);
     }
   }
@@ -436,6 +437,35 @@ void check_token(const c10::optional<at::Tensor>& x, const char* name, const at:
   TORCH_CHECK_VALUE(x->is_contiguous() && x->device().is_cpu(), kOp, ": ", name, " must be contiguous on CPU");
 }
 
+bool given(const c10::optional<at::Tensor>& x) { return x.has_value() && x->defined(); }
+
+// Either the given advantages [N] of the compute dtype, or the in-pass inputs: float64 rewards [N],
+// int64 group rows [N] inside the float64 [G, 4] table (checked here: the op indexes the table).
+void check_advantages(const c10::optional<at::Tensor>& adv, const c10::optional<at::Tensor>& rew,
+                      const c10::optional<at::Tensor>& gidx, const c10::optional<at::Tensor>& gstats, int64_t est,
+                      int64_t N, at::ScalarType cdt) {
+  auto vec = [&](const c10::optional<at::Tensor>& x, const char* name, at::ScalarType dt) {
+    TORCH_CHECK_VALUE(given(x), kOp, ": ", name, " is required (", est == kAdvGiven ? "advantages given" : "in-pass",
+                      ")");
+    TORCH_CHECK_VALUE(x->scalar_type() == dt && x->is_contiguous() && x->dim() == 1 && x->numel() == N &&
+                          x->device().is_cpu(), kOp, ": ", name, " must be contiguous [N] of dtype ", dt, " on CPU");
+  };
+  if (est == kAdvGiven) {
+    vec(adv, "advantages", cdt);
+    return;
+  }
+  TORCH_CHECK_VALUE(est == kGRPO || est == kDrGRPO || est == kRLOO, kOp, ": unknown adv_estimator code ", est);
+  vec(rew, "rewards", at::kDouble);
+  vec(gidx, "group_index", at::kLong);
+  TORCH_CHECK_VALUE(given(gstats) && gstats->scalar_type() == at::kDouble && gstats->dim() == 2 &&
+                        gstats->size(1) == kNumGroupStats && gstats->is_contiguous() && gstats->device().is_cpu(),
+                    kOp, ": group_stats must be contiguous float64 [G, ", int(kNumGroupStats), "] on CPU");
+  const int64_t G = gstats->size(0);
+  const int64_t* g = gidx->data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK_VALUE(g[i] >= 0 && g[i] < G, kOp, ": group_index ", g[i], " at ", i, " is outside the ", G, " groups");
+}
+
 template <typename in_t>
 const in_t* ptr_or_null(const c10::optional<at::Tensor>& x) {
   return (x.has_value() && x->defined()) ? reinterpret_cast<const in_t*>(x->data_ptr()) : nullptr;
@@ -444,7 +474,9 @@ const in_t* ptr_or_null(const c10::optional<at::Tensor>& x) {
 template <typename in_t, typename idx_t, typename T>
 void dispatch_run(const at::Tensor& logp, const at::Tensor& old, const c10::optional<at::Tensor>& roll,
                   const c10::optional<at::Tensor>& ref, const c10::optional<at::Tensor>& ent,
-                  const at::Tensor& adv, const at::Tensor& cu, const at::Tensor& cid,
+                  const c10::optional<at::Tensor>& adv, const c10::optional<at::Tensor>& rew,
+                  const c10::optional<at::Tensor>& gidx, const c10::optional<at::Tensor>& gstats,
+                  const at::Tensor& cu, const at::Tensor& cid,
                   const int64_t* io, const double* fo, at::Tensor& grad, at::Tensor& loss, at::Tensor& stats,
                   at::Tensor& coef) {
   Inputs<in_t, idx_t> in;
@@ -455,7 +487,15 @@ void dispatch_run(const at::Tensor& logp, const at::Tensor& old, const c10::opti
   in.entropy = ptr_or_null<in_t>(ent);
   in.chunk_ids = cid.data_ptr<idx_t>();
   in.cu_seqlens = cu.data_ptr<int64_t>();
-  run<in_t, idx_t, T>(in, adv.data_ptr<T>(), adv.numel(), io, fo,
+  AdvIn<T> a;
+  a.est = static_cast<int>(io[kIAdvEstimator]);
+  a.eps = fo[kFAdvEps];
+  a.adv = a.est == kAdvGiven ? adv->data_ptr<T>() : nullptr;
+  a.rewards = a.est == kAdvGiven ? nullptr : rew->data_ptr<double>();
+  a.group = a.est == kAdvGiven ? nullptr : gidx->data_ptr<int64_t>();
+  a.stats = a.est == kAdvGiven ? nullptr : gstats->data_ptr<double>();
+  a.n_groups = a.est == kAdvGiven ? 0 : gstats->size(0);
+  run<in_t, idx_t, T>(in, a, cu.numel() - 1, io, fo,
                       grad.defined() && grad.numel() ? grad.data_ptr<T>() : nullptr, loss.data_ptr<T>(),
                       stats.data_ptr<T>(), coef.data_ptr<T>());
 }
@@ -463,8 +503,9 @@ void dispatch_run(const at::Tensor& logp, const at::Tensor& old, const c10::opti
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logp, const at::Tensor& old_logp, const c10::optional<at::Tensor>& rollout_logp,
     const c10::optional<at::Tensor>& ref_logp, const c10::optional<at::Tensor>& entropy,
-    const at::Tensor& advantages, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids, at::IntArrayRef iopts,
-    at::ArrayRef<double> fopts, bool need_grad) {
+    const c10::optional<at::Tensor>& advantages, const at::Tensor& cu_seqlens, const at::Tensor& chunk_ids,
+    at::IntArrayRef iopts, at::ArrayRef<double> fopts, bool need_grad, const c10::optional<at::Tensor>& rewards,
+    const c10::optional<at::Tensor>& group_index, const c10::optional<at::Tensor>& group_stats) {
   TORCH_CHECK_VALUE(iopts.size() == kINumIOpts, kOp, ": iopts must have ", int(kINumIOpts), " entries");
   TORCH_CHECK_VALUE(fopts.size() == kFNumFOpts, kOp, ": fopts must have ", int(kFNumFOpts), " entries");
   const auto dt = logp.scalar_type();
@@ -478,13 +519,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
   check_token(ref_logp, "ref_logp", logp, iopts[kIKL] != kKLOff);
   check_token(entropy, "entropy", logp, iopts[kIEntropyTerm] != 0);
   const auto cdt = dt == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t N = advantages.numel();
-  TORCH_CHECK_VALUE(N > 0, kOp, ": advantages is empty");
-  TORCH_CHECK_VALUE(advantages.scalar_type() == cdt && advantages.is_contiguous() && advantages.dim() == 1 &&
-                        advantages.device().is_cpu(), kOp, ": advantages must be contiguous [N] of dtype ", cdt,
-                    " on CPU");
-  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() &&
-                        cu_seqlens.numel() == N + 1, kOp, ": cu_seqlens must be contiguous int64 [N+1]");
+  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() && cu_seqlens.dim() == 1 &&
+                        cu_seqlens.device().is_cpu(), kOp, ": cu_seqlens must be contiguous int64 [N+1] on CPU");
+  const int64_t N = cu_seqlens.numel() - 1;
+  TORCH_CHECK_VALUE(N > 0, kOp, ": empty batch (0 sequences)");
+  check_advantages(advantages, rewards, group_index, group_stats, iopts[kIAdvEstimator], N, cdt);
   TORCH_CHECK_VALUE(
       (chunk_ids.scalar_type() == at::kInt || chunk_ids.scalar_type() == at::kLong) && chunk_ids.is_contiguous() &&
           chunk_ids.numel() == T, kOp, ": chunk_ids must be contiguous int32/int64 [T]");
@@ -503,9 +542,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
   const double* fo = fopts.data();
   const bool i32 = chunk_ids.scalar_type() == at::kInt;
 
-#define ARL_RUN(IN_T, IDX_T, ACC_T)                                                                        \
-  dispatch_run<IN_T, IDX_T, ACC_T>(logp, old_logp, rollout_logp, ref_logp, entropy, advantages, cu_seqlens, \
-                                   chunk_ids, io, fo, grad, loss, stats, coef)
+#define ARL_RUN(IN_T, IDX_T, ACC_T)                                                                         \
+  dispatch_run<IN_T, IDX_T, ACC_T>(logp, old_logp, rollout_logp, ref_logp, entropy, advantages, rewards,       \
+                                   group_index, group_stats, cu_seqlens, chunk_ids, io, fo, grad, loss, stats, coef)
   if (dt == at::kFloat) {
     if (i32) ARL_RUN(float, int32_t, float); else ARL_RUN(float, int64_t, float);
   } else if (dt == at::kDouble) {
@@ -558,8 +597,9 @@ at::Tensor policy_loss_entropy_grad_cpu(const at::Tensor& chunk_ids, const at::T
 TORCH_LIBRARY_FRAGMENT(arl, m) {
   m.def(
       "policy_loss(Tensor logp, Tensor old_logp, Tensor? rollout_logp, Tensor? ref_logp, Tensor? entropy, "
-      "Tensor advantages, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
-      "bool need_grad) -> (Tensor loss, Tensor grad_logp, Tensor stats, Tensor seq_coef)");
+      "Tensor? advantages, Tensor cu_seqlens, Tensor chunk_ids, int[] iopts, float[] fopts, "
+      "bool need_grad, Tensor? rewards=None, Tensor? group_index=None, Tensor? group_stats=None) "
+      "-> (Tensor loss, Tensor grad_logp, Tensor stats, Tensor seq_coef)");
   m.def("policy_loss_entropy_grad(Tensor chunk_ids, Tensor cu_seqlens, Tensor seq_coef, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(arl, CPU, m) {

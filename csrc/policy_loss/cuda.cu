@@ -2,7 +2,9 @@
 // torch.ops.arl.policy_loss_cuda in bindings_cuda.cpp).  The math is csrc/policy_loss/core.h,
 // the same functions the C++ CPU op runs; only the traversal is parallel:
 //
-//   (advantages are an input, one per sequence: computed before packing, arl/algo/advantages.py)
+//   (A_s is an input per sequence, computed before packing by arl/algo/advantages.py, or, in-pass,
+//    the group estimator of the sequence's reward and its group's row of the step's table, evaluated
+//    by the warp in double: core.h group_advantage)
 //   1. one warp per sequence: lanes stride over the tokens of each chunk; chunk boundaries are
 //      found with ballots; segment sums, G and the metric partials are warp-reduced with a fixed
 //      xor butterfly, so the result does not depend on scheduling.  Writes the sequence's
@@ -40,7 +42,7 @@ __device__ __forceinline__ T warp_max(T v) {
 // 1. one warp per sequence
 template <typename in_t, typename idx_t, typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    sequence_kernel(Inputs<in_t, idx_t> in, Opts<T> o, int64_t N, const T* __restrict__ adv, T* __restrict__ grad,
+    sequence_kernel(Inputs<in_t, idx_t> in, Opts<T> o, int64_t N, AdvIn<T> adv, T* __restrict__ grad,
                     double* __restrict__ part, T* __restrict__ seq_coef) {
   using L = Load<T>;
   const int64_t s = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const idx_t* cid = in.chunk_ids;
   const bool has_ent = in.entropy != nullptr;
   const bool ppo = o.surrogate == kPPOClip;
-  const T adv_s = adv[s];
+  const T adv_s = adv.of(s);  // given, or computed here from the step's group table (in-pass)
 
   // pass 1: trained count, chunk count (a chunk starts where an id exceeds every earlier id),
   // sequence-level sums
@@ -253,7 +255,14 @@ cudaError_t launch(const PolicyLossArgs& a, cudaStream_t stream) {
   in.entropy = static_cast<const in_t*>(a.entropy);
   in.chunk_ids = static_cast<const idx_t*>(a.chunk_ids);
   in.cu_seqlens = a.cu_seqlens;
-  const T* adv = static_cast<const T*>(a.advantages);
+  AdvIn<T> adv;
+  adv.est = static_cast<int>(a.iopts[kIAdvEstimator]);
+  adv.eps = a.fopts[kFAdvEps];
+  adv.adv = static_cast<const T*>(a.advantages);
+  adv.rewards = a.rewards;
+  adv.group = a.group_index;
+  adv.stats = a.group_stats;
+  adv.n_groups = a.n_groups;
   double* part = static_cast<double*>(a.part_scratch);
   const unsigned seq_blocks = static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
   sequence_kernel<in_t, idx_t, T><<<seq_blocks, kWarpsPerBlock * 32, 0, stream>>>(

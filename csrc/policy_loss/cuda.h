@@ -15,7 +15,13 @@ struct PolicyLossArgs {
   int dtype;  // token inputs: 0 float32, 1 float64, 2 bfloat16
   int idx64;  // chunk_ids int64 (else int32)
   int64_t n_seq;
-  const void *logp, *old_logp, *rollout_logp, *ref_logp, *entropy, *chunk_ids, *advantages;
+  const void *logp, *old_logp, *rollout_logp, *ref_logp, *entropy, *chunk_ids, *advantages;  // advantages: null in-pass
+  // in-pass advantages (iopts[kIAdvEstimator] != kAdvGiven): float64 rewards [N], int64 group rows [N],
+  // the step's float64 group table [n_groups, ploss::kNumGroupStats]
+  const double* rewards;
+  const int64_t* group_index;
+  const double* group_stats;
+  int64_t n_groups;
   const int64_t* cu_seqlens;
   const int64_t* iopts;  // host, ploss::kINumIOpts entries
   const double* fopts;   // host, ploss::kFNumFOpts entries

@@ -7,6 +7,7 @@ import re
 
 from arl.ops.policy_loss import METRIC_KEYS
 from arl.ops.policy_loss import options as O
+from arl.ops.policy_loss.group_adv import GROUP_STATS, IN_PASS
 
 HEADER = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "policy_loss" / "core.h"
 # C++ enumerator (without its k / kI / kF / kS prefix) -> Python name, where they are not the same word
@@ -64,6 +65,15 @@ def test_kernel_options_follow_the_table():
     i = dict(zip(O.IOPTS, io))
     assert (i["ratio_level"], i["mismatch_level"], i["kl"], i["positive_only"]) == (2, 3, 2, 1)
     assert i["has_normalizer"] == 1 and dict(zip(O.FOPTS, fo))["normalizer"] == 5.0
-    # the kernels never normalize groups: no advantage option is left in the table or the header
-    assert not any("adv" in k for k in O.IOPTS + O.FOPTS)
+    assert i["adv_estimator"] == O.ADV_GIVEN  # advantages given unless the in-pass inputs are
+    # the estimator and its eps come with the in-pass inputs (algo.advantage, algo.adv_eps), not the loss config
     assert "AdvNorm" not in _enums() and "adv_eps" not in O.LossConfig.model_fields
+
+
+def test_in_pass_codes_equal_the_cpp_enums():
+    """The in-pass estimator codes and the columns of the step's group table (group_adv.py)."""
+    e = _enums()
+    assert _as_python(e["AdvEstimator"], "k") == {"advgiven": O.ADV_GIVEN, **{_norm(k): v for k, v in IN_PASS.items()}}
+    cols = dict(e["GroupStat"])
+    assert cols.pop("kNumGroupStats") == len(GROUP_STATS)
+    assert _as_python(cols, "kG") == {_norm(k): i for i, k in enumerate(GROUP_STATS)}

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .config import LossConfig
+from .group_adv import GroupAdvantages, validate_group
 from .options import uncovered
 from .spec import reference_policy_loss
 from .types import LossInputs, LossOutput
@@ -43,10 +44,11 @@ def backend_covers(name: str) -> Optional[dict]:
     return _COVERS[name]
 
 
-def not_covered(name: str, cfg: LossConfig) -> Optional[str]:
-    """The first option of ``cfg`` backend ``name`` does not run (``"surrogate 'cispo'"``), or None."""
+def not_covered(name: str, cfg: LossConfig, estimator: Optional[str] = None) -> Optional[str]:
+    """The first option of ``cfg`` backend ``name`` does not run (``"surrogate 'cispo'"``), or None;
+    ``estimator``: the group estimator computed in the pass (None: advantages given)."""
     covers = _COVERS[name]
-    return None if covers is None else uncovered(cfg, covers)
+    return None if covers is None else uncovered(cfg, covers, estimator)
 
 
 def available_backends() -> list[str]:
@@ -56,14 +58,15 @@ def available_backends() -> list[str]:
 register_backend("reference")(reference_policy_loss)
 
 
-def choose_backend(cfg: LossConfig, device: str) -> tuple[str, str]:
+def choose_backend(cfg: LossConfig, device: str, estimator: Optional[str] = None) -> tuple[str, str]:
     """(backend, why) of ``backend="auto"`` for tensors on ``device`` ("cpu" / "cuda"): the fastest
-    available backend that covers ``cfg``, else the torch reference."""
+    available backend that covers ``cfg`` (and the in-pass ``estimator``, when given), else the
+    torch reference."""
     missing = []
     for name in _FASTEST.get(device, ()):
         if name not in _BACKENDS or not _AVAILABLE[name]():
             missing.append(f"{name} not available here")
-        elif (gap := not_covered(name, cfg)) is not None:
+        elif (gap := not_covered(name, cfg, estimator)) is not None:
             missing.append(f"{name} does not cover {gap}")
         else:
             return name, f"the fastest {device} kernel covering the loss options"
@@ -76,14 +79,15 @@ def choose_backend(cfg: LossConfig, device: str) -> tuple[str, str]:
 def _auto(inp: LossInputs, cfg: Optional[LossConfig] = None) -> str:
     """GPU tensors: CUDA op, else Triton; CPU tensors: the C++ op; each only where it covers the
     config; the reference as the last resort."""
-    return choose_backend(cfg if cfg is not None else LossConfig(), "cuda" if inp.logp.is_cuda else "cpu")[0]
+    est = inp.group.estimator if inp.group is not None else None
+    return choose_backend(cfg if cfg is not None else LossConfig(), "cuda" if inp.logp.is_cuda else "cpu", est)[0]
 
 
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     *,
-    advantages: torch.Tensor,
+    advantages: Optional[torch.Tensor] = None,
     cu_seqlens: torch.Tensor,
     chunk_ids: torch.Tensor,
     rollout_logp: Optional[torch.Tensor] = None,
@@ -92,20 +96,28 @@ def policy_loss(
     config: Optional[LossConfig] = None,
     normalizer: Optional[float] = None,
     backend: str = "reference",
+    group: Optional[GroupAdvantages] = None,
 ) -> LossOutput:
     """The policy loss of any registered surrogate over a packed batch; see ``spec.py`` for the math.
 
     ``advantages`` [N] (required): one advantage per trajectory, computed over the whole step before
     packing by an estimator of ``arl.algo.advantages`` (e.g. ``group_advantages(rewards, group_ids,
-    "grpo", eps)``).  The op never normalizes groups; gamma discounting and positive_only apply per
-    chunk.  Step-level figures of the advantages (zero-variance groups) are reported with them.
+    "grpo", eps)``).  Or, instead (``loss.advantages_in_pass``), ``group``: each sequence's reward and
+    group row with the whole step's group statistics (group_adv.py ``StepGroups.take``), from which
+    the pass computes the group estimator's A_i.  Gamma discounting and positive_only apply per chunk.
     """
     cfg = config if config is not None else LossConfig()
-    if not cfg.validate_inputs:  # the advantages are checked even so (validate_inputs checks them too)
+    if group is not None:  # checked whatever validate_inputs says: the kernels index the table with it
+        if advantages is not None:
+            raise ValueError("advantages: give either advantages or group (the in-pass inputs), not both")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+            raise ValueError("cu_seqlens: expected a 1-D tensor [N+1]")
+        validate_group(group, cu_seqlens.numel() - 1, logp.device, values=cfg.validate_inputs)
+    elif not cfg.validate_inputs:  # the advantages are checked even so (validate_inputs checks them too)
         validate_advantages(advantages, cu_seqlens, False)
     inp = LossInputs(
         logp=logp, old_logp=old_logp, advantages=advantages, cu_seqlens=cu_seqlens, chunk_ids=chunk_ids,
-        rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy,
+        rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy, group=group,
     )
     if isinstance(normalizer, torch.Tensor):
         normalizer = float(normalizer.item())
@@ -116,7 +128,7 @@ def policy_loss(
         raise ValueError(f"backend: unknown {backend!r}; choose from {['auto'] + sorted(_BACKENDS)}")
     if not _AVAILABLE[name]():
         raise ValueError(f"backend: {name!r} is not available here; available: {available_backends()}")
-    if (gap := not_covered(name, cfg)) is not None:
+    if (gap := not_covered(name, cfg, inp.group.estimator if inp.group is not None else None)) is not None:
         raise ValueError(f"backend: {name!r} does not run {gap}; use 'auto' (falls back to the torch reference) "
                          "or 'reference'")
     return _BACKENDS[name](inp, cfg, normalizer)

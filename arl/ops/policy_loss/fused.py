@@ -8,6 +8,8 @@ metrics and 1/D, and how to build dL/dentropy):
 Each reports whether it can run here; the compiled libraries and Triton are imported lazily.  Each
 declares the options it runs (``covers``): all three read the one option table, so each covers what
 that table has a code for (options.py ``KERNEL_COVERS``); a config outside it runs on the reference.
+All three compute the group estimators grpo, dr_grpo and rloo in the pass when given ``inp.group``
+(rewards, group rows and the step's group table: group_adv.py) instead of advantages.
 
 Memory: forward scales dL/dlogp by 1/D in place (memory just written) and backward hands that
 buffer over, not a copy, multiplied by grad_out only when grad_out != 1.  The C++/CUDA ops do not
@@ -81,10 +83,11 @@ def fused_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer, launcher: La
 def _compiled_launch(main_op, ent_op, inp: LossInputs, cfg: LossConfig, normalizer, need_grad: bool) -> KernelLaunch:
     """Launch of the C++ / CUDA op pair (same schema): the entropy gradient is rebuilt by ent_op."""
     toks, idx = kernel_tensors(inp, cfg)
-    iopts, fopts = kernel_options(cfg, normalizer)
+    iopts, fopts = kernel_options(cfg, normalizer, inp.group)
     loss, grad, stats, seq_coef = main_op(
         toks["logp"], toks["old_logp"], toks.get("rollout_logp"), toks.get("ref_logp"), toks.get("entropy"),
-        idx["advantages"], idx["cu_seqlens"], idx["chunk_ids"], iopts, fopts, need_grad,
+        idx.get("advantages"), idx["cu_seqlens"], idx["chunk_ids"], iopts, fopts, need_grad,
+        idx.get("rewards"), idx.get("group_index"), idx.get("group_stats"),
     )
     ent = None
     if cfg.entropy_coef != 0:

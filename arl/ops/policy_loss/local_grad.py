@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .config import LossConfig
+from .group_adv import GroupAdvantages, in_pass_advantages
 from .spec import KL_ESTIMATORS, SURROGATES, PackLayout, agg_denominator, discounted_advantage
 
 _LEVEL_RANK = {"none": 0, "token": 1, "chunk": 2, "sequence": 3}
@@ -196,7 +197,7 @@ def _surrogate_slopes(cfg: LossConfig, A: torch.Tensor) -> Optional[tuple]:
 def local_logp_grad(
     *,
     config: LossConfig,
-    advantages: torch.Tensor,
+    advantages: Optional[torch.Tensor] = None,
     cu_seqlens: torch.Tensor,
     chunk_ids: torch.Tensor,
     rollout_logp: Optional[torch.Tensor] = None,
@@ -205,9 +206,11 @@ def local_logp_grad(
     normalizer: Optional[float] = None,
     scale: float = 1.0,
     dtype: torch.dtype = torch.float32,
+    group: Optional[GroupAdvantages] = None,
 ) -> Optional[LogpGrad]:
     """The gradient plan of ``policy_loss(logp, logp.detach(), ...)`` times ``scale`` (the caller's
-    loss multiplier), for the same keyword arguments; ``with_entropy``: an entropy is passed."""
+    loss multiplier), for the same keyword arguments; ``with_entropy``: an entropy is passed;
+    ``group``: in-pass advantages' inputs instead of ``advantages``."""
     cfg = config
     if cfg.mismatch_level != "none" and rollout_logp is None:
         raise ValueError(f"rollout_logp: required with mismatch_level={cfg.mismatch_level!r}")
@@ -216,6 +219,8 @@ def local_logp_grad(
     if isinstance(normalizer, torch.Tensor):
         normalizer = float(normalizer.item())
     dev = chunk_ids.device
+    if group is not None and advantages is None:
+        advantages = in_pass_advantages(group)
     if advantages is None:
         raise ValueError("advantages: required, [N] per-trajectory advantages (see arl.algo.advantages)")
     lay = PackLayout(cu_seqlens.to(dev), chunk_ids, advantages.numel())

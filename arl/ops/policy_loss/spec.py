@@ -8,7 +8,9 @@ Notation (packed batch of N trajectories, T tokens):
   Delta(c) = number of chunks after c in its sequence.
 
 Advantages: A_i [N] per trajectory is an input (computed once per step, before packing, by an
-  estimator of arl/algo/advantages.py; the op never looks at groups), rounded to the compute dtype.
+  estimator of arl/algo/advantages.py), or, in-pass, the group estimator of each sequence's reward
+  and its group's step statistics (group_adv.py ``in_pass_advantages``, float64); either is rounded
+  to the compute dtype.
   Token t gets A_t = gamma**Delta(c(t)) * A_s(t); positive_only
   clamps A_t at 0.  Underflow (gamma < 1 only; gamma = 1 leaves A_t = A_s exactly): gamma**Delta
   and the product are evaluated in float64, each taken as exactly 0 when below the smallest
@@ -47,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from .config import LossConfig
+from .group_adv import in_pass_advantages
 from .registry import KL_ESTIMATORS, SURROGATES, register_kl_estimator, register_surrogate  # noqa: F401 (API)
 from .types import LossInputs, LossOutput
 
@@ -220,14 +223,15 @@ def _metrics(cfg, logp, old, r, A, w, pg, clipped, dual, altered, kl, ent) -> di
 
 def reference_policy_loss(inp: LossInputs, cfg: LossConfig, normalizer=None) -> LossOutput:
     cdt = torch.float64 if inp.logp.dtype == torch.float64 else torch.float32
-    lay = PackLayout(inp.cu_seqlens, inp.chunk_ids, inp.advantages.numel())
+    adv = inp.advantages if inp.group is None else in_pass_advantages(inp.group)
+    lay = PackLayout(inp.cu_seqlens, inp.chunk_ids, adv.numel())
     tidx = lay.tidx
     n_tr = tidx.numel()
     logp = inp.logp.to(cdt)[tidx]
     old = inp.old_logp.to(cdt)[tidx]
 
-    # advantages: given per trajectory, discounted per chunk, broadcast to trained tokens
-    A = discounted_advantage(inp.advantages.to(cdt), lay, cfg.gamma)
+    # advantages: per trajectory (given or in-pass), discounted per chunk, broadcast to trained tokens
+    A = discounted_advantage(adv.to(cdt), lay, cfg.gamma)
     if cfg.positive_only:
         A = A.clamp_min(0)
     r = torch.exp(_clamp(lay.segment_mean(logp - old, cfg.ratio_level), cfg))  # at the configured level

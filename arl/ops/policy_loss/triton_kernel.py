@@ -5,8 +5,10 @@ The launch (options, scratch buffers, the host-side reduction) is ``triton_launc
 
 Design (one program per packed sequence, tokens walked in blocks of ``BLOCK``):
 
-* Advantages are an input, one per sequence (arl/algo/advantages.py computes them before packing):
-  the program loads its own and never looks at other sequences or at groups.
+* Advantages are an input, one per sequence (arl/algo/advantages.py computes them before packing),
+  or, in-pass (``ADV_EST`` != 0), the program computes its own from its reward and its group's row
+  of the step's group table (group_adv.py: count, sum, std, zero_var) in float64 and rounds it once
+  to the compute dtype; it never looks at other sequences.
 * Pass 1 (only when a segment statistic is needed): a forward walk that builds a per-chunk table
   for the sequence in the sequence's own slice ``[cu[s], cu[s+1])`` of T-sized scratch buffers (a
   sequence has at most as many chunks as tokens).  Chunk starts are found without a segmented
@@ -46,6 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .group_adv import IN_PASS
 from .options import KL, LEVEL, LOSS_AGG, SURROGATE
 
 NPART = 13  # metric partials per program, columns in the order of _PARTS
@@ -62,6 +65,8 @@ _SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG["seq-mean-token-mean"])
 _KL_OFF = tl.constexpr(KL["off"])
 _K1 = tl.constexpr(KL["k1"])
 _K2 = tl.constexpr(KL["k2"])
+_GRPO = tl.constexpr(IN_PASS["grpo"])
+_RLOO = tl.constexpr(IN_PASS["rloo"])
 
 
 # Reductions go through tl.reduce / tl.associative_scan with the standard combine functions: the
@@ -84,9 +89,9 @@ if _ADD is None or _MAXF is None:  # pragma: no cover - other Triton versions
 
 @triton.jit
 def _policy_loss_kernel(
-    logp_ptr, old_ptr, roll_ptr, ref_ptr, ent_ptr, cid_ptr, cu_ptr, adv_ptr, par_ptr,
-    glogp_ptr, gent_ptr, part_ptr, comp_ptr, sd_ptr, sq_ptr, sk_ptr,
-    CDT: tl.constexpr, RATIO: tl.constexpr, SURR: tl.constexpr, DUAL: tl.constexpr,
+    logp_ptr, old_ptr, roll_ptr, ref_ptr, ent_ptr, cid_ptr, cu_ptr, adv_ptr, rew_ptr, gidx_ptr, gst_ptr, n_groups,
+    par_ptr, glogp_ptr, gent_ptr, part_ptr, comp_ptr, sd_ptr, sq_ptr, sk_ptr,
+    ADV_EST: tl.constexpr, CDT: tl.constexpr, RATIO: tl.constexpr, SURR: tl.constexpr, DUAL: tl.constexpr,
     POS_ONLY: tl.constexpr, USE_GAMMA: tl.constexpr, MIS: tl.constexpr, TRUNC: tl.constexpr, KL: tl.constexpr,
     HAS_ENT: tl.constexpr, ENT_GRAD: tl.constexpr, AGG: tl.constexpr,
     NEED_PASS1: tl.constexpr, NEED_RANK: tl.constexpr, STORE_Q: tl.constexpr,
@@ -110,8 +115,25 @@ def _policy_loss_kernel(
     lrc = tl.load(par_ptr + 8).to(CDT)
     tiny = tl.load(par_ptr + 9)  # smallest normal number of CDT, float64: the discount's flush level
 
-    # the sequence's advantage (given; rounded to CDT as the reference's .to(cdt))
-    adv_s = tl.load(adv_ptr + s).to(CDT)
+    # the sequence's advantage, rounded to CDT as the reference's .to(cdt): given, or in-pass the
+    # group estimator in float64 (group_adv.py; a zero-variance group gives 0, a row outside the table NaN)
+    if ADV_EST == 0:
+        adv_s = tl.load(adv_ptr + s).to(CDT)
+    else:
+        rw = tl.load(rew_ptr + s)
+        gi = tl.load(gidx_ptr + s)
+        ok = (gi >= 0) & (gi < n_groups)
+        gp = gst_ptr + tl.where(ok, gi, 0) * 4
+        g_cnt = tl.load(gp + 0)
+        g_sum = tl.load(gp + 1)
+        if ADV_EST == _RLOO:
+            a64 = rw - (g_sum - rw) / tl.maximum(g_cnt - 1.0, 1.0)
+        else:
+            a64 = rw - g_sum / tl.maximum(g_cnt, 1.0)
+            if ADV_EST == _GRPO:
+                a64 = a64 / (tl.load(gp + 2) + tl.load(par_ptr + 10))
+        a64 = tl.where(tl.load(gp + 3) != 0, 0.0, a64)
+        adv_s = tl.where(ok, a64, float("nan")).to(CDT)
     if POS_ONLY:
         adv_pos = tl.maximum(adv_s, 0.0)
     else:

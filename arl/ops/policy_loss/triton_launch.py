@@ -23,15 +23,16 @@ _PARAM_CACHE: dict = {}
 
 def _params(fo: dict, has_clamp: bool, cdt: torch.dtype, device: torch.device) -> torch.Tensor:
     """The scalar options as one small float64 tensor (cached: no copy per call); the kernel rounds
-    them to the compute dtype, except log2(gamma) and the compute dtype's smallest normal number."""
+    them to the compute dtype, except log2(gamma), the compute dtype's smallest normal number and the
+    in-pass eps (float64 like the estimator)."""
     names = ("clip_low", "clip_high", "dual_clip", "gamma", "mismatch_low", "mismatch_high", "kl_beta",
-             "entropy_coef", "log_ratio_clamp")
+             "entropy_coef", "log_ratio_clamp", "adv_eps")
     key = tuple(fo[n] for n in names) + (has_clamp, cdt, str(device))
     t = _PARAM_CACHE.get(key)
     if t is None:
         vals = [1.0 - fo["clip_low"], 1.0 + fo["clip_high"], fo["dual_clip"], math.log2(fo["gamma"]),
                 fo["mismatch_low"], fo["mismatch_high"], fo["kl_beta"], fo["entropy_coef"],
-                fo["log_ratio_clamp"] if has_clamp else math.inf, torch.finfo(cdt).tiny]
+                fo["log_ratio_clamp"] if has_clamp else math.inf, torch.finfo(cdt).tiny, fo["adv_eps"]]
         t = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=torch.float64, device=device)
         if len(_PARAM_CACHE) > 256:
             _PARAM_CACHE.clear()
@@ -54,13 +55,15 @@ def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float],
                   block: Optional[int] = None) -> KernelLaunch:
     """One kernel launch: loss, unnormalized dL/dlogp and dL/dentropy, metrics and 1/D."""
     toks, idx = kernel_tensors(inp, cfg)
-    iopts, fopts = kernel_options(cfg, normalizer)
+    iopts, fopts = kernel_options(cfg, normalizer, inp.group)
     io, fo = dict(zip(IOPTS, iopts)), dict(zip(FOPTS, fopts))
     logp = toks["logp"]
     entropy = toks.get("entropy")
     cdt = compute_dtype(inp)
     dev = logp.device
-    T, N = logp.numel(), idx["advantages"].numel()
+    T, N = logp.numel(), inp.n_seq
+    adv, rew = idx.get("advantages"), idx.get("rewards")
+    gst = idx.get("group_stats")
     cid = idx["chunk_ids"].to(torch.int32)
     cu = idx["cu_seqlens"].to(torch.int32)
     tok = lambda n: toks.get(n, logp)  # noqa: E731 - absent inputs are never read
@@ -84,10 +87,12 @@ def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float],
     else:
         comp, sd, sk, sq = cid, parts, cid, parts
     block, warps = _launch_sizes(T, N, cu, block)
-    _policy_loss_kernel[(N,)](
-        logp, tok("old_logp"), tok("rollout_logp"), tok("ref_logp"), tok("entropy"), cid, cu, idx["advantages"],
+    _policy_loss_kernel[(N,)](  # absent per-sequence inputs are never read: any tensor stands in
+        logp, tok("old_logp"), tok("rollout_logp"), tok("ref_logp"), tok("entropy"), cid, cu,
+        adv if adv is not None else rew, rew if rew is not None else adv,
+        idx.get("group_index", cu), gst if gst is not None else parts, gst.shape[0] if gst is not None else 0,
         _params(fo, bool(io["has_clamp"]), cdt, dev), glogp, gent, parts, comp, sd, sq, sk,
-        CDT=tl.float64 if cdt == torch.float64 else tl.float32, RATIO=ratio, SURR=io["surrogate"],
+        ADV_EST=io["adv_estimator"], CDT=tl.float64 if cdt == torch.float64 else tl.float32, RATIO=ratio, SURR=io["surrogate"],
         DUAL=bool(io["has_dual"]), POS_ONLY=bool(io["positive_only"]), USE_GAMMA=use_gamma,
         MIS=mis, TRUNC=io["mismatch_mode"] == MISMATCH_MODE["truncate"], KL=io["kl"],
         HAS_ENT=entropy is not None, ENT_GRAD=ent_grad, AGG=io["loss_agg"], NEED_PASS1=need_pass1,

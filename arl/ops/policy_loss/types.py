@@ -6,17 +6,24 @@ from typing import Callable, Optional
 
 import torch
 
+from .group_adv import GroupAdvantages
+
 
 @dataclass
 class LossInputs:
     logp: torch.Tensor  # [T] current policy logprobs of the sampled tokens (differentiable)
     old_logp: torch.Tensor  # [T] behaviour-policy logprobs recomputed by the trainer
-    advantages: torch.Tensor  # [N] per-trajectory advantages (arl.algo.advantages, computed before packing)
+    advantages: Optional[torch.Tensor]  # [N] per-trajectory advantages (arl.algo.advantages, before packing)
     cu_seqlens: torch.Tensor  # [N+1] int32 packed sequence boundaries
     chunk_ids: torch.Tensor  # [T] int32, -1 = not trained (prompt, observation, tool error)
     rollout_logp: Optional[torch.Tensor] = None  # [T] logprobs reported by the rollout engine
     ref_logp: Optional[torch.Tensor] = None  # [T] frozen reference policy, for KL
     entropy: Optional[torch.Tensor] = None  # [T] per-token entropy (differentiable)
+    group: Optional[GroupAdvantages] = None  # in-pass advantages' inputs (group_adv.py), instead of advantages
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
 
 
 @dataclass

@@ -49,7 +49,8 @@ def validate_inputs(inp: LossInputs, cfg: LossConfig, normalizer=None) -> None:
         i = _first(low)
         raise ValueError(f"chunk_ids: value {int(cid[i])} at token index {i} (use -1 for untrained tokens)")
     trained = cid >= 0
-    _finite("advantages", inp.advantages)
+    if inp.group is None:  # in-pass inputs were checked by policy_loss (group_adv.validate_group)
+        _finite("advantages", inp.advantages)
     for name in ("logp", "old_logp") + _TOKEN_FLOATS:
         x = getattr(inp, name)
         if x is not None:
@@ -70,10 +71,11 @@ def _check_shapes(inp: LossInputs, cfg: LossConfig) -> tuple[int, int]:
     if T == 0:
         raise ValueError("logp: empty batch (0 tokens)")
     _need_1d("old_logp", inp.old_logp, True)
-    validate_advantages(inp.advantages, None, False)  # present, 1-D floating; its count is checked below
+    if inp.group is None:
+        validate_advantages(inp.advantages, None, False)  # present, 1-D floating; its count is checked below
     _need_1d("cu_seqlens", inp.cu_seqlens, False)
     _need_1d("chunk_ids", inp.chunk_ids, False)
-    N = inp.advantages.numel()
+    N = inp.advantages.numel() if inp.group is None else inp.group.rewards.numel()
     if N == 0:
         raise ValueError("advantages: empty batch (0 sequences)")
 
