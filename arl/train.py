@@ -29,6 +29,7 @@ from .launch import launch
 from .layout import plan
 from .prepare import preflight
 from .model.resolve import arch_mismatches, resolve_model
+from .config.trainer_checks import in_pass_estimator
 from .ops.policy_loss.api import choose_backend
 from .procs import RunFailed
 from .rollout.engine_args import render_engine_args
@@ -133,10 +134,12 @@ def main(argv=None) -> int:
 def loss_line(cfg) -> str:
     """Which policy-loss backend the trainer runs (``trainer.backend``; auto: chosen for the
     layout's device on this machine), and why."""
+    est = in_pass_estimator(cfg)
+    adv = f"; advantages: {est} in the pass" if est else ""
     if cfg.trainer.backend != "auto":
-        return f"loss: {cfg.loss.surrogate}: {cfg.trainer.backend} (trainer.backend)"
-    name, why = choose_backend(cfg.loss, cfg.layout.device)
-    return f"loss: {why}" if name == "reference" else f"loss: {cfg.loss.surrogate}: {name} ({why})"
+        return f"loss: {cfg.loss.surrogate}: {cfg.trainer.backend} (trainer.backend){adv}"
+    name, why = choose_backend(cfg.loss, cfg.layout.device, est)
+    return (f"loss: {why}" if name == "reference" else f"loss: {cfg.loss.surrogate}: {name} ({why})") + adv
 
 
 def launcher_line(cfg) -> str:

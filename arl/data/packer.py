@@ -116,6 +116,7 @@ class MicroBatch:
     segments: Optional[dict] = None  # turn credit (Stabilizers.apply): per-chunk loss segments, policy_loss overrides
     critic: Optional[dict] = None  # the critic (Stabilizers.apply): value points, arl/stabilizers/gae.py critic_points
     tree: Optional[PrefixLayout] = None  # share_prefix: the computed layout (None: ordinary packing)
+    group_adv: Optional[object] = None  # loss.advantages_in_pass: GroupAdvantages of these sequences (rank 0)
 
     @property
     def num_tokens(self) -> int:

@@ -58,11 +58,14 @@ class LossOut:
 
 def pg_inputs(mb, device) -> tuple:
     """``(advantages, policy_loss keyword arguments)`` of a micro-batch, on ``device``: the packed
-    per-trajectory advantages, or turn credit's per-chunk segments when the micro-batch has them."""
+    per-trajectory advantages, or turn credit's per-chunk segments when the micro-batch has them, or
+    (``loss.advantages_in_pass``) None and the in-pass inputs as ``group``."""
     kw = mb.loss_kwargs()
     if mb.segments is not None:
         kw.update(mb.segments)
     adv = kw.pop("advantages")
+    if mb.group_adv is not None and mb.segments is None:
+        adv, kw["group"] = None, mb.group_adv.to(device)
     adv = adv.to(device, torch.float32) if adv is not None else None  # None: the op's one-line error
     return adv, {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
 

@@ -38,6 +38,7 @@ from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint
                           save_rollouts)
 from .dist import (ScatterParts, all_mean, barrier, broadcast_from_rank0, init_distributed, set_rank_env,
                    shutdown)
+from .in_pass import attach_in_pass
 from .link import RolloutLink
 from .memory import release_freed_memory
 from .restarts import resync_engine
@@ -297,6 +298,8 @@ class TrainerRank:
                                   seed=self.cfg.seed + step, share_prefix=self.cfg.shares_prefix())
             packed = pack_step(prep.trajectories, packer, loss_cfg, advantages=prep.advantages)
             self.stab.apply(packed, prep, loss_cfg)  # turn credit segments, IPA loss roles
+            if loss_cfg.advantages_in_pass:  # the step's group table; each micro-batch its rows
+                attach_in_pass(packed, prep, self.cfg.algo)
             parts = self.tr.sp.replica_parts(packed.ranks)
             extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(batch.trajectories)}
             if packer.share_prefix:  # what was shared; a one-line reason when a group fell back

@@ -15,10 +15,16 @@ import torch
 
 from arl import LossConfig, available_backends, policy_loss
 from arl.algo.advantages import group_advantages
+from arl.config import AlgoConfig
+from arl.data.packer import PackerConfig, pack_step
+from arl.data.trajectory import Trajectory
 from arl.ops._triton import triton_available
 from arl.ops.policy_loss.api import choose_backend, not_covered
 from arl.ops.policy_loss.group_adv import IN_PASS, GroupAdvantages, in_pass_advantages, step_groups
 from arl.ops.policy_loss.local_grad import local_logp_grad
+from arl.stabilizers import step_advantages
+from arl.trainer.in_pass import attach_in_pass
+from arl.trainer.objectives import pg_inputs
 from loss_utils import ADV_EPS, make_batch
 
 GPU = torch.cuda.is_available()
@@ -219,3 +225,52 @@ def test_cpu_op_checks_the_group_rows_without_validation():
     with pytest.raises(ValueError, match="group_index -1 at 0 is outside the 7 groups"):
         policy_loss(b.logp, b.old_logp, group=g, cu_seqlens=b.cu_seqlens, chunk_ids=b.chunk_ids, backend="cpu",
                     config=LossConfig(validate_inputs=False))
+
+
+def _trajs(n_groups=5, size=4, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(n_groups):
+        for _ in range(size):
+            L = int(rng.integers(6, 14))
+            cid = np.full(L, -1)
+            cid[2:L // 2], cid[L // 2 + 1:] = 0, 1
+            r = 0.5 if g == 1 else float(rng.integers(0, 2)) * 0.9 + rng.normal() * 0.01  # group 1: zero variance
+            out.append(Trajectory(tokens=rng.integers(0, 50, L), chunk_ids=cid, rollout_logp=-rng.random(L),
+                                  reward=r, group_id=10 * g, status="filtered" if (g, len(out)) == (3, 13) else "ok"))
+    return out
+
+
+@pytest.mark.parametrize("est", ESTIMATORS)
+def test_the_trainer_path_packs_the_step_table_into_every_micro_batch(est):
+    """rank 0's step (advantages -> pack with groups split -> attach_in_pass) and the loss call site
+    (objectives.pg_inputs): every micro-batch's loss in the pass equals the one with the step's advantages."""
+    trajs = _trajs()
+    algo, loss_cfg = AlgoConfig(advantage=est), LossConfig(advantages_in_pass=True, ratio_level="chunk", gamma=0.9)
+    prep = step_advantages(trajs, loss_cfg, algo=algo)
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=40, num_ranks=2, keep_groups=False), loss_cfg,
+                       advantages=prep.advantages)
+    assert packed.split_groups, "want a group split over micro-batches"
+    attach_in_pass(packed, prep, algo)
+    for mb in packed.all_micro_batches():
+        if mb.is_empty:
+            continue
+        T = mb.num_tokens
+        logp = torch.from_numpy(-np.random.default_rng(mb.index).random(T)).float()
+        adv, kw = pg_inputs(mb, "cpu")
+        assert adv is None and kw["group"].estimator == est
+        got = policy_loss(logp, mb.rollout_logp, config=loss_cfg, backend="auto", **kw)
+        kw.pop("group")
+        want = policy_loss(logp, mb.rollout_logp, config=loss_cfg, backend="reference",
+                           advantages=mb.advantages.float(), **kw)
+        torch.testing.assert_close(got.loss, want.loss, **TOL)
+
+
+def test_attach_refuses_advantages_that_are_not_the_group_statistic():
+    trajs = _trajs()
+    algo = AlgoConfig(advantage="grpo")
+    prep = step_advantages(trajs, LossConfig(), algo=algo)
+    prep.advantages = prep.advantages * 0.5  # e.g. an advantage weight
+    packed = pack_step(prep.trajectories, PackerConfig(token_budget=400), LossConfig(), advantages=prep.advantages)
+    with pytest.raises(ValueError, match="not the group estimator of its rewards"):
+        attach_in_pass(packed, prep, algo)

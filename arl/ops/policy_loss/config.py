@@ -66,6 +66,10 @@ class LossConfig(OneLineErrors):
     entropy_coef: float = Field(0.0, description="Weight of the entropy bonus in the loss; 0: off.")
     log_ratio_clamp: Optional[float] = Field(
         20.0, description="Every log-ratio is clamped to +-this before exp, against overflow; null: no clamp.")
+    advantages_in_pass: bool = Field(
+        False, description="Compute the group estimator (algo.advantage grpo, dr_grpo or rloo) inside the loss pass "
+        "from each trajectory's reward and the step's group statistics, instead of before packing; the same "
+        "advantages (docs/methods.md). Needs no turn credit, critic, IPA or extreme-trajectory control.")
     validate_inputs: bool = Field(
         True, description="Check the loss inputs (shapes, ids, finite values) on every call; false skips the checks "
         "once a pipeline is trusted.")
