@@ -9,7 +9,11 @@ Configurations (both with ``validate_inputs=False`` so that timings compare the 
   token_level  GRPO with DAPO clip-higher (clip_high 0.28).
 
 Methods: the reference in eager torch, ``torch.compile`` of the same reference function, the C++
-op (backend "cpu"); on a GPU also the Triton and CUDA backends where they are registered.
+op (backend "cpu"); on a GPU also the Triton and CUDA backends where they are registered.  Each
+fused backend runs twice: with the step's grpo advantages given (``<backend>``) and with them
+computed in the pass from rewards, group rows and the step's group table (``<backend>+in_pass``,
+``loss.advantages_in_pass``; the table is built once per step, outside the timed call, as the
+trainer does).
 
 Time: median over ``--repeats`` runs of forward + ``loss.backward()`` after warm-up (compile time
 is excluded).  CPU timings on a shared machine are noisy: read the ratios, which come from one run.
@@ -27,7 +31,9 @@ written, backward's read+write) over its time, against the HBM bandwidth (``--hb
 
 The last stdout line is one JSON object: for the chunk-level configuration at the largest size run,
 ``tokens``, ``speedup_vs_eager``, ``speedup_vs_compile`` and ``peak_extra_bytes_per_token`` of the
-C++ op, the same three under ``token_level``, and every measurement under ``runs``.
+C++ op, the same three under ``token_level``, ``in_pass`` (per configuration: the fused backend's
+time with in-pass advantages over its time with given ones, and both peaks), and every
+measurement under ``runs``.  Ratios are reported, never asserted.
 
     python bench/bench_policy_loss.py --quick
 """
@@ -44,6 +50,7 @@ import torch
 from arl import LossConfig, available_backends, policy_loss
 from arl.algo.advantages import group_advantages
 from arl.ops.policy_loss import LossInputs, reference_policy_loss
+from arl.ops.policy_loss.group_adv import step_groups
 
 N_SEQ, GROUP, CHUNKS = 512, 8, 8
 LOSS_KEYS = ("old_logp", "rollout_logp", "advantages", "cu_seqlens", "chunk_ids")  # the batch's policy_loss inputs
@@ -90,6 +97,12 @@ def agentic_batch(T: int, device: str, seed: int = 0) -> dict:
     )
 
 
+def in_pass_inputs(b: dict):
+    """The batch's in-pass inputs: the step's group table, built once per step as the trainer does."""
+    r, g = b["rewards"].cpu().double(), b["group_ids"].cpu()
+    return step_groups(r, g, torch.ones(N_SEQ, dtype=torch.bool), "grpo", 1e-6).take(range(N_SEQ)).to(b["logp"].device)
+
+
 def method_fns(cfg: LossConfig, device: str) -> dict:
     """name -> fn(logp, batch) returning the loss tensor (differentiable w.r.t. logp)."""
     def backend_fn(name):
@@ -110,7 +123,16 @@ def method_fns(cfg: LossConfig, device: str) -> dict:
     for name in kernels:
         if name in avail:
             fns[name] = backend_fn(name)
+            fns[f"{name}+in_pass"] = in_pass_fn(name, cfg)
     return fns
+
+
+def in_pass_fn(name: str, cfg: LossConfig):
+    """The fused backend ``name`` computing grpo in the pass; the step's table is the batch's ``group``."""
+    def fn(logp, b):
+        kw = {k: b[k] for k in LOSS_KEYS if k != "advantages"}
+        return policy_loss(logp, **kw, group=b["group"], config=cfg, backend=name).loss
+    return fn
 
 
 def sync(device):
@@ -184,12 +206,13 @@ def main() -> None:
         fns = method_fns(cfg, dev)
         for T in sizes:
             b = agentic_batch(T, dev)
+            b["group"] = in_pass_inputs(b)
             base = b["logp"]
             row = {}
             for m, fn in fns.items():
                 # compile: the first calls build (and re-specialize) the forward and backward graphs;
                 # fused ops are cheap, so more repeats make their median robust to scheduler noise
-                fused_m = m not in ("eager", "compile")
+                fused_m = m not in ("eager", "compile")  # in-pass variants too
                 t = time_it(fn, base, b, dev, warmup=4 if m == "compile" else 1,
                             repeats=repeats * 5 if fused_m else repeats)
                 mem = peak_extra_bytes(fn, base, b, dev)
@@ -202,10 +225,13 @@ def main() -> None:
             if fused:
                 row["speedup_vs_eager"] = round(row["eager"]["ms"] / row[fused]["ms"], 2)
                 row["speedup_vs_compile"] = round(row["compile"]["ms"] / row[fused]["ms"], 2)
+                row["in_pass_time_ratio"] = round(row[f"{fused}+in_pass"]["ms"] / row[fused]["ms"], 3)
             runs[f"{cname}/{T}"] = row
             line = "  ".join(f"{m} {v['ms']:8.2f} ms ({v['peak_extra_bytes_per_token']:5.1f} B/tok)"
                              for m, v in row.items() if isinstance(v, dict))
-            ratios = f"x{row.get('speedup_vs_eager', float('nan')):.1f} vs eager, x{row.get('speedup_vs_compile', float('nan')):.1f} vs compile"
+            ratios = (f"x{row.get('speedup_vs_eager', float('nan')):.1f} vs eager, "
+                      f"x{row.get('speedup_vs_compile', float('nan')):.1f} vs compile, "
+                      f"in-pass/given x{row.get('in_pass_time_ratio', float('nan')):.3f}")
             print(f"{cname:12s} T={T:8d}  {line}  | {fused}: {ratios}")
             if dev == "cuda":
                 for m in ("cuda", "triton"):
@@ -221,8 +247,18 @@ def main() -> None:
                 "speedup_vs_compile": row.get("speedup_vs_compile"),
                 "peak_extra_bytes_per_token": row[fused]["peak_extra_bytes_per_token"] if fused else None}
 
+    def in_pass(cname):
+        row = runs[f"{cname}/{max(sizes)}"]
+        fused = "cpu" if "cpu" in row else next((k for k in ("cuda", "triton") if k in row), None)
+        if fused is None:
+            return None
+        return {"backend": fused, "time_ratio_vs_given": row["in_pass_time_ratio"],
+                "peak_extra_bytes_per_token": row[f"{fused}+in_pass"]["peak_extra_bytes_per_token"],
+                "given_peak_extra_bytes_per_token": row[fused]["peak_extra_bytes_per_token"]}
+
     out = summary("chunk_level")
     out["token_level"] = summary("token_level")
+    out["in_pass"] = {c: in_pass(c) for c in CONFIGS}
     out["device"] = dev
     out["runs"] = runs
     print(json.dumps(out))

@@ -7,6 +7,9 @@ an estimator of arl/algo/advantages.py (float64, as the trainer computes them be
 zero-variance and near-constant reward groups, log-ratios up to +-30, fp32 or bf16 inputs, and a
 LossConfig drawn uniformly from the whole option space (``OPTIONS``: every registered surrogate and
 KL estimator); a kernel backend draws from the part of it that it declares it runs (``options_for``).
+About half the kernel examples whose estimator is a group statistic (grpo, dr_grpo, rloo) run the
+kernel with the advantages computed in the pass (``group=``: rewards, group rows and the step's
+group table, group_adv.py) against the reference fed the registry's advantages.
 
 Backends (every one in ``arl.available_backends()`` but the reference) against the reference, at
 tolerances relative to each value's own scale (``mag``: the same quantity with every term taken by
@@ -48,6 +51,7 @@ from arl import LossConfig, available_backends, policy_loss
 from arl.algo.advantages import group_advantages
 from arl.ops.policy_loss import METRIC_KEYS
 from arl.ops.policy_loss.api import backend_covers
+from arl.ops.policy_loss.group_adv import IN_PASS, step_groups
 from arl.ops.policy_loss.spec import KL_ESTIMATORS, SURROGATES
 from scalar_loss import scalar_policy_loss
 
@@ -160,11 +164,14 @@ def cases(draw, max_seq: int = 300, max_len: int = 4096, spec: bool = False, bac
     mix = zlib.crc32(repr((n_seq, lengths, modes, seed, scale, rewards_kind, group_size, shuffle_groups, normalizer,
                            str(dtype))).encode())
     cfg, estimator = config_from(np.random.default_rng([seed, mix]), backend)
+    in_pass = estimator in IN_PASS and draw(st.booleans())  # drawn last: the earlier draws keep their stream
     return dict(cfg=cfg, estimator=estimator, lengths=lengths, modes=modes, seed=seed, scale=scale, dtype=dtype,
-                rewards_kind=rewards_kind, group_size=group_size, shuffle_groups=shuffle_groups, normalizer=normalizer)
+                rewards_kind=rewards_kind, group_size=group_size, shuffle_groups=shuffle_groups, normalizer=normalizer,
+                in_pass=in_pass)
 
 
-def build(case):
+def build(case, with_group: bool = False):
+    """The example's loss inputs; ``with_group``: also its in-pass inputs (None unless case["in_pass"])."""
     rng = np.random.default_rng(case["seed"])
     parts, next_id = [], int(rng.integers(0, 5))
     for L, mode in zip(case["lengths"], case["modes"]):
@@ -195,16 +202,24 @@ def build(case):
         per_group = torch.from_numpy(rng.standard_normal(N))
         rewards = per_group[(gids - gids.min()) % N]
     adv = torch.from_numpy(group_advantages(rewards, gids, case["estimator"], 1e-6)[0])  # float64, before packing
-    return dict(logp=logp, old_logp=old, rollout_logp=rollout, ref_logp=ref, entropy=entropy, advantages=adv,
-                cu_seqlens=cu, chunk_ids=chunk_ids)
+    b = dict(logp=logp, old_logp=old, rollout_logp=rollout, ref_logp=ref, entropy=entropy, advantages=adv,
+             cu_seqlens=cu, chunk_ids=chunk_ids)
+    if not with_group:
+        return b
+    group = (step_groups(rewards, gids, np.ones(N, bool), case["estimator"], 1e-6).take(range(N))
+             if case.get("in_pass") else None)
+    return b, group
 
 
-def evaluate(b, cfg, backend, normalizer, advantages=None):
+def evaluate(b, cfg, backend, normalizer, advantages=None, group=None):
     lp = b["logp"].clone().requires_grad_(True)
     ent = b["entropy"].clone().requires_grad_(True)
     kw = {k: v for k, v in b.items() if k not in ("logp", "entropy")}
     if advantages is not None:
         kw["advantages"] = advantages
+    if group is not None:  # the kernel computes the advantages in the pass
+        kw.pop("advantages")
+        kw["group"] = group.to(b["logp"].device)
     out = policy_loss(lp, **kw, entropy=ent, config=cfg, normalizer=normalizer, backend=backend)
     out.loss.backward()
     zero = lambda g, x: g if g is not None else torch.zeros_like(x)  # noqa: E731 - None == not in graph
@@ -305,16 +320,16 @@ def compare(got, ref, mag, rtol=RTOL, grad_rtol=0.0, exact=False):
 
 
 def check(case, backend):
-    b = build(case)
+    b, group = build(case, with_group=True)
     cfg = case["cfg"]
     try:
         ref = evaluate(b, cfg, "reference", case["normalizer"])
     except ValueError as e:  # inputs the API rejects (e.g. an unclamped log-ratio past exp's range)
         with pytest.raises(ValueError) as got_err:
-            evaluate(on_device(b, backend), cfg, backend, case["normalizer"])
+            evaluate(on_device(b, backend), cfg, backend, case["normalizer"], group=group)
         assert str(got_err.value) == str(e)
         return
-    got = flat(evaluate(on_device(b, backend), cfg, backend, case["normalizer"]))
+    got = flat(evaluate(on_device(b, backend), cfg, backend, case["normalizer"], group=group))
     mag = magnitudes(b, cfg, case["normalizer"])
     grad_rtol = BF16_GRAD_RTOL if case["dtype"] == torch.bfloat16 else 0.0
     try:

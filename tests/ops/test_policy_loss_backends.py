@@ -22,6 +22,7 @@ from arl.ops._triton import triton_available
 from arl.ops.policy_loss import METRIC_KEYS, LossInputs, reference_policy_loss
 from arl.ops.policy_loss import spec
 from arl.ops.policy_loss.api import _auto, backend_covers, choose_backend, not_covered
+from arl.ops.policy_loss.group_adv import IN_PASS
 from arl.ops.policy_loss.local_grad import local_logp_grad
 from arl.algo.advantages import group_advantages
 from loss_utils import ALL_CONFIG_IDS, ALL_CONFIGS, CONFIGS, Batch, make_batch, untrained_inside_chunk_batch
@@ -122,6 +123,9 @@ def test_the_suite_runs_every_option_a_backend_declares(backend):
     registered surrogate and KL estimator is in the grid (run, or refused below)."""
     runs = [c for c in ALL_CONFIGS if not_covered(backend, c) is None]
     for key, values in backend_covers(backend).items():
+        if key == "advantages_in_pass":  # in-pass estimators: test_in_pass_advantages.py runs each of IN_PASS
+            assert set(values) <= set(IN_PASS), key
+            continue
         assert set(values) <= {getattr(c, key) for c in runs if _active(c, key)}, key
     assert {c.surrogate for c in ALL_CONFIGS} == set(spec.SURROGATES)
     assert {c.kl_estimator for c in ALL_CONFIGS if c.kl_beta > 0} == set(spec.KL_ESTIMATORS)
@@ -525,6 +529,7 @@ def test_gpu_packed_agentic_batch_against_float64_reference(backend):
     for cfg in (bench.CONFIGS["chunk_level"], bench.CONFIGS["token_level"]):
         d = bench.agentic_batch(256 * 1024, "cuda", seed=1)
         lp = d.pop("logp").requires_grad_(True)
+        d = {k: d[k] for k in bench.LOSS_KEYS}  # rewards and group ids are not loss inputs
         out = policy_loss(lp, **d, config=cfg, backend=backend)
         out.loss.backward()
         d64 = {k: (v.detach().cpu().double() if v.is_floating_point() else v.cpu()) for k, v in d.items()}
