@@ -100,14 +100,15 @@ def policy_loss(
 ) -> LossOutput:
     """The policy loss of any registered surrogate over a packed batch; see ``spec.py`` for the math.
 
-    ``advantages`` [N] (required): one advantage per trajectory, computed over the whole step before
+    ``advantages`` [N]: one advantage per trajectory, computed over the whole step before
     packing by an estimator of ``arl.algo.advantages`` (e.g. ``group_advantages(rewards, group_ids,
     "grpo", eps)``).  Or, instead (``loss.advantages_in_pass``), ``group``: each sequence's reward and
     group row with the whole step's group statistics (group_adv.py ``StepGroups.take``), from which
     the pass computes the group estimator's A_i.  Gamma discounting and positive_only apply per chunk.
     """
     cfg = config if config is not None else LossConfig()
-    if group is not None:  # checked whatever validate_inputs says: the kernels index the table with it
+    if group is not None:  # shapes and dtypes always; rows and values with validate_inputs (off: the
+        # C++ op refuses a row outside the table, the GPU kernels read it as NaN)
         if advantages is not None:
             raise ValueError("advantages: give either advantages or group (the in-pass inputs), not both")
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
