@@ -13,7 +13,7 @@ op (backend "cpu"); on a GPU also the Triton and CUDA backends where they are re
 fused backend runs twice: with the step's grpo advantages given (``<backend>``) and with them
 computed in the pass from rewards, group rows and the step's group table (``<backend>+in_pass``,
 ``loss.advantages_in_pass``; the table is built once per step, outside the timed call, as the
-trainer does).
+trainer does); their time ratio is the median over back-to-back pairs (``paired_ratio``).
 
 Time: median over ``--repeats`` runs of forward + ``loss.backward()`` after warm-up (compile time
 is excluded).  CPU timings on a shared machine are noisy: read the ratios, which come from one run.
@@ -159,6 +159,24 @@ def time_it(fn, base, b, device, warmup, repeats) -> float:
     return statistics.median(ts)
 
 
+def paired_ratio(fn_a, fn_b, base, b, device, repeats) -> float:
+    """Median over ``repeats`` back-to-back pairs of time(fn_a) / time(fn_b): on a shared machine
+    the load drifts between two separate medians, much less within a pair."""
+    for fn in (fn_a, fn_b):
+        fwd_bwd(fn, base, b)
+    ratios = []
+    for i in range(repeats):
+        ts = {}
+        for fn in ((fn_a, fn_b) if i % 2 else (fn_b, fn_a)):  # alternate which goes first
+            sync(device)
+            t0 = time.perf_counter()
+            fwd_bwd(fn, base, b)
+            sync(device)
+            ts[fn] = time.perf_counter() - t0
+        ratios.append(ts[fn_a] / ts[fn_b])
+    return statistics.median(ratios)
+
+
 def peak_extra_bytes(fn, base, b, device) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -225,7 +243,8 @@ def main() -> None:
             if fused:
                 row["speedup_vs_eager"] = round(row["eager"]["ms"] / row[fused]["ms"], 2)
                 row["speedup_vs_compile"] = round(row["compile"]["ms"] / row[fused]["ms"], 2)
-                row["in_pass_time_ratio"] = round(row[f"{fused}+in_pass"]["ms"] / row[fused]["ms"], 3)
+                row["in_pass_time_ratio"] = round(paired_ratio(fns[f"{fused}+in_pass"], fns[fused], base, b, dev,
+                                                               repeats * 10), 3)
             runs[f"{cname}/{T}"] = row
             line = "  ".join(f"{m} {v['ms']:8.2f} ms ({v['peak_extra_bytes_per_token']:5.1f} B/tok)"
                              for m, v in row.items() if isinstance(v, dict))

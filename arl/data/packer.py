@@ -39,7 +39,8 @@ by the accumulation steps and averages over ranks, scale each micro-batch loss b
 Advantages: the packer computes none.  The step's advantages are computed once, over the whole step
 (arl/stabilizers/advantages.py, with the estimators of arl/algo/advantages.py), and given to
 ``pack_step(..., advantages=)``; each micro-batch then carries its sequences' values in ``advantages``,
-which ``loss_kwargs`` hands to ``policy_loss`` (the op needs them: it never normalizes groups).
+which ``loss_kwargs`` hands to ``policy_loss`` (with ``loss.advantages_in_pass`` rank 0 adds each
+micro-batch's rows of the step's group table instead: ``group_adv``, arl/trainer/in_pass.py).
 Group ids stay here as trajectory bookkeeping only: ``keep_groups`` (default) keeps a group together
 whenever it fits in the budget, each micro-batch says so in ``complete_groups``, and
 ``PackedStep.split_groups`` lists the groups that did not fit.
