@@ -69,7 +69,7 @@ class LossConfig(OneLineErrors):
     advantages_in_pass: bool = Field(
         False, description="Compute the group estimator (algo.advantage grpo, dr_grpo or rloo) inside the loss pass "
         "from each trajectory's reward and the step's group statistics, instead of before packing; the same "
-        "advantages (docs/methods.md). Needs no turn credit, critic, IPA or extreme-trajectory control.")
+        "advantages (docs/design.md 1.2). Needs no turn credit, critic, IPA or extreme-trajectory control.")
     validate_inputs: bool = Field(
         True, description="Check the loss inputs (shapes, ids, finite values) on every call; false skips the checks "
         "once a pipeline is trusted.")
