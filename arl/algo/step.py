@@ -1,17 +1,20 @@
-"""The step's advantages, computed once, here: everything downstream takes them as input.
+"""Trainer rank 0's half of the step, once per step: the advantages, the packing, each micro-batch's
+loss roles (``prepare_step``).  The advantages are computed here once; everything downstream takes
+them as input.
 
     rewards   = outcome + capped process rewards                 (shaping.py; outcome when off)
     batch     = long failures masked or down-weighted            (extreme.py; unchanged when off)
-    A_i       = the ``algo.advantage`` estimator over the whole step's groups (arl/algo/advantages.py;
+    A_i       = the ``algo.advantage`` estimator over the whole step's groups (advantages.py;
                 FILTERED trajectories are left out and get 0)
     A_i      *= negative reweighting and extreme weights         (extreme.py; when on)
     A_{i,k}   = gamma^(K-1-k) A_i + w * step advantage of chunk k (turn_credit.py; when on)
     gae:        A_i is not used; the chunk rewards r_{i,k} and the base A_{i,k} = w * step
                 advantage (0 without turn credit) go to the trainer, which adds GAE (gae.py)
 
-The packer carries ``A_i`` into every micro-batch (``pack_step(..., advantages=)``), the trainer passes
-them to ``policy_loss(..., advantages=)`` (turn credit: one segment per chunk with ``A_{i,k}``), and
-the advantage metrics below are computed from the same numbers.  ``gamma`` discounting and
+The packer carries ``A_i`` into every micro-batch (``pack_step(..., advantages=)``); ``attach_roles``
+adds what the objective needs beyond them (turn credit's per-chunk segments, the critic's value
+points, IPA's imitation / RL roles); the objective passes them to ``policy_loss(..., advantages=)``
+(objectives.py), and the advantage metrics below are computed from the same numbers.  ``gamma`` discounting and
 ``positive_only`` still act per chunk inside the loss.
 """
 from __future__ import annotations
@@ -21,16 +24,18 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..algo.advantages import get_estimator, group_advantages
 from ..config.algo import AlgoConfig
-from ..config.stabilizers import StabilizerConfig
-from ..errors import finite_vector
+from ..config.stabilizers import IPAResampleConfig, StabilizerConfig
+from ..data.packer import PackedStep, PackerConfig, pack_step
 from ..data.trajectory import Trajectory, TrajectoryStatus
+from ..errors import finite_vector
 from ..ops.policy_loss.config import LossConfig
-from .gae import critic_chunk_inputs
+from .advantages import get_estimator, group_advantages
 from .extreme import control_extremes, reweight_negatives
+from .gae import critic_chunk_inputs, critic_points
+from .ipa import ipa_normalizers, split_chunk_roles
 from .shaping import shape_rewards
-from .turn_credit import turn_advantages
+from .turn_credit import chunk_segments, turn_advantages
 
 
 @dataclass
@@ -148,6 +153,9 @@ def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
                     cfg: Optional[StabilizerConfig] = None, algo: Optional[AlgoConfig] = None) -> StepAdvantages:
     """The step's advantages (see the module doc) with their metrics.  Under a critic estimator
     (``algo.advantage: gae``) the per-chunk inputs of GAE replace turn credit's advantages."""
+    for i, t in enumerate(trajs):
+        if not isinstance(t, Trajectory):
+            raise ValueError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
     cfg = cfg if cfg is not None else StabilizerConfig()
     algo = algo if algo is not None else AlgoConfig()
     rewards, metrics = shape_rewards(trajs, cfg.shaping)
@@ -170,3 +178,40 @@ def step_advantages(trajs: Sequence[Trajectory], loss_cfg: LossConfig,
                                        estimator=est, eps=eps)
         metrics.update(m)
     return StepAdvantages(out, rewards, adv, metrics, per_chunk, chunk_rew)
+
+
+def attach_roles(packed: PackedStep, prep: StepAdvantages, loss_cfg: LossConfig,
+                 ipa: Optional[IPAResampleConfig] = None) -> None:
+    """What the objective needs beyond the packed advantages, on each micro-batch: turn credit's (or the
+    critic's) per-chunk loss segments, the critic's value points, and with IPA resampling on
+    (``ipa.enabled``) the loss roles (imitated prefix tokens, resampled chunk ids, step-global
+    normalizers)."""
+    trajs = prep.trajectories
+    if prep.chunk_advantages is not None:
+        for mb in packed.all_micro_batches():
+            mb.segments = chunk_segments(mb, trajs, prep.chunk_advantages) if not mb.is_empty else None
+    if prep.chunk_rewards is not None:  # the critic: each micro-batch's value points, one per trained chunk
+        mbs = [mb for mb in packed.all_micro_batches() if not mb.is_empty]
+        for mb in mbs:
+            mb.critic = critic_points(mb, trajs, prep.chunk_rewards)
+        total = sum(int(mb.critic["pos"].numel()) for mb in mbs)
+        for mb in mbs:  # the value loss is the mean over the step's chunks (all ranks)
+            mb.critic["normalizer"] = float(max(total, 1))
+    if ipa is not None and ipa.enabled:
+        il_n, rl_n = ipa_normalizers(trajs, loss_cfg)
+        for mb in packed.all_micro_batches():
+            il_mask, rl_ids = split_chunk_roles(mb, trajs)
+            mb.ipa = {"il_mask": il_mask, "rl_chunk_ids": rl_ids, "il_normalizer": il_n, "rl_normalizer": rl_n,
+                      "lambda_il": ipa.lambda_il, "lambda_rl": ipa.lambda_rl}
+
+
+def prepare_step(trajs: Sequence[Trajectory], loss_cfg: LossConfig, packer: PackerConfig,
+                 cfg: Optional[StabilizerConfig] = None, algo: Optional[AlgoConfig] = None):
+    """``(packed step, StepAdvantages)``: the step's advantages, the packing of its trajectories with
+    them, and each micro-batch's loss roles.  Trainer rank 0 calls it once per step; each rank's
+    objective turns its micro-batches into the loss (objectives.py)."""
+    cfg = cfg if cfg is not None else StabilizerConfig()
+    prep = step_advantages(trajs, loss_cfg, cfg, algo)
+    packed = pack_step(prep.trajectories, packer, loss_cfg, advantages=prep.advantages)
+    attach_roles(packed, prep, loss_cfg, cfg.ipa)
+    return packed, prep

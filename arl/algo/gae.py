@@ -1,7 +1,7 @@
 """Turn-level GAE: advantages from a value baseline at every chunk (model turn), for the critic.
 
 Per trajectory with chunks k = 0..K-1 (in order) and the critic's values V_k of the context each
-chunk acts in (arl/trainer/critic.py reads them at the token before the chunk's first token):
+chunk acts in (arl/algo/critic.py reads them at the token before the chunk's first token):
 
   r_k   = process_reward * [turn k reached a new state]     (turn credit's, when turn credit is on)
           + R on the last chunk                             (R: the step's reward, shaped when shaping is on)
@@ -18,7 +18,7 @@ runs per micro-batch; a trajectory is never split over micro-batches (the packer
 truncates it; a chunk cut off by truncation adds its reward to the last chunk that was packed).
 
 Advantages are in reward units, centred by the critic; ``critic.whiten`` normalizes them over the
-step in the trainer (arl/trainer/critic.py), from the no-grad old pass's values.
+step in the trainer (arl/algo/critic.py), from the no-grad old pass's values.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..algo.advantages import gae  # noqa: F401  GAE itself is the registry's ``gae`` estimator
+from .advantages import gae  # noqa: F401  GAE itself is the registry's ``gae`` estimator
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
 from .turn_credit import chunk_process_rewards, chunk_starts, packed_chunks, turn_advantages
