@@ -375,7 +375,7 @@ def test_calibration_by_turn_and_advantage_outcome_correlation_by_hand():
 def test_prompt_ev_ceiling_by_hand():
     """Between-task share of the outcome variance: tasks of equal difficulty give 0, tasks whose
     samples all agree give 1, all-equal outcomes give no figure."""
-    from arl.algo.step import prompt_ev_ceiling
+    from arl.algo.gae import prompt_ev_ceiling
 
     def trajs(gids):
         return [Trajectory(tokens=np.arange(4), chunk_ids=np.array([-1, 0, 0, 0]), rollout_logp=np.zeros(4),
@@ -393,7 +393,7 @@ def test_prompt_ev_ceiling_by_hand():
 def test_state_ev_ceiling_by_hand():
     """Chunks share a state when every token before them agrees; the ceiling is 1 - the mean unbiased
     within-state variance of the outcome over the revisited states' chunks / their unbiased variance."""
-    from arl.algo.step import state_ev_ceiling
+    from arl.algo.gae import state_ev_ceiling
 
     def traj(turn2: int):  # prompt [1 2], turn 1 [3 4], observation [5], turn 2 [turn2 6]
         return Trajectory(tokens=np.array([1, 2, 3, 4, 5, turn2, 6]), chunk_ids=np.array([-1, -1, 0, 0, -1, 1, 1]),
