@@ -15,6 +15,9 @@ from typing import Optional, Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..algo.critic import VALUE_HEAD, without_value_head
+from ..algo.critic_role import check_old_values, head_mismatch
+from ..algo.objectives import Forward, LossOut, make_objective
 from ..config import CriticConfig, OffloadConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig
@@ -23,9 +26,6 @@ from ..model.lora import ADAPTER, base_state_dict, hf_model, is_lora, merged_sta
 from ..model.packed import packed_logprobs
 from ..model.shared_prefix import micro_batch_logprobs
 from ..model.tied import is_tied, untied_state
-from ..algo.critic import VALUE_HEAD, without_value_head
-from ..algo.critic_role import check_old_values, head_mismatch
-from ..algo.objectives import Forward, LossOut, make_objective
 from . import faults
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 from .engine import deepspeed_config, lr_lambda, make_engine, make_optimizer  # noqa: F401 (re-exported)
