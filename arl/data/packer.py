@@ -37,7 +37,7 @@ ranks, all micro-batches; see arl/ops/policy_loss/spec.py), so that the sum over
 by the accumulation steps and averages over ranks, scale each micro-batch loss by GAS * world size.
 
 Advantages: the packer computes none.  The step's advantages are computed once, over the whole step
-(arl/stabilizers/advantages.py, with the estimators of arl/algo/advantages.py), and given to
+(arl/algo/step.py, with the estimators of arl/algo/advantages.py), and given to
 ``pack_step(..., advantages=)``; each micro-batch then carries its sequences' values in ``advantages``,
 which ``loss_kwargs`` hands to ``policy_loss`` (the op needs them: it never normalizes groups).
 Group ids stay here as trajectory bookkeeping only: ``keep_groups`` (default) keeps a group together
@@ -112,9 +112,9 @@ class MicroBatch:
     index: int  # position among its rank's micro-batches
     est_compute: float
     complete_groups: bool  # every group present here is entirely here
-    ipa: Optional[dict] = None  # IPA resampling's loss roles (Stabilizers.apply): il_mask, rl_chunk_ids, normalizers
-    segments: Optional[dict] = None  # turn credit (Stabilizers.apply): per-chunk loss segments, policy_loss overrides
-    critic: Optional[dict] = None  # the critic (Stabilizers.apply): value points, arl/stabilizers/gae.py critic_points
+    ipa: Optional[dict] = None  # IPA resampling's loss roles (arl/algo/step.py attach_roles): il_mask, rl_chunk_ids, normalizers
+    segments: Optional[dict] = None  # turn credit (arl/algo/step.py attach_roles): per-chunk loss segments, policy_loss overrides
+    critic: Optional[dict] = None  # the critic (arl/algo/step.py attach_roles): value points, arl/algo/gae.py critic_points
     tree: Optional[PrefixLayout] = None  # share_prefix: the computed layout (None: ordinary packing)
 
     @property
