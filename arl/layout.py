@@ -311,8 +311,8 @@ def _check_gpu_budget(pl: Plan, cfg: TrainConfig, P: int, resident: float) -> No
 
 def _critic_bytes(pl: Plan, cfg: TrainConfig, a: ArchConfig, P: int, per_param: float, act: float) -> tuple:
     """``(bytes kept between steps, bytes while training)`` of the critic, with its notes.  Shared: a
-    linear head on the trunk (arl/trainer/critic.py), H + 1 parameters.  Separate: a second copy of
-    the model without lm_head plus its head (arl/trainer/critic_model.py) at the policy's per-parameter
+    linear head on the trunk (arl/algo/critic.py), H + 1 parameters.  Separate: a second copy of
+    the model without lm_head plus its head (arl/algo/critic_model.py) at the policy's per-parameter
     cost (same ZeRO stage and offload), and its activations: its forward and backward run while the
     policy's micro-batch graph is alive."""
     H, T = a.hidden, cfg.trainer.micro_batch_tokens

@@ -97,6 +97,10 @@ METHODS: dict[str, Method] = {
                                      (*_TOKEN, "loss.clip_high=0.2", "loss.mismatch_level=none", _TC)),
     "ipa_chunk": Method("IPA chunk level: chunk ratio, chunk mismatch mask, gamma 0.95", (*_IPA, _NO_TC)),
     "ipa_turn_credit": Method("IPA chunk level + turn credit (the main job's method)", (*_IPA, _TC)),
+    "ipa_turn_credit_sp2": Method(
+        "ipa_turn_credit with sequence parallelism 2 (dp 1) and 1024-token micro-batches: each rank holds 512 "
+        "tokens, less than most trajectories", (*_IPA, _TC, "trainer.sequence_parallel=2",
+                                                "trainer.micro_batch_tokens=1024")),
     "ipa_critic": Method("IPA chunk level + turn-level critic (value head, GAE over chunks; no turn credit)",
                          (*_IPA, _NO_TC, "algo.advantage=gae")),
     "ipa_critic_whiten": Method("IPA chunk level + shared value head, GAE advantages whitened over the step",

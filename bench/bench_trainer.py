@@ -420,7 +420,7 @@ def instrumented(tr, timer: PhaseTimer):
     """Timers around the functions an rl_step calls: the packed forward (grad-enabled calls),
     the logprob head and the loss, DeepSpeed's backward and optimizer step, the old-logp pass."""
     import arl.model.packed as P
-    import arl.trainer.objectives as OB
+    import arl.algo.objectives as OB
 
     return patched(
         (P, "packed_hidden_states", timer.wrap("forward", P.packed_hidden_states, grad_only=True)),

@@ -12,7 +12,7 @@ from arl.data.packer import PackerConfig, pack_step
 from arl.ops.policy_loss import LossConfig
 from arl.stabilizers import Stabilizers
 from arl.algo.advantages import gae
-from arl.trainer.critic import VALUE_HEAD, Critic, attach_value_head, param_groups, without_value_head
+from arl.algo.critic import VALUE_HEAD, Critic, attach_value_head, param_groups, without_value_head
 
 from two_rank import random_chunk_ids, tiny_qwen
 
@@ -126,7 +126,7 @@ def test_turn_credit_process_reward_and_step_advantage_enter_the_critic():
         assert r[:-1] == pytest.approx([0.1] * (len(r) - 1)) and r[-1] == pytest.approx(0.1 + trajs[i].reward)
         assert mb.critic["episode_return"][mb.critic["seq"] == j].tolist() == pytest.approx([sum(r)] * len(r))
     # the base chunk advantages are turn credit's step part only (the trajectory advantage is left out)
-    from arl.stabilizers.turn_credit import turn_advantages
+    from arl.algo.turn_credit import turn_advantages
 
     step_only, _ = turn_advantages(prep.trajectories, np.zeros(len(trajs)), LOSS, weight=1.0, process_reward=0.1)
     for a, b in zip(prep.chunk_advantages, step_only):
@@ -346,7 +346,7 @@ def test_dry_run_plan_shows_the_critic_memory():
 def test_calibration_by_turn_and_advantage_outcome_correlation_by_hand():
     """Mean value vs mean return per turn index (turns past the last bucket share it) and Pearson's r
     of the chunks' GAE advantages with their episodes' returns, over the step's micro-batches."""
-    from arl.trainer.critic import CALIB_TURNS
+    from arl.algo.critic import CALIB_TURNS
 
     cfg = CriticConfig(gamma=1.0, lam=1.0, clip=None)
     cr = Critic(cfg)
@@ -375,7 +375,7 @@ def test_calibration_by_turn_and_advantage_outcome_correlation_by_hand():
 def test_prompt_ev_ceiling_by_hand():
     """Between-task share of the outcome variance: tasks of equal difficulty give 0, tasks whose
     samples all agree give 1, all-equal outcomes give no figure."""
-    from arl.stabilizers.advantages import prompt_ev_ceiling
+    from arl.algo.gae import prompt_ev_ceiling
 
     def trajs(gids):
         return [Trajectory(tokens=np.arange(4), chunk_ids=np.array([-1, 0, 0, 0]), rollout_logp=np.zeros(4),
@@ -393,7 +393,7 @@ def test_prompt_ev_ceiling_by_hand():
 def test_state_ev_ceiling_by_hand():
     """Chunks share a state when every token before them agrees; the ceiling is 1 - the mean unbiased
     within-state variance of the outcome over the revisited states' chunks / their unbiased variance."""
-    from arl.stabilizers.advantages import state_ev_ceiling
+    from arl.algo.gae import state_ev_ceiling
 
     def traj(turn2: int):  # prompt [1 2], turn 1 [3 4], observation [5], turn 2 [turn2 6]
         return Trajectory(tokens=np.array([1, 2, 3, 4, 5, turn2, 6]), chunk_ids=np.array([-1, -1, 0, 0, -1, 1, 1]),

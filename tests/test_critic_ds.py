@@ -114,7 +114,7 @@ def _empty(mb):
 
 def _checks(rank, world, port, result_dir):
     from arl.trainer import PolicyTrainer
-    from arl.trainer.critic import VALUE_HEAD
+    from arl.algo.critic import VALUE_HEAD
     from arl.trainer.dist import init_distributed, set_rank_env
     from arl.trainer.rank import update_on_batch
 
@@ -200,7 +200,7 @@ def check(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from arl.trainer.critic import VALUE_HEAD
+    from arl.algo.critic import VALUE_HEAD
 
     res = torch.load(tmp_path / "critic.pt")
     assert min(res["n_mb"]) >= 2, res["n_mb"]

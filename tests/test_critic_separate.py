@@ -59,8 +59,8 @@ def test_dry_run_plan_counts_the_second_model():
 
 def test_the_critic_is_a_copy_without_lm_head_and_with_a_zero_head():
     from arl.config import CriticConfig
-    from arl.trainer.critic import VALUE_HEAD, Critic
-    from arl.trainer.critic_model import CriticModel
+    from arl.algo.critic import VALUE_HEAD, Critic
+    from arl.algo.critic_model import CriticModel
 
     policy = tiny_qwen()
     before = {k: v.clone() for k, v in policy.state_dict().items()}

@@ -21,7 +21,7 @@ from arl.metrics import per_turn_mean, per_turn_sums, success_logprob_mean, succ
 from arl.config import WANDB_PIN, WandbConfig
 from arl.metrics.logger import MetricsLogger, read_metrics
 from arl.plot import main as plot_main
-from arl.stabilizers.advantages import group_step_advantages, step_advantages
+from arl.algo.step import group_step_advantages, step_advantages
 from estimator_ref import ref as ref_group_advantages
 
 OK, MASKED, FILTERED = TrajectoryStatus.OK, TrajectoryStatus.MASKED, TrajectoryStatus.FILTERED
@@ -81,7 +81,7 @@ def test_trajectory_metrics_exact(batch):
 
 
 def test_step_advantage_figures_exact(batch):
-    """The step's advantages and their figures, computed once (arl/stabilizers/advantages.py)."""
+    """The step's advantages and their figures, computed once (arl/algo/step.py)."""
     g0 = 0.5 / (math.sqrt(0.5) + 1e-6)  # group 0: rewards (1, 0), unbiased std sqrt(0.5)
     adv = step_advantages(batch, LossConfig())
     # non-FILTERED: g0 (1, 0) -> +-g0; g1 (0, 0 masked) and g2 (0.5 alone) have zero variance;

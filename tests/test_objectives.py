@@ -1,4 +1,4 @@
-"""Trainer objectives (arl/trainer/objectives.py): the registry's errors, and a loss variant added
+"""Trainer objectives (arl/algo/objectives.py): the registry's errors, and a loss variant added
 without touching the trainer step: a registered subclass runs through ``PolicyTrainer.rl_step`` on
 one gloo rank and its gradient is exactly what its loss says."""
 import os
@@ -13,7 +13,7 @@ from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.ops.policy_loss import LossConfig
 from arl.stabilizers import Stabilizers
-from arl.trainer.objectives import OBJECTIVES, LossOut, Objective, make_objective, register_objective
+from arl.algo.objectives import OBJECTIVES, LossOut, Objective, make_objective, register_objective
 
 from two_rank import random_chunk_ids, tiny_qwen
 
@@ -44,6 +44,17 @@ def test_registry_errors_are_one_line():
         register_objective("ipa")(type("Again", (Objective,), {}))
     with pytest.raises(ValueError, match="critic needs the critic section"):
         make_objective("critic", "reference")
+
+
+def test_the_objective_interface_is_narrow():
+    """The base class has at most six hooks; what only a critic needs is the critic's own object
+    (``objective.critic``, arl/algo/critic_role.py), None for the objectives without one."""
+    hooks = sorted(n for n, v in vars(Objective).items()
+                   if not n.startswith("_") and (callable(v) or isinstance(v, (staticmethod, classmethod))))
+    assert hooks == ["begin_step", "end_step", "has_signal", "head_grad", "loss", "prepare_model"]
+    assert len(hooks) <= 6
+    assert make_objective("policy_gradient", "reference").critic is None
+    assert make_objective("ipa", "reference").critic is None
 
 
 def test_policy_gradient_refuses_ipa_micro_batches():
@@ -100,7 +111,7 @@ def test_ipa_objective_divides_imitation_by_the_step_normalizer():
     every imitated token's gradient is -lambda_il / 13."""
     from arl.config import StabilizerConfig as S
     from arl.data.packer import PackerConfig as PC
-    from arl.trainer.objectives import Forward
+    from arl.algo.objectives import Forward
 
     from test_planted import _traj
 

@@ -443,7 +443,7 @@ def test_split_groups_with_step_advantages_reproduce_step_loss(lc, s, p):
     old = {i: -torch.rand(len(trajs[i]), generator=gen, dtype=torch.float64) * 2 for i in idx}
     leaf = {i: (old[i] + 0.3 * torch.randn(len(trajs[i]), generator=gen, dtype=torch.float64)).requires_grad_(True)
             for i in idx}
-    # the step's advantages, normalized over the whole step (as arl/stabilizers/advantages.py does
+    # the step's advantages, normalized over the whole step (as arl/algo/step.py does
     # before packing), handed to the packer; computed independently of arl/algo/advantages.py
     step_adv = step_advantages_of(trajs, est)
     w = whole_step(trajs, idx, leaf, step_adv)

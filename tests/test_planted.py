@@ -12,10 +12,11 @@ from arl.config.stabilizers import StallConfig, TurnCreditConfig
 from arl.data import PackerConfig, Trajectory, estimated_compute, karmarkar_karp, pack_step
 from arl.env.tool_parsers import call_name_and_arguments, get_parser
 from arl.ops.policy_loss import LossConfig
-from arl.stabilizers import StabilizerConfig, Stabilizers, ipa_mixed_loss
-from arl.stabilizers.gae import critic_chunk_inputs, critic_points, gae
+from arl.algo.ipa import ipa_mixed_loss
+from arl.stabilizers import StabilizerConfig, Stabilizers
+from arl.algo.gae import critic_chunk_inputs, critic_points, gae
 from arl.stabilizers.stall import StallGuard
-from arl.stabilizers.turn_credit import chunk_process_rewards, turn_advantages
+from arl.algo.turn_credit import chunk_process_rewards, turn_advantages
 
 
 def _traj(turn_lens, reward=0.0, group=0, prompt=2, obs=1, **meta):

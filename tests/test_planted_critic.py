@@ -12,11 +12,11 @@ from arl.config import AlgoConfig, CriticConfig, StabilizerConfig
 from arl.config.stabilizers import TurnCreditConfig
 from arl.data import Trajectory
 from arl.ops.policy_loss import LossConfig
-from arl.stabilizers.advantages import step_advantages
-from arl.stabilizers.turn_credit import turn_advantages
-from arl.trainer import objectives as obj_mod
-from arl.trainer.critic import VALUE_HEAD
-from arl.trainer.objectives import (CriticObjective, Forward, IPAObjective, Objective, SeparateCriticObjective,
+from arl.algo.step import step_advantages
+from arl.algo.turn_credit import turn_advantages
+from arl.algo import objectives as obj_mod
+from arl.algo.critic import VALUE_HEAD
+from arl.algo.objectives import (CriticObjective, Forward, IPAObjective, Objective, SeparateCriticObjective,
                                     make_objective)
 
 CPU = torch.device("cpu")

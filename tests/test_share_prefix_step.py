@@ -24,7 +24,7 @@ from arl.data.packer import PackerConfig, pack_step
 from arl.model.shared_prefix import micro_batch_logprobs
 from arl.ops.policy_loss import LossConfig
 from arl.stabilizers import Stabilizers
-from arl.trainer.objectives import Forward, make_objective
+from arl.algo.objectives import Forward, make_objective
 
 from test_shared_prefix_forward import F32, F64, assert_grad_close, float64_norms  # noqa: F401 (fixture)
 from two_rank import tiny_qwen

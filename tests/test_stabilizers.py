@@ -13,13 +13,14 @@ from arl.data.packer import PackerConfig, pack_step
 from arl.data.trajectory import Trajectory, TrajectoryStatus as S
 from arl.ops.policy_loss import LossConfig, available_backends, policy_loss
 from arl.rollout.manager import fill_batch
+from arl.algo.ipa import ipa_mixed_loss, ipa_normalizers, split_chunk_roles
+from arl.algo.shaping import shape_rewards
 from arl.stabilizers import (AdaptiveKLController, Alarm, AlarmRule, DynamicSampler, IPAResampler, StabilizerConfig,
-                             Stabilizers, behaviour_metrics, entropy_coef, filter_zero_variance_groups,
-                             ipa_mixed_loss, ipa_normalizers, shape_rewards, split_chunk_roles)
+                             Stabilizers, behaviour_metrics, entropy_coef, filter_zero_variance_groups)
 from arl.config.stabilizers import (AdaptiveKLConfig, DynamicSamplingConfig, EntropyScheduleConfig,
                                     IPAResampleConfig, MonitorConfig, ShapingConfig)
 
-EPS = 1e-6  # the step advantages' (and turn credit's) eps: GRPO, arl/stabilizers/advantages.py
+EPS = 1e-6  # the step advantages' (and turn credit's) eps: GRPO, arl/algo/step.py
 
 
 def traj(reward=0.0, group=0, turn_lens=(3, 3), prompt=2, obs=2, status=S.OK, **meta):

@@ -15,7 +15,7 @@ from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.model.tied import is_tied
 from arl.ops.policy_loss import LossConfig, policy_loss
-from arl.stabilizers.advantages import step_advantages
+from arl.algo.step import step_advantages
 
 from two_rank import random_chunk_ids, tiny_qwen
 

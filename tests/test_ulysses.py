@@ -32,6 +32,36 @@ def test_plan_shard_pads_to_equal_shards():
         plan_shard(cu, 2, 2)
 
 
+def test_inner_attention_is_flash_where_it_runs(monkeypatch):
+    """Between the all-to-alls: arl's varlen SDPA on CPU; flash-attn's varlen kernel where
+    ``attn: auto`` would pick it, given the padded batch's int32 cu_seqlens and its longest
+    sequence.  (flash-attn itself runs only on a GPU: the call is checked here with a stand-in
+    that computes the same attention.)"""
+    import transformers.integrations.flash_attention as fa
+
+    from arl.model import ulysses
+    from arl.model.packed import _varlen_sdpa_attention
+
+    assert ulysses.inner_attention(torch.device("cpu")) is ulysses._sdpa_inner
+    monkeypatch.setattr(ulysses, "_flash_available", lambda d: True)
+    assert ulysses.inner_attention(torch.device("cpu")) is ulysses._flash_inner
+    seen = {}
+
+    def stand_in(module, q, k, v, mask, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None,
+                 max_length_k=None, **kw):
+        seen.update(dtype=cu_seq_lens_q.dtype, same=cu_seq_lens_k is cu_seq_lens_q, longest=(max_length_q, max_length_k))
+        return _varlen_sdpa_attention(module, q, k, v, mask, cu_seq_lens_q=cu_seq_lens_q, **kw)
+
+    monkeypatch.setattr(fa, "flash_attention_forward", stand_in)
+    module = torch.nn.Module()
+    q, k, v = (torch.randn(1, 2, 9, 4) for _ in range(3))
+    cu = torch.tensor([0, 2, 7, 9])
+    want, _ = ulysses._sdpa_inner(module, q, k, v, None, cu, dropout=0.0, scaling=None)
+    got, _ = ulysses._flash_inner(module, q, k, v, None, cu, dropout=0.0, scaling=None)
+    assert seen == {"dtype": torch.int32, "same": True, "longest": (5, 5)}
+    torch.testing.assert_close(got, want)
+
+
 def test_heads_must_split():
     from arl.model.ulysses import check_heads
 

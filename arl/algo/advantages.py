@@ -6,32 +6,24 @@ advantages it returns and never look at groups.  Two kinds:
 * ``group``: ``fn(rewards [N], groups [N], eps) -> advantages [N]``, rewards of the step's
   trajectories and their dense group index 0..G-1.  The registry wraps it with the one rule every
   baseline shares: a group whose rewards are all equal (a group of one included) gets exactly 0.
-  Turn credit (arl/stabilizers/turn_credit.py) runs the same estimator over each anchor group's
+  Turn credit (arl/algo/turn_credit.py) runs the same estimator over each anchor group's
   chunk returns.
 * ``critic``: GAE over a value baseline (``gae`` below); the values come from the trainer's
   forward, so the step gives chunk rewards and the critic objective calls ``gae`` per micro-batch.
+
+The registry's table (``ESTIMATORS``) lives in arl/config/algo.py, so a config names an estimator
+without importing this package; ``register_estimator`` fills it.
 
 Adding one: a function and a ``@register_estimator("name")`` line; the config accepts the name.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Literal
 
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class Estimator:
-    name: str
-    fn: Callable
-    kind: Literal["group", "critic"]
-    baseline: bool  # False: advantages are the raw rewards (no group comparison, so no step term either)
-    doc: str
-
-
-ESTIMATORS: dict[str, Estimator] = {}
+from ..config.algo import ESTIMATORS, Estimator, get_estimator  # noqa: F401 (the registry's API)
 
 
 def register_estimator(name: str, *, kind: Literal["group", "critic"] = "group", baseline: bool = True):
@@ -43,12 +35,6 @@ def register_estimator(name: str, *, kind: Literal["group", "critic"] = "group",
         return fn
 
     return deco
-
-
-def get_estimator(name: str) -> Estimator:
-    if name not in ESTIMATORS:
-        raise ValueError(f"algo.advantage: unknown estimator {name!r} (registered: {', '.join(sorted(ESTIMATORS))})")
-    return ESTIMATORS[name]
 
 
 def _group_stats(r: np.ndarray, g: np.ndarray):
@@ -120,7 +106,7 @@ def group_advantages(rewards, group_ids, estimator: str = "grpo", eps: float = 1
 
 @register_estimator("gae", kind="critic")
 def gae(values: torch.Tensor, rewards: torch.Tensor, seq: torch.Tensor, gamma: float, lam: float):
-    """GAE over chunks with a learned value baseline (the critic; arl/trainer/critic.py).
+    """GAE over chunks with a learned value baseline (the critic; arl/algo/critic.py).
 
     ``(advantages, returns)`` [P] float64 (CPU) of P chunks laid out sequence after sequence, each
     sequence's chunks in order: ``values`` [P] V_k, ``rewards`` [P] r_k, ``seq`` [P] the sequence of

@@ -1,12 +1,34 @@
-"""The ``algo`` section: which advantage estimator (arl/algo/advantages.py) and which trainer objective
-(arl/trainer/objectives.py) a run uses.  The loss's own options stay in ``loss``."""
+"""The ``algo`` section: which advantage estimator and which trainer objective (arl/algo/) a run uses.
+The loss's own options stay in ``loss``.
+
+``ESTIMATORS`` is the table of estimator names a config may choose.  It lives here, below the
+algorithm, so that loading a config checks the name without importing arl/algo (which sits above
+config); arl/algo/advantages.py defines the estimators and fills it (``register_estimator``), and
+``import arl`` imports that module first, so the built-in names are always there."""
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..algo.advantages import ESTIMATORS, get_estimator
+
+@dataclass(frozen=True)
+class Estimator:
+    name: str
+    fn: Callable
+    kind: Literal["group", "critic"]
+    baseline: bool  # False: advantages are the raw rewards (no group comparison, so no step term either)
+    doc: str
+
+
+ESTIMATORS: dict[str, Estimator] = {}  # filled by arl/algo/advantages.py
+
+
+def get_estimator(name: str) -> Estimator:
+    if name not in ESTIMATORS:
+        raise ValueError(f"algo.advantage: unknown estimator {name!r} (registered: {', '.join(sorted(ESTIMATORS))})")
+    return ESTIMATORS[name]
 
 
 class AlgoConfig(BaseModel):

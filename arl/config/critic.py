@@ -1,5 +1,5 @@
 """The ``critic`` section: a turn-level value head on the policy and GAE over chunks
-(arl/trainer/critic.py, arl/stabilizers/gae.py).  On when ``algo.advantage: gae``; setting any key
+(arl/algo/critic.py, arl/algo/gae.py).  On when ``algo.advantage: gae``; setting any key
 here without it is an error (arl/config/algo.py ``check_algo``)."""
 from __future__ import annotations
 

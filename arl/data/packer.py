@@ -37,10 +37,10 @@ ranks, all micro-batches; see arl/ops/policy_loss/spec.py), so that the sum over
 by the accumulation steps and averages over ranks, scale each micro-batch loss by GAS * world size.
 
 Advantages: the packer computes none.  The step's advantages are computed once, over the whole step
-(arl/stabilizers/advantages.py, with the estimators of arl/algo/advantages.py), and given to
+(arl/algo/step.py, with the estimators of arl/algo/advantages.py), and given to
 ``pack_step(..., advantages=)``; each micro-batch then carries its sequences' values in ``advantages``,
 which ``loss_kwargs`` hands to ``policy_loss`` (with ``loss.advantages_in_pass`` rank 0 adds each
-micro-batch's rows of the step's group table instead: ``group_adv``, arl/trainer/in_pass.py).
+micro-batch's rows of the step's group table instead: ``group_adv``, arl/algo/in_pass.py).
 Group ids stay here as trajectory bookkeeping only: ``keep_groups`` (default) keeps a group together
 whenever it fits in the budget, each micro-batch says so in ``complete_groups``, and
 ``PackedStep.split_groups`` lists the groups that did not fit.
@@ -113,9 +113,9 @@ class MicroBatch:
     index: int  # position among its rank's micro-batches
     est_compute: float
     complete_groups: bool  # every group present here is entirely here
-    ipa: Optional[dict] = None  # IPA resampling's loss roles (Stabilizers.apply): il_mask, rl_chunk_ids, normalizers
-    segments: Optional[dict] = None  # turn credit (Stabilizers.apply): per-chunk loss segments, policy_loss overrides
-    critic: Optional[dict] = None  # the critic (Stabilizers.apply): value points, arl/stabilizers/gae.py critic_points
+    ipa: Optional[dict] = None  # IPA resampling's loss roles (arl/algo/step.py attach_roles): il_mask, rl_chunk_ids, normalizers
+    segments: Optional[dict] = None  # turn credit (arl/algo/step.py attach_roles): per-chunk loss segments, policy_loss overrides
+    critic: Optional[dict] = None  # the critic (arl/algo/step.py attach_roles): value points, arl/algo/gae.py critic_points
     tree: Optional[PrefixLayout] = None  # share_prefix: the computed layout (None: ordinary packing)
     group_adv: Optional[object] = None  # loss.advantages_in_pass: GroupAdvantages of these sequences (rank 0)
 

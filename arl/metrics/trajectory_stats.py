@@ -8,7 +8,7 @@ Which trajectories each figure is computed over -- chosen to match what the loss
 * status counts: all trajectories.
 
 The step's advantage figures (``adv/*``) come with the advantages themselves
-(arl/stabilizers/advantages.py), staleness with the batch (``rollout/staleness_*``, the manager).
+(arl/algo/step.py), staleness with the batch (``rollout/staleness_*``, the manager).
 
 A figure over an empty set is 0.0 (its ``*_count`` key says the set was empty); nothing is NaN.
 

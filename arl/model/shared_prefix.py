@@ -158,7 +158,7 @@ def tree_logprobs(model, layout: PrefixLayout, temperature: float = 1.0, with_en
 
 def micro_batch_hidden_states(model, mb, device, attn: str = "auto") -> torch.Tensor:
     """``packed_hidden_states`` [T, H] of a packer micro-batch: over its shared-prefix layout when it
-    has one (the separate critic's trunk, arl/trainer/critic_model.py)."""
+    has one (the separate critic's trunk, arl/algo/critic_model.py)."""
     if mb.tree is not None:
         return tree_hidden_states(model, mb.tree, attn=attn).index_select(0, mb.tree.src.to(device))
     return packed_hidden_states(model, mb.token_ids.to(device), mb.cu_seqlens.to(device), attn=attn)

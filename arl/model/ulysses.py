@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .packed import (_ALIGN, _attention_implementation, _base_model, _check_cu_seqlens, _head_logprobs,
-                     _varlen_sdpa_attention, position_ids_from_cu_seqlens, register_attention)
+from .packed import (_ALIGN, _attention_implementation, _base_model, _check_cu_seqlens, _flash_available,
+                     _head_logprobs, _varlen_sdpa_attention, position_ids_from_cu_seqlens, register_attention)
 
 ARL_ULYSSES = "arl_ulysses"  # name under which the SP attention is registered in transformers
 
@@ -130,11 +130,31 @@ def _ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if kv % P:  # grouped-query attention whose kv heads do not split: give every query head its own
         key, value = key.repeat_interleave(heads // kv, dim=1), value.repeat_interleave(heads // kv, dim=1)
     q, k, v = (heads_to_tokens(x[0], shard)[None] for x in (query, key, value))
-    out, _ = _varlen_sdpa_attention(module, q, k, v, None, dropout=dropout, scaling=scaling,
-                                    sliding_window=sliding_window, cu_seq_lens_q=shard.cu_seqlens)
+    out, _ = inner_attention(q.device)(module, q, k, v, None, dropout=dropout, scaling=scaling,
+                                       sliding_window=sliding_window, cu_seqlens=shard.cu_seqlens)
     # out: [1, T, heads/P, D] -> [heads/P, T, D] -> this rank's tokens, every head
     local = tokens_to_heads(out[0].transpose(0, 1), shard)
     return local.transpose(0, 1)[None].contiguous(), None
+
+
+def _sdpa_inner(module, q, k, v, mask, cu_seqlens, **kw):
+    return _varlen_sdpa_attention(module, q, k, v, mask, cu_seq_lens_q=cu_seqlens, **kw)
+
+
+def _flash_inner(module, q, k, v, mask, cu_seqlens, **kw):
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return flash_attention_forward(module, q, k, v, mask, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                                   max_length_k=longest, **kw)
+
+
+def inner_attention(device: torch.device):
+    """The attention over whole sequences between the two all-to-alls: flash-attn's varlen kernel
+    where it runs (CUDA with flash_attn installed, as ``attn: auto`` picks for the unsplit forward),
+    else arl's varlen SDPA."""
+    return _flash_inner if _flash_available(device) else _sdpa_inner
 
 
 def register_with_transformers() -> None:

@@ -219,7 +219,7 @@ def demonstration(fmt: ChatFormat, messages: list, tools=None, system: str = "",
 
 
 def _turn_info(info: dict, observation) -> dict:
-    """Per model turn, what process-reward shaping and the monitors read (arl/stabilizers/shaping.py):
+    """Per model turn, what process-reward shaping and the monitors read (arl/algo/shaping.py):
     the tool, whether the call was an error, the env's own ``new_state`` verdict when it gives one,
     and a digest of the observation (equal observations, equal digests; no long text in queues)."""
     out = {"tool": info.get("tool"), "tool_error": bool(info.get("tool_error"))}

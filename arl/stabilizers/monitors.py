@@ -19,15 +19,15 @@ stall guard's too, arl/stabilizers/stall.py: ``Decision.merge``, then ``Alarm.ch
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..data.trajectory import Trajectory
+from ..algo.shaping import parse_calls
 from ..config import AlarmRule, MonitorConfig
+from ..data.trajectory import Trajectory
 
 DESTRUCTIVE_PATTERNS = (
     r"\brm\s+(-\w+\s+)*-\w*[rRf]",  # rm -rf / rm -r / rm -f
@@ -42,29 +42,6 @@ DESTRUCTIVE_PATTERNS = (
     r":\(\)\s*\{\s*:\s*\|\s*:\s*&\s*\}\s*;\s*:",  # fork bomb
     r">\s*/dev/(sd|nvme|hd)\w*",
 )
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-
-
-@dataclass
-class ToolCall:
-    name: Optional[str]
-    key: str  # canonical text: identical calls have identical keys
-    payload: str
-
-
-def parse_calls(text: str) -> list:
-    out = []
-    for payload in _CALL.findall(text):
-        try:
-            obj = json.loads(payload)
-            name = obj.get("name") if isinstance(obj, dict) else None
-            key = json.dumps(obj, sort_keys=True)
-        except (json.JSONDecodeError, TypeError):
-            name, key = None, " ".join(payload.split())
-        out.append(ToolCall(name if isinstance(name, str) else None, key, payload))
-    return out
-
-
 def turn_texts(t: Trajectory, decode: Optional[Callable] = None) -> list:
     texts = t.metadata.get("turn_texts")
     if texts is not None:

@@ -1,21 +1,21 @@
-"""``Stabilizers``: the few calls per step trainer rank 0 makes; holds every stabilizer's state."""
+"""``Stabilizers``: the few calls per step trainer rank 0 makes; holds every stabilizer's state.  The
+step's advantages and loss roles are the algorithm's (arl/algo/step.py): ``prepare`` and ``apply``
+hand on to it, for a caller that holds only this object."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from ..algo.extreme import length_metrics
+from ..algo.step import StepAdvantages, attach_roles, step_advantages
 from ..config.algo import AlgoConfig
 from ..config.stabilizers import StabilizerConfig, check_turn_credit_loss
 from ..data.trajectory import Trajectory
 from ..ops.policy_loss.config import LossConfig
-from .advantages import StepAdvantages, step_advantages
 from .curriculum import PositiveOnlyCurriculum
-from .extreme import length_metrics
-from .ipa import IPAResampler, ipa_normalizers, split_chunk_roles
+from .ipa import IPAResampler
 from .monitors import Alarm, Decision, behaviour_metrics, compile_patterns
 from .schedules import AdaptiveKLController, entropy_coef
 from .stall import StallGuard
-from .gae import critic_points
-from .turn_credit import chunk_segments
 
 
 PreparedBatch = StepAdvantages  # what prepare() returns: the step's advantages and every stabilizer metric
@@ -25,9 +25,8 @@ class Stabilizers:
     """Per step, trainer rank 0 calls::
 
         loss_cfg = stab.loss_config(step, success_rate)   # curriculum, KL beta, entropy coef
-        prep = stab.prepare(batch.trainable(), loss_cfg)   # the step's advantages, monitors
-        packed = pack_step(prep.trajectories, packer_cfg, loss_cfg, advantages=prep.advantages)
-        stab.apply(packed, prep, loss_cfg)                 # turn credit segments, IPA loss roles
+        packed, prep = prepare_step(trajs, loss_cfg, packer_cfg, cfg.stabilizers, cfg.algo)  # arl/algo/step.py
+        metrics = {**stab.observe(trajs), **prep.metrics}  # lengths, monitors; the advantages'
         ... every rank: rl_step(...) ...
         decision = stab.after_step(step, record, success_rate)   # KL controller, IPA schedule, alarms, stall
         if decision.action != "continue": ...              # "stop" or "rollback" to the last checkpoint
@@ -51,41 +50,24 @@ class Stabilizers:
         self.stall = StallGuard(self.cfg.stall)
         self._patterns = compile_patterns(m.destructive_patterns)
 
-    # -- batch and advantages ---------------------------------------------------------------------
-    def prepare(self, trajs: Sequence[Trajectory], loss_cfg: Optional[LossConfig] = None) -> PreparedBatch:
-        for i, t in enumerate(trajs):
-            if not isinstance(t, Trajectory):
-                raise ValueError(f"trajectories[{i}]: expected a Trajectory, got {type(t).__name__}")
-        loss_cfg = loss_cfg if loss_cfg is not None else self.loss_cfg
-        metrics = length_metrics(trajs, self.cfg.extreme)  # early-warning signals, always on
-        adv = step_advantages(trajs, loss_cfg, self.cfg, self.algo)
-        adv.metrics = {**metrics, **adv.metrics}
+    # -- the batch ------------------------------------------------------------------------------
+    def observe(self, trajs: Sequence[Trajectory]) -> dict:
+        """The batch's early-warning signals: lengths of failures and successes (always on) and, with
+        the monitors on, the behaviour metrics."""
+        metrics = length_metrics(trajs, self.cfg.extreme)
         if self.cfg.monitors.enabled:
-            adv.metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
+            metrics.update(behaviour_metrics(trajs, self.cfg.monitors, self.decode, self._patterns))
+        return metrics
+
+    def prepare(self, trajs: Sequence[Trajectory], loss_cfg: Optional[LossConfig] = None) -> PreparedBatch:
+        """The step's advantages (arl/algo/step.py) with ``observe``'s metrics."""
+        adv = step_advantages(trajs, loss_cfg if loss_cfg is not None else self.loss_cfg, self.cfg, self.algo)
+        adv.metrics = {**self.observe(trajs), **adv.metrics}
         return adv
 
     def apply(self, packed, prep: PreparedBatch, loss_cfg: Optional[LossConfig] = None) -> None:
-        """What the loss needs beyond the packed advantages: turn credit's (or the critic's) per-chunk
-        segments and the critic's value points, and with
-        IPA resampling on, each micro-batch's loss roles (imitated prefix tokens, resampled chunk ids,
-        step-global normalizers)."""
-        trajs = prep.trajectories
-        if prep.chunk_advantages is not None:
-            for mb in packed.all_micro_batches():
-                mb.segments = chunk_segments(mb, trajs, prep.chunk_advantages) if not mb.is_empty else None
-        if prep.chunk_rewards is not None:  # the critic: each micro-batch's value points, one per trained chunk
-            mbs = [mb for mb in packed.all_micro_batches() if not mb.is_empty]
-            for mb in mbs:
-                mb.critic = critic_points(mb, trajs, prep.chunk_rewards)
-            total = sum(int(mb.critic["pos"].numel()) for mb in mbs)
-            for mb in mbs:  # the value loss is the mean over the step's chunks (all ranks)
-                mb.critic["normalizer"] = float(max(total, 1))
-        if self.cfg.ipa.enabled:
-            il_n, rl_n = ipa_normalizers(trajs, loss_cfg if loss_cfg is not None else self.loss_cfg)
-            for mb in packed.all_micro_batches():
-                il_mask, rl_ids = split_chunk_roles(mb, trajs)
-                mb.ipa = {"il_mask": il_mask, "rl_chunk_ids": rl_ids, "il_normalizer": il_n, "rl_normalizer": rl_n,
-                          "lambda_il": self.cfg.ipa.lambda_il, "lambda_rl": self.cfg.ipa.lambda_rl}
+        """Each micro-batch's loss roles (arl/algo/step.py ``attach_roles``)."""
+        attach_roles(packed, prep, loss_cfg if loss_cfg is not None else self.loss_cfg, self.cfg.ipa)
 
     # -- loss config ------------------------------------------------------------------------------
     def loss_config(self, step: int, success_rate: Optional[float] = None) -> LossConfig:

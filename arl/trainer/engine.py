@@ -1,5 +1,5 @@
 """A DeepSpeed engine over a module and its AdamW: the policy's (arl/trainer/policy.py) and the separate
-critic's (arl/trainer/critic_model.py), built the same way so both partition, clip and checkpoint alike."""
+critic's (arl/algo/critic_model.py), built the same way so both partition, clip and checkpoint alike."""
 from __future__ import annotations
 
 import math

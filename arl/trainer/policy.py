@@ -15,6 +15,9 @@ from typing import Optional, Sequence
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..algo.critic import VALUE_HEAD, without_value_head
+from ..algo.critic_role import check_old_values, head_mismatch
+from ..algo.objectives import Forward, LossOut, make_objective
 from ..config import CriticConfig, OffloadConfig, OptimConfig
 from ..data.packer import MicroBatch
 from ..ops.policy_loss import LossConfig
@@ -24,10 +27,8 @@ from ..model.packed import packed_logprobs
 from ..model.shared_prefix import micro_batch_logprobs
 from ..model.tied import is_tied, untied_state
 from . import faults
-from .critic import VALUE_HEAD, without_value_head
 from .dist import all_max_int, all_sum, any_rank, rank, world_size
 from .engine import deepspeed_config, lr_lambda, make_engine, make_optimizer  # noqa: F401 (re-exported)
-from .objectives import Forward, LossOut, make_objective
 from .park import Parking
 from .seqpar import SequenceParallel
 
@@ -75,7 +76,7 @@ class PolicyTrainer:
         self.head_grad_in_forward = head_grad_in_forward
         self.zero3 = zero_stage == 3
         self.ref_model = self._frozen(ref_model, dtype) if ref_model is not None else None
-        # what a micro-batch's forward becomes before backward (arl/trainer/objectives.py); it may add
+        # what a micro-batch's forward becomes before backward (arl/algo/objectives.py); it may add
         # heads to the model (the critic's value head, in its own param group)
         self.objective = make_objective(objective, loss_backend, critic)
         params = self.objective.prepare_model(model, optim.lr)
@@ -84,7 +85,8 @@ class PolicyTrainer:
                                          dtype=dtype, offload=offload, on_gpu=self.device.type == "cuda")
         self.engine, self._torch_opt, self.scheduler = build(model, params)
         self.optimizer = self.engine.optimizer
-        self.objective.build(build, self.device, attn)  # a separate critic's own engine (arl/trainer/critic_model.py)
+        if self.objective.critic is not None:  # a separate critic's own engine; the critic's collectives
+            self.objective.critic.build(build, self.device, attn, all_sum)
         self.world = world_size()
         self.sp = SequenceParallel(sequence_parallel, getattr(model, "config", None))  # arl/trainer/seqpar.py
         self.train_randomness = train_mode_randomness(model)  # non-empty: the old-logprob pass is kept
@@ -191,14 +193,14 @@ class PolicyTrainer:
                 if self.zero3:  # ZeRO-3 gathers parameters in forward: every rank joins
                     _, hidden = self._dummy_forward(m, return_hidden=True)
                     if with_values:
-                        self.objective.zero_touch(m, hidden)
+                        self.objective.critic.zero_touch(m, hidden)
                 out.append(None)
                 if with_values:
                     values.append(None)
             elif with_values:
                 logp, _, hidden = self.logprobs(mb, model=m, return_hidden=True)
                 out.append(logp.float())
-                values.append(self.objective.old_values(m, hidden, mb))
+                values.append(self.objective.critic.old_values(m, hidden, mb))
             else:
                 out.append(self.logprobs(mb, model=m)[0].float())
         m.train(was)
@@ -219,8 +221,9 @@ class PolicyTrainer:
         # the dummy's own hidden states, as a real loss does); its loss is exactly 0
         lp, hidden = self._dummy_forward(self.engine.module, return_hidden=True)
         loss = lp.sum() * 0.0
-        extra = self.objective.zero_touch(self.engine.module, hidden)
-        if extra is not None:  # the objective's own parameters (value head) join the same collectives
+        critic = self.objective.critic
+        extra = critic.zero_touch(self.engine.module, hidden) if critic is not None else None
+        if extra is not None:  # the critic's own parameters (value head) join the same collectives
             loss = loss + extra
         self.engine.backward(loss, scale_wrt_gas=False)
 
@@ -258,11 +261,12 @@ class PolicyTrainer:
         if old_logps is None and self.train_randomness:
             raise ValueError(f"rl_step: old_logps=None needs a deterministic train-mode forward; the model has "
                              f"{', '.join(self.train_randomness[:3])} (run old_logprobs first)")
-        self.objective.check_old(old_logps, old_values)
+        check_old_values(self.objective, old_logps, old_values)
         metrics, parts = defaultdict(list), defaultdict(list)
         self.last_old_logps = []
-        if self.objective.policy_frozen():  # the critic's warm-up: it alone learns (arl/trainer/critic_model.py)
-            return self.objective.frozen_step(mbs, old_values, self.device)
+        critic = self.objective.critic
+        if critic is not None and critic.frozen():  # the critic's warm-up: it alone learns (arl/algo/critic_role.py)
+            return critic.frozen_step(mbs, old_values, self.device)
         begin = self.objective.begin_step(mbs, old_values, self.device)
         for i, mb in enumerate(mbs):
             if mb.is_empty:
@@ -345,7 +349,8 @@ class PolicyTrainer:
     # ------------------------------------------------------------ state
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
-        self.objective.save_state(directory, tag)  # a separate critic's engine, beside the policy's
+        if self.objective.critic is not None:  # a separate critic's engine, beside the policy's
+            self.objective.critic.save(directory, tag)
 
     def load_checkpoint(self, directory: str, tag: Optional[str] = None) -> dict:
         try:
@@ -353,10 +358,11 @@ class PolicyTrainer:
         except RuntimeError as e:  # DeepSpeed's strict load: a value head on one side only
             if VALUE_HEAD not in str(e):
                 raise
-            raise ValueError(self.objective.head_mismatch(directory)) from None
+            raise ValueError(head_mismatch(self.objective.critic, directory)) from None
         if path is None:
             raise ValueError(f"--resume: no DeepSpeed checkpoint found in {directory}")
-        self.objective.load_state(directory, tag)
+        if self.objective.critic is not None:
+            self.objective.critic.load(directory, tag)
         return client_state or {}
 
     def full_state_dict(self, rank0_only: bool = True, to_cpu: bool = True, copy: bool = True,
@@ -377,7 +383,7 @@ class PolicyTrainer:
         with ctx:
             if not keep:
                 return None
-            # the policy only: the critic's value head (arl/trainer/critic.py) is neither synced nor exported
+            # the policy only: the critic's value head (arl/algo/critic.py) is neither synced nor exported
             # under LoRA: the merged weights, under the base model's names (arl/model/lora.py)
             if not is_lora(module):
                 state = module.state_dict()

@@ -2,7 +2,7 @@
 
 One step, as ``TrainerRank.step`` reads:
 
-    batch -> prepare (the step's advantages) -> pack          trainer rank 0, then scattered
+    batch -> advantages -> pack -> loss roles (arl/algo)      trainer rank 0, then scattered
     [old] / reference logprobs -> update                      every rank (DeepSpeed)
     weight sync -> log -> checkpoint                          every rank joins; rank 0 sends and writes
 
@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from ..algo.step import prepare_step
 from ..config import TrainConfig
-from ..data.packer import PackerConfig, pack_step
+from ..data.packer import PackerConfig
 from ..data.share_report import log_share
 from ..metrics import MetricsLogger, trajectory_metrics
 from ..model.lora import merge_and_rewrap
@@ -38,7 +39,6 @@ from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint
                           save_rollouts)
 from .dist import (ScatterParts, all_mean, barrier, broadcast_from_rank0, init_distributed, set_rank_env,
                    shutdown)
-from .in_pass import attach_in_pass
 from .link import RolloutLink
 from .memory import release_freed_memory
 from .restarts import resync_engine
@@ -292,16 +292,15 @@ class TrainerRank:
         if self.rank == 0:
             batch = self.link.next_batch()
             loss_cfg = self.stab.loss_config(step, self.success)
-            prep = self.stab.prepare(batch.trainable(), loss_cfg)
+            trajs = batch.trainable()
             # one plan per data-parallel replica: a sequence-parallel group shares its micro-batches
             packer = PackerConfig(token_budget=self.cfg.trainer.micro_batch_tokens, num_ranks=self.tr.sp.dp,
                                   seed=self.cfg.seed + step, share_prefix=self.cfg.shares_prefix())
-            packed = pack_step(prep.trajectories, packer, loss_cfg, advantages=prep.advantages)
-            self.stab.apply(packed, prep, loss_cfg)  # turn credit segments, IPA loss roles
-            if loss_cfg.advantages_in_pass:  # the step's group table; each micro-batch its rows
-                attach_in_pass(packed, prep, self.cfg.algo)
+            # the step's advantages, packed, with each micro-batch's loss roles (arl/algo/step.py)
+            packed, prep = prepare_step(trajs, loss_cfg, packer, self.cfg.stabilizers, self.cfg.algo)
             parts = self.tr.sp.replica_parts(packed.ranks)
-            extra = {**batch.metrics, **prep.metrics, **trajectory_metrics(batch.trajectories)}
+            extra = {**batch.metrics, **self.stab.observe(trajs), **prep.metrics,
+                     **trajectory_metrics(batch.trajectories)}
             if packer.share_prefix:  # what was shared; a one-line reason when a group fell back
                 extra.update(log_share(packed, packer.min_shared, step + 1))
             self.success = extra.get("success/train")

@@ -22,9 +22,9 @@ from arl.ops._triton import triton_available
 from arl.ops.policy_loss.api import choose_backend, not_covered
 from arl.ops.policy_loss.group_adv import IN_PASS, GroupAdvantages, in_pass_advantages, step_groups
 from arl.ops.policy_loss.local_grad import local_logp_grad
-from arl.stabilizers import step_advantages
-from arl.trainer.in_pass import attach_in_pass
-from arl.trainer.objectives import pg_inputs
+from arl.algo.step import step_advantages
+from arl.algo.in_pass import attach_in_pass
+from arl.algo.objectives import pg_inputs
 from loss_utils import ADV_EPS, make_batch
 
 GPU = torch.cuda.is_available()

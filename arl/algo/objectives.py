@@ -7,21 +7,20 @@ backward for every objective; the objective is chosen once per run (``algo.objec
 * ``policy_gradient``: the clipped / TOPR policy loss (``arl.ops.policy_loss``) over the step's
   advantages (turn credit: one loss segment per chunk).
 * ``ipa``: IPA resampling's imitation NLL on the expert prefix + the chunk-level RL loss on the
-  resampled chunks (arl/stabilizers/ipa.py).
-* ``critic``: a value head on the trunk (arl/trainer/critic.py), or on a second trunk with its own
-  optimizer (``critic.model: separate``, arl/trainer/critic_model.py); GAE over this forward's (or
+  resampled chunks (arl/algo/ipa.py).
+* ``critic``: a value head on the trunk (arl/algo/critic.py), or on a second trunk with its own
+  optimizer (``critic.model: separate``, arl/algo/critic_model.py); GAE over this forward's (or
   the old pass's) values gives each chunk's advantage; the value loss joins the policy loss (shared)
   or the critic's own backward (separate).
 
 A new objective is a subclass and a ``@register_objective("name")`` line; the trainer step does not
-change.  Hooks an objective may override: ``prepare_model`` (before DeepSpeed wraps the model: extra
-heads, param groups), ``build`` (after it: engines of the objective's own, the separate critic's),
-``head_grad`` (the logprob head's gradient plan, or None), ``begin_step`` / ``end_step`` (step-wide
-statistics, collectives, an own optimizer's step), ``old_values`` (the no-grad pass's extras),
-``zero_touch`` (an exact 0 through extra parameters for an empty micro-batch), ``policy_frozen`` /
-``frozen_step`` (a step that leaves the policy alone: the critic's warm-up) and ``save_state`` /
-``load_state`` (the objective's own checkpointed state).  ``resolve`` picks a variant of the class
-from the config (the critic: ``critic.model`` shared or separate).
+change.  The base class has six hooks: ``prepare_model`` (before DeepSpeed wraps the model: extra
+heads, param groups), ``begin_step`` / ``end_step`` (step-wide statistics, collectives, an own
+optimizer's step), ``head_grad`` (the logprob head's gradient plan, or None), ``loss`` and
+``has_signal``.  What only a critic needs (its own engine, warm-up steps that leave the policy alone,
+its checkpoint, the old pass's values, an empty micro-batch's exact 0 through its parameters) is the
+critic's own object, ``objective.critic`` (critic_role.py; None without a critic), which the trainer
+asks for explicitly.
 """
 from __future__ import annotations
 
@@ -32,9 +31,10 @@ import torch
 
 from ..ops.policy_loss import LossConfig, policy_loss
 from ..ops.policy_loss.local_grad import local_logp_grad
-from ..stabilizers.ipa import ipa_mixed_loss
 from .critic import Critic, attach_value_head, param_groups
 from .critic_model import CriticModel
+from .critic_role import CriticRole, SeparateCriticRole
+from .ipa import ipa_mixed_loss
 
 
 @dataclass
@@ -85,10 +85,13 @@ def register_objective(name: str):
 
 
 def make_objective(name: str, backend: str, critic=None) -> "Objective":
+    """The run's objective; the critic's class follows ``critic.model`` (shared or separate)."""
     if name not in OBJECTIVES:
         raise ValueError(f"algo.objective: unknown objective {name!r} (registered: {', '.join(sorted(OBJECTIVES))})")
     cls = OBJECTIVES[name]
-    return cls.resolve(critic)(backend, critic)
+    if cls is CriticObjective and critic is not None:
+        cls = CRITIC_MODELS[critic.model]
+    return cls(backend, critic)
 
 
 def _pg_head_grad(mb, loss_cfg: LossConfig, ref, scale: float, device):
@@ -99,45 +102,22 @@ def _pg_head_grad(mb, loss_cfg: LossConfig, ref, scale: float, device):
 
 @register_objective("policy_gradient")
 class Objective:
-    """The policy loss over the step's advantages; the base every objective extends."""
+    """The policy loss over the step's advantages; the base every objective extends (six hooks)."""
 
     needs_hidden = False  # the forward also returns final hidden states
     needs_old_pass = False  # the no-grad old pass must run before every step
+    critic: Optional[CriticRole] = None  # the run's critic (critic_role.py), asked for by the trainer
 
     def __init__(self, backend: str, critic=None):
         self.backend = backend
-
-    @classmethod
-    def resolve(cls, critic) -> type:
-        """The class that implements this objective for the run's config (a variant's subclass)."""
-        return cls
 
     def prepare_model(self, model: torch.nn.Module, lr: float) -> list:
         """The optimizer's parameters (or param groups) of ``model``, before DeepSpeed wraps it."""
         return [p for p in model.parameters() if p.requires_grad]
 
-    def build(self, build_engine, device, attn: str) -> None:
-        """After the policy's engine: ``build_engine(module, params)`` -> (engine, optimizer, scheduler)
-        makes an engine like the policy's (same ZeRO stage, clipping, dtype, schedule)."""
-
-    def policy_frozen(self) -> bool:
-        """Whether this step leaves the policy alone (``frozen_step`` runs instead of the policy's)."""
-        return False
-
-    def frozen_step(self, mbs, old_values, device) -> dict:
-        raise NotImplementedError(f"objective {self.name!r}: no step without the policy")
-
-    def save_state(self, directory: str, tag: str) -> None:
-        """Beside the policy's checkpoint ``directory/tag``: the objective's own state (a collective)."""
-
-    def load_state(self, directory: str, tag) -> None:
-        """What ``save_state`` wrote (``tag`` None: the policy's checkpoint's 'latest')."""
-
-    def head_mismatch(self, directory: str) -> str:
-        """The one-line error for a checkpoint whose value head the policy does not have (or lacks)."""
-        on = self.needs_hidden
-        return (f"--resume: the checkpoint in {directory} was saved with the critic {'off' if on else 'on'} "
-                f"(algo.advantage gae), this run has it {'on' if on else 'off'}: resume with the setting it was saved with")
+    def begin_step(self, mbs, old_values, device) -> dict:
+        """Before the step's first loss (every rank: it may run collectives); returns metrics."""
+        return {}
 
     def head_grad(self, mb, loss_cfg: LossConfig, ref, scale: float, device):
         """The logprob head's d loss / d logp plan (old = this pass's logp, detached), or None.  The
@@ -146,13 +126,6 @@ class Objective:
         if type(self).loss is not Objective.loss:
             return None
         return _pg_head_grad(mb, loss_cfg, ref, scale, device)
-
-    def check_old(self, old_logps, old_values) -> None:
-        if old_values is not None:
-            raise ValueError(f"rl_step: old_values given, but the {self.name!r} objective has no old values")
-
-    def begin_step(self, mbs, old_values, device) -> dict:
-        return {}
 
     def loss(self, mb, fwd: Forward, loss_cfg: LossConfig, device) -> LossOut:
         if mb.ipa is not None:
@@ -163,15 +136,8 @@ class Objective:
                           advantages=adv, backend=self.backend, **kw)
         return LossOut(out.loss, out.loss, out.metrics)
 
-    def old_values(self, model, hidden, mb):
-        return None
-
-    def zero_touch(self, model, hidden):
-        """An empty micro-batch's extra term (exactly 0) over the dummy forward's ``hidden`` states, so
-        the objective's own parameters join every rank's collectives; None when it has none."""
-        return None
-
     def end_step(self, device) -> dict:
+        """After the step's last backward, before the optimizer step (every rank); returns metrics."""
         return {}
 
     @staticmethod
@@ -208,8 +174,8 @@ class IPAObjective(Objective):
 
 def _segments(mb):
     if mb.segments is None:
-        raise ValueError("critic: the micro-batch has no per-chunk loss segments (Stabilizers.apply under "
-                         "algo.advantage: gae sets them)")
+        raise ValueError("critic: the micro-batch has no per-chunk loss segments (arl/algo/step.py attach_roles "
+                         "sets them under algo.advantage: gae)")
     return {**mb.loss_kwargs(), **mb.segments}
 
 
@@ -218,89 +184,71 @@ class CriticObjective(Objective):
     """Policy loss with GAE advantages from a value head on the trunk, plus the clipped value loss
     (``critic.model: shared``; ``separate``: ``SeparateCriticObjective``)."""
 
-    needs_hidden = True  # the objective has values (old pass: ``old_values``)
+    needs_hidden = True  # the objective has values (old pass: ``critic.old_values``)
 
     def __init__(self, backend: str, critic=None):
         super().__init__(backend)
         if critic is None:
             raise ValueError("algo.objective: critic needs the critic section (CriticConfig)")
-        self.critic = Critic(critic)
+        self.value = Critic(critic)  # values, GAE and the value loss of each micro-batch
         self.model = None
         # whitening needs every chunk's old value before the step's first loss; the critic's later
         # epochs fit the first pass's targets, which the old values fix
         self.needs_old_pass = bool(critic.whiten) or critic.epochs > 1
-
-    @classmethod
-    def resolve(cls, critic) -> type:
-        if critic is None:
-            return cls  # __init__'s one-line error
-        return CRITIC_MODELS[critic.model]
+        self.critic = CriticRole(self)
 
     def prepare_model(self, model, lr):
         attach_value_head(model)
         self.model = model
-        return param_groups(model, lr, self.critic.cfg.lr_mult)
+        return param_groups(model, lr, self.value.cfg.lr_mult)
 
     def head_grad(self, mb, loss_cfg, ref, scale, device):
         return None  # the advantages come out of this forward's values
 
-    def check_old(self, old_logps, old_values) -> None:
-        if (old_values is None) != (old_logps is None):
-            raise ValueError("rl_step: with the critic, old_values come with old_logps (both from old_logprobs(mbs, "
-                             "values=[])) or neither (both from the gradient pass)")
-
     def begin_step(self, mbs, old_values, device) -> dict:
-        return self.critic.begin_step(mbs, old_values, device)
+        return self.value.begin_step(mbs, old_values, device)
 
     def _values(self, mb, fwd) -> torch.Tensor:
-        return self.critic.values(self.model, fwd.hidden, mb)
+        return self.value.values(self.model, fwd.hidden, mb)
 
     def _losses(self, mb, fwd, loss_cfg, device):
         """``(policy loss output, value loss)`` of one micro-batch."""
         kw = _segments(mb)
         v = self._values(mb, fwd)
         old_v = v.detach() if fwd.old_values is None else fwd.old_values.to(device)
-        adv, vloss = self.critic.micro_batch(v, old_v, mb, kw.pop("advantages"))
+        adv, vloss = self.value.micro_batch(v, old_v, mb, kw.pop("advantages"))
         kw = {k: (t.to(device) if isinstance(t, torch.Tensor) else t) for k, t in kw.items()}
         out = policy_loss(fwd.logp, fwd.old, config=loss_cfg, entropy=fwd.entropy, ref_logp=fwd.ref,
                           advantages=adv.to(device, torch.float32), backend=self.backend, **kw)
-        return out, self.critic.cfg.value_coef * vloss
+        return out, self.value.cfg.value_coef * vloss
 
     def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
         out, vloss = self._losses(mb, fwd, loss_cfg, device)
         return LossOut(out.loss, out.loss + vloss, out.metrics)
 
-    def old_values(self, model, hidden, mb):
-        return self.critic.values(model, hidden, mb).detach()
-
-    def zero_touch(self, model, hidden):
-        return self.critic.touch(model, hidden)
-
     def end_step(self, device) -> dict:
-        return self.critic.step_metrics(device)  # non-empty: the value loss had points to fit (a signal)
+        return self.value.step_metrics(device)  # non-empty: the value loss had points to fit (a signal)
 
 
 class SeparateCriticObjective(CriticObjective):
-    """``critic.model: separate``: the values come from a second trunk (arl/trainer/critic_model.py),
+    """``critic.model: separate``: the values come from a second trunk (arl/algo/critic_model.py),
     whose own backward takes the value loss and whose own optimizer steps in ``end_step``; the
     policy's backward carries the policy loss only.  The first ``critic.warmup_steps`` steps are the
-    critic's alone (``frozen_step``)."""
+    critic's alone (``critic.frozen_step``, critic_role.py)."""
 
     def __init__(self, backend: str, critic=None):
         super().__init__(backend, critic)
         self.separate = None
         self._fit = None  # the step's (micro-batches, old values): what the critic's later epochs fit again
+        self.critic = SeparateCriticRole(self)
 
     def prepare_model(self, model, lr):
-        self.separate = CriticModel(self.critic, model, lr)  # the start weights, before DeepSpeed wraps either
+        self.separate = CriticModel(self.value, model, lr)  # the start weights, before DeepSpeed wraps either
         return [p for p in model.parameters() if p.requires_grad]
-
-    def build(self, build_engine, device, attn: str) -> None:
-        self.separate.build(build_engine, device, attn)
 
     def begin_step(self, mbs, old_values, device) -> dict:
         self._fit = (mbs, old_values)
-        return self.critic.begin_step(mbs, old_values, device)
+        return self.value.begin_step(mbs, old_values, device)
 
     def _values(self, mb, fwd) -> torch.Tensor:
         return self.separate.values(mb)
@@ -314,56 +262,29 @@ class SeparateCriticObjective(CriticObjective):
                 continue
             v = self.separate.values(mb)
             old_v = v.detach() if old_values is None else old_values[i].to(device)
-            _, vloss = self.critic.micro_batch(v, old_v, mb, _segments(mb)["advantages"])
-            self.separate.backward(self.critic.cfg.value_coef * vloss)
+            _, vloss = self.value.micro_batch(v, old_v, mb, _segments(mb)["advantages"])
+            self.separate.backward(self.value.cfg.value_coef * vloss)
 
     def loss(self, mb, fwd, loss_cfg, device) -> LossOut:
         out, vloss = self._losses(mb, fwd, loss_cfg, device)
         self.separate.backward(vloss)
         return LossOut(out.loss, out.loss, out.metrics)
 
-    def old_values(self, model, hidden, mb):
-        return self.separate.values(mb).detach()
-
-    def zero_touch(self, model, hidden):
-        self.separate.empty()  # the critic's own forward (and backward, with grad on) for its collectives
-        return None
-
     def end_step(self, device) -> dict:
-        value = self.critic.step_metrics(device)  # a collective: the same on every rank
+        value = self.value.step_metrics(device)  # a collective: the same on every rank
         out = self.separate.step(apply=bool(value))
-        if value and self.critic.cfg.epochs > 1:
+        if value and self.value.cfg.epochs > 1:
             mbs, old_values = self._fit
-            for _ in range(self.critic.cfg.epochs - 1):
+            for _ in range(self.value.cfg.epochs - 1):
                 self._value_pass(mbs, old_values, device)
                 self.separate.step(apply=True, count=False)
-            self.critic.discard()  # the metrics are the first pass's (the values before this step's fit)
+            self.value.discard()  # the metrics are the first pass's (the values before this step's fit)
         self._fit = None
         return {**value, **out, "critic/warmup": 0.0}
 
     @staticmethod
     def has_signal(metrics: dict, loss_cfg: LossConfig, end: Optional[dict] = None) -> bool:
         return Objective.has_signal(metrics, loss_cfg)  # the value loss is the critic's optimizer's, not the policy's
-
-    def policy_frozen(self) -> bool:
-        return self.separate.steps < self.critic.cfg.warmup_steps
-
-    def frozen_step(self, mbs, old_values, device) -> dict:
-        """A warm-up step: the critic alone fits values on the frozen policy's rollouts; the policy runs
-        no forward, backward or optimizer step, so its weights, Adam state and lr schedule stay."""
-        begin = self.begin_step(mbs, old_values, device)
-        self._value_pass(mbs, old_values, device)
-        return {**self.end_step(device), **begin, "critic/warmup": 1.0}
-
-    def save_state(self, directory: str, tag: str) -> None:
-        self.separate.save(directory, tag)
-
-    def load_state(self, directory: str, tag) -> None:
-        self.separate.load(directory, tag)
-
-    def head_mismatch(self, directory: str) -> str:
-        return (f"--resume: the checkpoint in {directory} was saved with critic.model: shared (a value head on the "
-                "policy), this run has critic.model: separate: resume with the setting it was saved with")
 
 
 CRITIC_MODELS = {"shared": CriticObjective, "separate": SeparateCriticObjective}  # critic.model -> objective

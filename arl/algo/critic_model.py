@@ -1,7 +1,7 @@
 """The separate critic (``critic.model: separate``): a second trunk with its own value head, DeepSpeed
 engine and AdamW, trained on the policy's packed micro-batches with its own backward.
 
-Why a second model: the shared head (arl/trainer/critic.py) reads the policy's hidden states, so the
+Why a second model: the shared head (arl/algo/critic.py) reads the policy's hidden states, so the
 value loss's gradient moves the policy's trunk and the policy loss's gradient moves the critic's
 features; on a small trunk the two fight (explained variance stayed under 0.1, issue #39).  A
 separate trunk costs a second copy of the weights, gradients and optimizer state (the dry-run plan
@@ -24,17 +24,17 @@ import copy
 import os
 
 import torch
+import torch.distributed as dist
 
 from ..model.packed import packed_hidden_states
 from ..model.shared_prefix import micro_batch_hidden_states
 from .critic import VALUE_HEAD, Critic, attach_value_head
-from .dist import world_size
 
 CRITIC_DIR = "critic"  # under a checkpoint's tag directory
 
 
 class CriticModel:
-    """The separate critic's model, engine and step; ``CriticObjective`` drives it."""
+    """The separate critic's model, engine and step; ``SeparateCriticObjective`` and its role drive it."""
 
     def __init__(self, critic: Critic, policy: torch.nn.Module, lr: float):
         self.critic = critic
@@ -75,7 +75,8 @@ class CriticModel:
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages gradients over ranks; the loss is already the step's share (global normalizer)
-        self.engine.backward(loss * world_size(), scale_wrt_gas=False)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine.backward(loss * world, scale_wrt_gas=False)
 
     def empty(self) -> None:
         """An empty micro-batch: a 2-token forward (and, with grad on, a backward of an exact 0), so

@@ -16,13 +16,38 @@ their reward).  Rewards are returned, trajectories are not modified.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import json
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..config import ShapingConfig
-from .monitors import parse_calls
+
+# a tool call in a model turn's text (the monitors parse them the same way)
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: Optional[str]
+    key: str  # canonical text: identical calls have identical keys
+    payload: str
+
+
+def parse_calls(text: str) -> list:
+    out = []
+    for payload in _CALL.findall(text):
+        try:
+            obj = json.loads(payload)
+            name = obj.get("name") if isinstance(obj, dict) else None
+            key = json.dumps(obj, sort_keys=True)
+        except (json.JSONDecodeError, TypeError):
+            name, key = None, " ".join(payload.split())
+        out.append(ToolCall(name if isinstance(name, str) else None, key, payload))
+    return out
 
 
 def count_checkpoints(t: Trajectory, kinds: Sequence[str]) -> int:

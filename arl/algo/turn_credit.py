@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..algo.advantages import group_advantages
+from .advantages import group_advantages
 from ..data.trajectory import Trajectory, TrajectoryStatus
 from ..ops.policy_loss.config import LossConfig
 

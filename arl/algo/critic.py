@@ -1,6 +1,6 @@
 """The turn-level critic: a linear value head on the policy's final hidden state, trained with the
-policy in the same backward (the ``critic`` objective, arl/trainer/objectives.py; GAE over chunks:
-arl/algo/advantages.py, its inputs arl/stabilizers/gae.py).
+policy in the same backward (the ``critic`` objective, arl/algo/objectives.py; GAE over chunks:
+arl/algo/advantages.py, its inputs arl/algo/gae.py).
 
 Why a head on the shared trunk and not a separate critic model: the values are read from the hidden
 states the policy's forward computes anyway, so the critic costs one [H] -> 1 projection per chunk
@@ -9,7 +9,7 @@ ZeRO partitioning.  The price is that the value loss's gradient also reaches the
 weight (``critic.value_coef``) and the head's own learning rate (``critic.lr_mult``, a separate
 param group) are the knobs that keep the critic from pulling the policy around.  ``critic.model:
 separate`` puts the same head on a second trunk with its own optimizer instead
-(arl/trainer/critic_model.py); this class computes its values and loss all the same.
+(arl/algo/critic_model.py); this class computes its values and loss all the same.
 
 The head is a submodule of the Hugging Face model (``VALUE_HEAD``), so DeepSpeed wraps, partitions
 (ZeRO-3), checkpoints and restores it with the policy and its optimizer state; it is taken out of
@@ -46,9 +46,9 @@ and its episode's return (near 0: the advantages do not tell winning episodes fr
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..algo.advantages import gae
-from .dist import all_sum
+from .advantages import gae
 
 VALUE_HEAD = "arl_value_head"  # the head's submodule name on the policy (and its state-dict prefix)
 
@@ -89,11 +89,21 @@ WHITEN_EPS = 1e-8
 CALIB_TURNS = 8  # calibration by turn index: turns 0..6 each, the last bucket holds turn 7 and later
 
 
+def one_rank_sum(t: torch.Tensor, device) -> torch.Tensor:
+    """The sum over ranks of one process: ``t`` itself.  The trainer hands the critic its own ``all_sum``
+    (arl/trainer/dist.py, where every collective of the trainer goes) when it builds the critic."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("critic: a run on several ranks sums the step's statistics with the trainer's all_sum "
+                         "(objective.critic.build(..., all_sum=...)), none was given")
+    return t.clone()
+
+
 class Critic:
     """The value head's part of one trainer step (``PolicyTrainer`` calls it per micro-batch)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.all_sum = one_rank_sum  # the trainer's collective, once built (critic_role.py)
         self._restart()
         self.white = None  # (mean, 1/std) of the step's raw GAE advantages, when whitening
 
@@ -117,7 +127,7 @@ class Critic:
                 continue
             a, _ = gae(ov, mb.critic["rewards"], mb.critic["seq"], self.cfg.gamma, self.cfg.lam)
             s += torch.stack([torch.tensor(float(a.numel()), dtype=torch.float64), a.sum(), (a * a).sum()])
-        n, tot, sq = all_sum(s, device).tolist()
+        n, tot, sq = self.all_sum(s, device).tolist()
         if n == 0:
             return {}
         mean = tot / n
@@ -129,7 +139,7 @@ class Critic:
         """[P] values (float32, float64 for a float64 model) at the micro-batch's value points, with
         the graph; NaN/inf raise."""
         if mb.critic is None:
-            raise ValueError("critic: the micro-batch has no value points (Stabilizers.apply under algo.advantage: gae sets them)")
+            raise ValueError("critic: the micro-batch has no value points (arl/algo/step.py attach_roles sets them under algo.advantage: gae)")
         pos = mb.critic["pos"].to(hidden.device)
         P = pos.numel()
         # the head runs once per micro-batch on every rank, also without a value point (then on one
@@ -197,7 +207,7 @@ class Critic:
 
     def step_metrics(self, device) -> dict:
         """``value/*`` over the whole step (every rank; a collective), then the sums restart."""
-        both = all_sum(torch.cat([self.sums, self.calib.flatten()]), device)
+        both = self.all_sum(torch.cat([self.sums, self.calib.flatten()]), device)
         s = dict(zip(_SUMS, both[:len(_SUMS)].tolist()))
         calib = both[len(_SUMS):].view(3, CALIB_TURNS).tolist()
         self._restart()
