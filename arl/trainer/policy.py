@@ -344,7 +344,8 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ state
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+        # save_latest=False: arl moves DeepSpeed's 'latest' itself, once the checkpoint is complete (checkpoints.py)
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
         self.objective.save_state(directory, tag)  # a separate critic's engine, beside the policy's
 
     def load_checkpoint(self, directory: str, tag: Optional[str] = None) -> dict:
