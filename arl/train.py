@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .cluster.launcher import join_address, launch_ray
 from .cluster.placement import placement
@@ -33,6 +34,7 @@ from .ops.policy_loss.api import choose_backend
 from .procs import RunFailed
 from .rollout.engine_args import render_engine_args
 from .rollout.worker import engine_args
+from .trainer.checkpoints import set_aside_latest
 from .trainer.resume import resume_from
 
 
@@ -137,6 +139,8 @@ def main(argv=None) -> int:
     # what the run starts from (skipped dataset rows included)
     print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg), loss_line(cfg), resume_line(start)]),
           flush=True)
+    if start is None:  # an earlier run's checkpoint is not this run's to roll back or restart to
+        set_aside_latest(Path(cfg.output_dir) / "checkpoints")
     if cfg.launcher_used() == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
         try:
             run_dir = launch_ray(cfg, resume=start is not None)

@@ -49,7 +49,7 @@ def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(tmp_path, c
     assert resume_from(later, "auto") == 2 == resume_from(later, "last")
     # no flag: a fresh run, with one line saying it writes over the earlier run's checkpoint
     assert resume_from(cfg, None) is None
-    assert "holds the step 2 checkpoint of an earlier run; this run starts fresh" in capsys.readouterr().out
+    assert "holds the step 2 checkpoint of an earlier run; this run starts fresh and sets its latest_step aside" in capsys.readouterr().out
 
 
 def test_a_half_written_checkpoint_is_not_resumed(tmp_path):

@@ -71,6 +71,18 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[int]:
     return step
 
 
+def set_aside_latest(ckpt_dir: Path) -> Optional[int]:
+    """A fresh run in an output_dir that holds an earlier run's checkpoints: ``latest_step`` is
+    renamed to ``latest_step.earlier`` (its checkpoint directories stay), so that neither a rollback
+    nor a trainer restart of this run loads the earlier run's state.  Returns that step."""
+    f = Path(ckpt_dir) / LATEST_FILE
+    if not f.exists():
+        return None
+    step = f.read_text().strip()
+    os.replace(f, f.with_name(LATEST_FILE + ".earlier"))
+    return int(step) if step.isdigit() else None
+
+
 def save_rollouts(step_dir: Path, batches: list) -> None:
     """The rollouts in flight at checkpoint ``step_dir`` (a list of ``RolloutBatch``), written whole
     or not at all."""

@@ -39,7 +39,7 @@ from .dist import (ScatterParts, all_mean, barrier, broadcast_from_rank0, init_d
                    shutdown)
 from .link import RolloutLink
 from .memory import release_freed_memory
-from .restarts import resync_engine
+from .restarts import restart_note, resync_engine
 from .models import dtype_of, load_policy, reference_model
 from .policy import COUNT_METRICS, PolicyTrainer
 from .sft import run_sft
@@ -154,12 +154,14 @@ class TrainerRank:
         self.batches, self.orders = batches, orders
         self.start_step, self.success, self.finished = 0, None, False
         self.decision = None  # rank 0: the stabilizers' decision of the last step
+        self.restart = {}  # rank 0 after a trainer restart: the first step record says so (restarts.py)
 
     # ------------------------------------------------------------ set-up
     def setup(self, demos: list, resume: bool, sync_addr: Optional[tuple]) -> None:
         cfg, rank = self.cfg, self.rank
         resume_step = latest_checkpoint(self.ckpt_dir) if resume else None
         if rank == 0:
+            self.restart = restart_note(self.run_dir, resume_step)  # before the logger cuts the records back
             lg = cfg.logging
             logger = MetricsLogger(self.run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
                                    total_steps=self.steps, resume_step=resume_step, wandb=lg.wandb,
@@ -255,7 +257,8 @@ class TrainerRank:
             rec = {"time/step_s": step_s, "time/wait_rollout_s": wait_s, "time/sync_s": sync_s,
                    **self.memory_record(),
                    "perf/train_tokens_per_s": tokens * self.world / max(step_s - wait_s, 1e-9),
-                   **{f"train/{k}": v for k, v in m.items()}, **extra}
+                   **{f"train/{k}": v for k, v in m.items()}, **extra, **self.restart}
+            self.restart = {}
             decision = self.stab.after_step(version, rec, self.success)
             rec.update(self.stab.stab_metrics())
             if decision.action == "stop":  # in the record too: a table reading metrics.jsonl sees why it ended

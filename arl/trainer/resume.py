@@ -2,7 +2,8 @@
 driver before any process starts:
 
 * no flag: a fresh run (one line when ``output_dir`` already holds an earlier run's checkpoint:
-  this run writes over it; ``--resume auto`` would continue it);
+  its ``latest_step`` is set aside as ``latest_step.earlier``, so that no rollback or trainer
+  restart of this run loads it; ``--resume auto`` would continue it);
 * ``--resume``: the last complete checkpoint in ``output_dir`` (``latest_step``); one line when
   there is none;
 * ``--resume auto``: the last complete checkpoint when there is one, else a fresh run -- the same
@@ -84,7 +85,8 @@ def resume_from(cfg: TrainConfig, mode: Optional[str]) -> Optional[int]:
     if mode is None:
         if step is not None:
             print(f"arl.train: {run_dir} holds the step {step} checkpoint of an earlier run; this run starts fresh "
-                  "and writes over it (--resume auto continues it)", flush=True)
+                  "and sets its latest_step aside (checkpoints/latest_step.earlier; --resume auto continues it "
+                  "instead)", flush=True)
         return None
     if mode not in MODES:
         raise ValueError(f"--resume: unknown mode {mode!r} (--resume or --resume auto)")
