@@ -92,6 +92,8 @@ def test_which_failure_is_a_death():
     died = ex.ActorDiedError()
     group = ex.RayTaskError("run", "trace", RuntimeError("[gloo] Connection closed by peer"))
     assert launcher._trainer_death(_Ray(), "trainer rank 1", died, {}).rank == 1
+    oom = ex.OutOfMemoryError("2 worker(s) were killed due to the node running low on memory")  # Ray's monitor
+    assert launcher._trainer_death(_Ray(), "trainer rank 0", oom, {}).rank == 0
     assert launcher._trainer_death(_Ray(), "engine 0", died, {}) is None  # engines: ray.engine_restarts
     ray = _Ray({"r1": died, "e0": None})
     found = launcher._trainer_death(ray, "trainer rank 0", group, {"r1": "trainer rank 1", "e0": "engine 0"})

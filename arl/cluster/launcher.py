@@ -365,14 +365,16 @@ def _trainer_death(ray, name: str, e, pending: dict) -> "TrainerDied | None":
     ``PEER_DEATH_S``.  None: an error of the run itself (not restarted)."""
     if not name.startswith("trainer"):
         return None
-    if isinstance(e, ray.exceptions.RayActorError):
+    # the process is gone: killed, the OOM killer (ActorDiedError), Ray's memory monitor, a lost node
+    deaths = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError)
+    if isinstance(e, deaths):
         return TrainerDied(int(name.rsplit(" ", 1)[1]), _first_line(e))
     peers = [ref for ref, n in pending.items() if n.startswith("trainer")]
     done, _ = ray.wait(peers, num_returns=len(peers), timeout=PEER_DEATH_S) if peers else ([], [])
     for ref in done:
         try:
             ray.get(ref)
-        except ray.exceptions.RayActorError as peer:
+        except deaths as peer:
             return TrainerDied(int(pending[ref].rsplit(" ", 1)[1]), _first_line(peer))
         except ray.exceptions.RayError:
             pass
