@@ -326,8 +326,12 @@ class TrainerRank:
             def export(path):
                 self.tr.export_hf(path, tokenizer=self.tokenizer if self.rank == 0 else None)
 
-        def extras(staged: Path):  # the next steps' batches, generated while this one trained: this state's
-            save_rollouts(staged, self.link.ahead(min(self.cfg.rollout.staleness, self.steps - version)))
+        # rank 0: the next steps' batches, generated while this one trained (this state's), waited for
+        # before anything is written: a rollout failure here is not a failed write
+        held = self.link.ahead(min(self.cfg.rollout.staleness, self.steps - version)) if self.rank == 0 else []
+
+        def extras(staged: Path):
+            save_rollouts(staged, held)
             (staged / CONFIG_FILE).write_text(self.cfg.model_dump_json(indent=2))
 
         write_checkpoint(self.ckpt_dir, version, self.rank,
