@@ -156,3 +156,67 @@ def test_latest_step_naming_a_missing_checkpoint_is_one_line(tmp_path):
 def test_rollouts_round_trip(tmp_path):
     ck.save_rollouts(tmp_path, [1, 2])
     assert pickle.loads((tmp_path / ck.ROLLOUTS_FILE).read_bytes()) == [1, 2] == ck.load_rollouts(tmp_path)
+
+
+def _deepspeed_kills(port, result_dir):
+    """One DeepSpeed rank (ZeRO-2): checkpoint 1, then checkpoint 2 killed at every stage, each time
+    loaded into a fresh trainer from what ``latest_step`` names."""
+    import torch
+
+    from arl.config import OptimConfig
+    from arl.procs import exit_process
+    from arl.trainer import PolicyTrainer
+    from arl.trainer.dist import init_distributed, set_rank_env
+
+    from two_rank import tiny_qwen
+
+    set_rank_env(0, 1, port)
+    init_distributed("cpu")
+    d = os.path.join(result_dir, "checkpoints")
+
+    def trainer(seed):
+        return PolicyTrainer(tiny_qwen(seed), optim=OptimConfig(lr=1e-2), zero_stage=2, total_steps=10)
+
+    def write(tr, step):
+        ck.write_checkpoint(d, step, 0, lambda dd, tag: tr.save_checkpoint(dd, tag=tag, client_state={"step": step}),
+                            lambda p: tr.export_hf(p), lambda s: ck.save_rollouts(s, [step]), 1, lambda: None)
+
+    # two different models stand in for the policies of steps 1 and 2
+    first, second = trainer(1), trainer(2)
+    weights = {1: first.full_state_dict(), 2: second.full_state_dict()}
+    write(first, 1)
+    seen = []
+    for stage in CKPT_STAGES:
+        def reached(s, stage=stage):
+            if s == stage:
+                raise _Killed
+        faults.checkpoint_stage = reached
+        try:
+            write(second, 2)
+        except _Killed:
+            pass
+        faults.checkpoint_stage = lambda s: None
+        latest = ck.latest_checkpoint(d)
+        back = trainer(0)
+        state = back.load_checkpoint(d, tag=ck.checkpoint_tag(latest))
+        same = all(torch.equal(v, weights[latest][k]) for k, v in back.full_state_dict().items())
+        seen.append((stage, latest, int(state["step"]), same,
+                     ck.load_rollouts(os.path.join(d, ck.checkpoint_tag(latest)))))
+        write(first, 1)  # back to checkpoint 1 as the newest for the next stage's kill
+    torch.save(seen, os.path.join(result_dir, "seen.pt"))
+    exit_process(0)
+
+
+@pytest.mark.slow  # one DeepSpeed rank
+def test_deepspeed_checkpoint_killed_at_every_stage_loads_the_previous(tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+
+    from arl.procs import free_port
+
+    mp.spawn(_deepspeed_kills, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    seen = torch.load(tmp_path / "seen.pt")
+    assert [s[0] for s in seen] == list(CKPT_STAGES)
+    for stage, latest, step, same, rollouts in seen:
+        assert latest == (2 if stage in ("latest", "rotating") else 1), stage
+        assert step == latest and same and rollouts == [latest], stage  # DeepSpeed's state and ours, whole
