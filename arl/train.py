@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .cluster.launcher import join_address, launch_ray
 from .cluster.placement import placement
@@ -34,6 +35,8 @@ from .ops.policy_loss.api import choose_backend
 from .procs import RunFailed
 from .rollout.engine_args import render_engine_args
 from .rollout.worker import engine_args
+from .trainer.checkpoints import set_aside_latest
+from .trainer.resume import resume_from
 
 
 def parse_args(argv=None):
@@ -44,9 +47,28 @@ def parse_args(argv=None):
     ap.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION|SECTION.key",
                     help="print the config reference (keys, types, defaults, descriptions) of every section, one "
                          "section or one key, exit")
-    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    ap.add_argument("--resume", action="store_const", const="last", default=None,
+                    help="continue from the last complete checkpoint in output_dir (one line if there is none); "
+                         "'--resume auto': continue when there is one, else start fresh: the same command again "
+                         "after a crash continues the run. A config that differs from the checkpoint's in the model, "
+                         "trainer layout, algorithm or batch shape is one line naming the keys (arl/trainer/resume.py)")
+    ap.add_argument("--resume-auto", dest="resume", action="store_const", const="auto", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=10 loss.ratio_level=chunk")
-    return ap.parse_args(argv)
+    return ap.parse_args(_resume_auto(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _resume_auto(argv: list) -> list:
+    """``--resume auto`` / ``--resume=auto`` as one option: ``--resume`` alone takes no value (the
+    overrides after it stay overrides)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--resume=auto" or (argv[i] == "--resume" and argv[i + 1:i + 2] == ["auto"]):
+            out.append("--resume-auto")
+            i += 1 if argv[i] == "--resume=auto" else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def _check_model(cfg) -> str:
@@ -88,6 +110,7 @@ def main(argv=None) -> int:
         print(dump_config(cfg), end="")
         return 0
     try:  # a bad dataset, environment, reward function or SFT source fails here, before any process
+        start = resume_from(cfg, args.resume)  # first: an incompatible checkpoint, before the slower checks
         checks = preflight(cfg)
     except ValueError as e:
         print(f"arl.train: config error: {e}", file=sys.stderr)
@@ -99,6 +122,7 @@ def main(argv=None) -> int:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
         print(f"config OK: {args.config or '<built-in default>'}")
+        print(resume_line(start))
         print(launcher_line(cfg))
         print(loss_line(cfg))
         print(model_line)
@@ -114,21 +138,28 @@ def main(argv=None) -> int:
             print(f"arl.train: config error: {e}", file=sys.stderr)
             return 2
     # what the run starts from (skipped dataset rows included)
-    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg), loss_line(cfg)]), flush=True)
+    print("\n".join(f"arl.train: {line}" for line in [*checks, launcher_line(cfg), loss_line(cfg), resume_line(start)]),
+          flush=True)
+    if start is None:  # an earlier run's checkpoint is not this run's to roll back or restart to
+        set_aside_latest(Path(cfg.output_dir) / "checkpoints")
     if cfg.launcher_used() == "ray":  # trainer ranks and engines as Ray actors (arl/cluster)
         try:
-            run_dir = launch_ray(cfg, resume=args.resume)
+            run_dir = launch_ray(cfg, resume=start is not None)
         except (RuntimeError, ValueError) as e:  # the failing actor's own traceback is in the log above
             print(f"arl.train: {e}", file=sys.stderr)
             return 1
     else:
         try:
-            run_dir = launch(cfg, resume=args.resume)
+            run_dir = launch(cfg, resume=start is not None)
         except RunFailed as e:
             print(f"arl.train: run failed: {e}", file=sys.stderr)
             return 1
     print(f"arl.train: done; metrics in {run_dir / 'metrics.jsonl'}, model in {run_dir / 'hf'}")
     return 0
+
+
+def resume_line(start) -> str:
+    return "resume: a fresh run" if start is None else f"resume: from the step {start} checkpoint"
 
 
 def loss_line(cfg) -> str:

@@ -38,7 +38,8 @@ def _train(out: Path, *overrides, resume=False, popen=False, expect_fail=False, 
     ``own_cluster``: a Ray run starts its own local cluster, as a user's does, instead of joining the
     session's."""
     cmd = [sys.executable, "-m", "arl.train", "--config", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           f"output_dir={out}", *SMALL, *overrides] + (["--resume"] if resume else [])
+           f"output_dir={out}", *SMALL, *overrides] + (["--resume", "auto"] if resume == "auto" else
+                                                        ["--resume"] if resume else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     if own_cluster:
         env.pop("RAY_ADDRESS", None)
@@ -288,6 +289,68 @@ def _killed_and_resumed(run: Path, det: list) -> None:
     _train(run, *det, resume=True)
     assert _logged_steps(run) == [1, 2, 3, 4]  # none lost, none written twice
     assert checkpoint_steps(run / "checkpoints") == [4]  # the resumed-from checkpoint rotated out after step 4's
+
+
+def _same_as_uninterrupted(ref: Path, run: Path, skip=()) -> None:
+    """Every key of every step (but the clocks, and ``skip``) and the final weights bitwise equal."""
+    a, b = _records(ref), _records(run)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    diff = [(s, k, a[s].get(k), b[s].get(k)) for s in a for k in sorted(set(a[s]) | set(b[s]))
+            if not k.startswith((*_CLOCK, *skip)) and a[s].get(k) != b[s].get(k)]
+    assert not diff, diff
+    wa, wb = _final_weights(ref), _final_weights(run)
+    assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@HEAVY
+def test_a_dead_trainer_rank_restarts_the_run_from_its_checkpoint(uninterrupted, tmp_path):
+    """``ray.trainer_restarts`` (default 3): trainer rank 1 SIGKILLs its own process when step 4
+    starts (ARL_TEST_KILL_RANK=1@4: only that Ray actor dies; step 3 is logged, the last checkpoint is
+    step 2's).  The launcher starts every trainer rank and engine again from the step 2 checkpoint
+    (its batch in flight, its weights into the new engine), the run ends at its planned step 4 with
+    rc 0, the first record after the restart names it and the one step trained again (3), and every
+    key and the final weights are bitwise the uninterrupted run's."""
+    from arl.trainer.faults import KILL_RANK_ENV
+
+    run = tmp_path / "restarted"
+    res = _train(run, *_DET, env={KILL_RANK_ENV: "1@4"})
+    out = res.stdout + res.stderr
+    assert "test hook: trainer rank 1 kills itself at step 4" in out, out[-3000:]
+    assert "ray: trainer rank 1 died" in out and "trainer restart 1 of 3" in out, out[-3000:]
+    assert "trainer restart 1 (trainer rank 1 died): from the step 2 checkpoint, training steps 3-3 again" in out
+    assert _logged_steps(run) == [1, 2, 3, 4]  # step 3 of the first attempt cut back, written once again
+    r = _records(run)[3]
+    assert (r["restart/trainer_restarts"], r["restart/dead_rank"], r["restart/from_step"],
+            r["restart/replayed_steps"]) == (1, 1, 2, 1)
+    assert not any(k.startswith("restart/") for s in (1, 2, 4) for k in _records(run)[s])
+    _same_as_uninterrupted(uninterrupted(), run, skip=("restart/",))
+
+
+@HEAVY
+def test_a_killed_driver_continues_with_the_same_command(uninterrupted, tmp_path):
+    """``--resume auto``: the run's first command starts fresh; SIGKILL to its whole process group
+    (the driver, its local cluster, the actors) as soon as the step 2 checkpoint is published, then
+    the same command again: it resumes from that checkpoint, ends at its planned step 4 with rc 0,
+    every step logged once, bitwise the uninterrupted run."""
+    run = tmp_path / "driver"
+    proc = _train(run, *_DET, resume="auto", popen=True, own_cluster=True)
+    try:
+        deadline = time.time() + 900
+        while not (run / "checkpoints" / "latest_step").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        _kill_group(proc)
+        left = _left_in_session(proc.pid)
+        _drop_ray_dir(proc.pid)
+    assert not left, left
+    assert (run / "checkpoints" / "latest_step").read_text() == "2"  # killed before step 4 ended
+    res = _train(run, *_DET, resume="auto", own_cluster=True)
+    assert "arl.train: resume: from the step 2 checkpoint" in res.stdout, res.stdout[-3000:]
+    assert _logged_steps(run) == [1, 2, 3, 4]
+    _same_as_uninterrupted(uninterrupted(), run)
 
 
 def test_lora_run_with_adapter_sync(tmp_path):

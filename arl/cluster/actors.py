@@ -10,7 +10,8 @@ from typing import Optional
 
 from ..procs import free_port
 from ..rollout.worker import rollout_process
-from ..trainer.faults import KILL_ENV, LAUNCHER_PGID_ENV
+from ..trainer.faults import ATTEMPT_ENV, KILL_ENV, KILL_RANK_ENV, LAUNCHER_PGID_ENV
+from ..trainer.restarts import DEAD_RANK_ENV
 from ..trainer.rank import trainer_rank
 
 class _Where:
@@ -37,7 +38,7 @@ class TrainerActor(_Where):
     def run(self, rank: int, world: int, master: tuple, cfg_dict: dict, model_dir: str, demos: list, batches,
             orders, parts, resume: bool, env: dict, cwd: str) -> None:
         host, port, sync_port = master
-        os.environ.update(env)  # the test hook's kill point (fault_env), when set
+        os.environ.update(env)  # the attempt, and the test hooks' kill points (restart_env)
         _enter(cwd)
         cuda = cfg_dict["layout"]["device"] == "cuda"  # Ray shows each rank its own GPU as device 0
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if cuda else str(rank),
@@ -141,12 +142,18 @@ def _kill_hook(batches, orders, engine: int) -> tuple:
     return (batches, _KillAtJoin(orders, engine)) if n == "join" else (_KillAfter(batches, int(n)), orders)
 
 
-def fault_env() -> dict:
-    """Test only: the resume tests' kill point (arl/trainer/faults.py) for the trainer actors, with
-    this driver's process group, which the hook kills as a user's kill of the job would."""
-    if not os.environ.get(KILL_ENV):
-        return {}
-    return {KILL_ENV: os.environ[KILL_ENV], LAUNCHER_PGID_ENV: str(os.getpgrp())}
+def restart_env(attempt: int, dead_rank) -> dict:
+    """The trainer actors' environment of an attempt (arl/trainer/restarts.py): its number and the
+    rank whose death started it; and, test only, the kill points (arl/trainer/faults.py) with this
+    driver's process group, which the mid-step hook kills as a user's kill of the job would."""
+    env = {ATTEMPT_ENV: str(attempt)}
+    if dead_rank is not None:
+        env[DEAD_RANK_ENV] = str(dead_rank)
+    if os.environ.get(KILL_RANK_ENV):
+        env[KILL_RANK_ENV] = os.environ[KILL_RANK_ENV]
+    if os.environ.get(KILL_ENV):
+        env.update({KILL_ENV: os.environ[KILL_ENV], LAUNCHER_PGID_ENV: str(os.getpgrp())})
+    return env
 
 
 def place_actors(ray, placed, trainers_pg, engine_pgs: list, restarts: int, extra: dict) -> tuple:

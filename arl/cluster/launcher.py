@@ -37,12 +37,13 @@ from typing import Optional
 from ..config import TrainConfig
 from ..prepare import model_dir_for, rollout_hooks, sft_demos, write_config
 from . import reaper
-from .actors import ActorFailed, fault_env, place_actors
+from .actors import ActorFailed, place_actors, restart_env
 from .mailbox import mailboxes
 from .placement import NO_ROLE, ROLE_RESOURCES, Node, local_cpus, placement
 
 AFTER_TRAINERS_S = 60.0  # how long the engines get to stop on their own once the trainers are done
-ENGINE_UP_S = 1800.0  # a colocated engine's start (model load, profiling, CUDA graphs), as the local launcher's
+ENGINE_UP_S = 1800.0
+PEER_DEATH_S = 30.0  # a rank failing on its group waits this long for the peer death behind it  # a colocated engine's start (model load, profiling, CUDA graphs), as the local launcher's
 
 FORWARDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "HF_HOME", "HF_HUB_OFFLINE",
                  "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "TMPDIR")
@@ -218,8 +219,9 @@ def _drop_temp_dir(ended_well: bool) -> None:
 
 def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: bool, actors: list,
          run_dir: Path, joined: bool = False) -> None:
-    """Places the groups and actors (appended to ``actors``, for the caller to kill), records where
-    each runs (``ray_actors.json``) and runs them."""
+    """Places the groups, then runs the actors in them (appended to ``actors``, for the caller to
+    kill); a trainer actor that dies starts every actor again from the last complete checkpoint, up
+    to ``ray.trainer_restarts`` times (arl/trainer/restarts.py)."""
     from ray.util.placement_group import placement_group
 
     # unnamed groups and actors: two runs on one cluster do not collide; they go when this driver does
@@ -231,6 +233,39 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"ray: the placement groups were not scheduled within {cfg.ray.connect_timeout_s:g} s "
                            "(ray.connect_timeout_s): the cluster lacks the resources --dry-run lists") from None
+    _restarting(ray, cfg, actors, lambda attempt, dead: _attempt(
+        ray, cfg, placed, (trainers_pg, engine_pgs), model_dir, demos, resume or attempt > 0, actors, run_dir, joined,
+        restart_env(attempt, dead)))
+
+
+def _restarting(ray, cfg: TrainConfig, actors: list, attempt_fn) -> None:
+    """``attempt_fn(attempt, dead_rank)`` until it returns; after a ``TrainerDied`` the attempt's
+    actors are killed (every rank: the live ones wait on the dead one; every engine: the new ranks
+    resume from the checkpoint, whose batches in flight the engines must make again) and the next
+    attempt starts, at most ``ray.trainer_restarts`` times; then the death ends the run, one line."""
+    attempt, dead = 0, None
+    while True:
+        try:
+            attempt_fn(attempt, dead)
+            return
+        except TrainerDied as e:
+            limit = cfg.ray.trainer_restarts
+            if attempt >= limit:
+                raise RuntimeError(f"ray: {e}; {attempt} of ray.trainer_restarts = {limit} restarts used, the run "
+                                   "stops (the same command with --resume auto continues it)") from None
+            attempt, dead = attempt + 1, e.rank
+            for a in actors:  # the placement groups stay: the new actors take the same bundles
+                ray.kill(a)
+            actors.clear()
+            print(f"arl.train: ray: {e}; trainer restart {attempt} of {limit}: every trainer rank and engine "
+                  "again, from the last complete checkpoint", flush=True)
+
+
+def _attempt(ray, cfg: TrainConfig, placed, groups: tuple, model_dir: str, demos: list, resume: bool, actors: list,
+             run_dir: Path, joined: bool, env: dict) -> None:
+    """One attempt of the run: the mailbox and the actors in the placement ``groups``, recorded
+    (``ray_actors.json``), run to the end; ``env``: the trainer ranks' (test hooks, the restart's)."""
+    trainers_pg, engine_pgs = groups
     # the mailbox holds no bundle (num_cpus 0): it must not take the CPUs the groups reserved
     mail = mailboxes(ray, placed.n_engines, len(placed.trainers))
     cfg_dict, hooks = cfg.model_dump(), rollout_hooks(cfg)
@@ -249,7 +284,6 @@ def _run(ray, cfg: TrainConfig, placed, model_dir: str, demos: list, resume: boo
         _wait_up(ray, mail.ready, running, ENGINE_UP_S)
     master = ray.get(ranks[0].master.remote())
     world = len(ranks)
-    env = fault_env()
     running.update({a.run.remote(r, world, master, cfg_dict, model_dir, demos, mail.batches, mail.orders, mail.parts,
                                  resume, env, cwd):
                     f"trainer rank {r}" for r, a in enumerate(ranks)})
@@ -295,7 +329,9 @@ def _record_nodes(ray, run_dir: Path, named: dict) -> None:
 
 def _wait(ray, running: dict) -> None:
     """Until every trainer rank is done; the first actor to fail ends the run with one line (its
-    own traceback is in the log above).  The engines then get ``AFTER_TRAINERS_S`` to stop."""
+    own traceback is in the log above), ``TrainerDied`` when a trainer actor died (its peers then
+    fail too, on the broken group: the first death among them is named).  The engines then get
+    ``AFTER_TRAINERS_S`` to stop."""
     pending = dict(running)
     while any(name.startswith("trainer") for name in pending.values()):
         done, _ = ray.wait(list(pending), num_returns=1)
@@ -304,12 +340,45 @@ def _wait(ray, running: dict) -> None:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
+                died = _trainer_death(ray, name, e, pending)
+                if died is not None:
+                    raise died from None
                 raise RuntimeError(f"ray: {name} failed: {_first_line(e)}") from None
     deadline = time.time() + AFTER_TRAINERS_S
     while pending and time.time() < deadline:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.time()))
         for ref in done:
             pending.pop(ref)
+
+
+class TrainerDied(RuntimeError):
+    """A trainer actor's process died (SIGKILL, OOM, a lost node): what ``ray.trainer_restarts`` restarts."""
+
+    def __init__(self, rank: int, text: str):
+        super().__init__(f"trainer rank {rank} died ({text})")
+        self.rank = rank
+
+
+def _trainer_death(ray, name: str, e, pending: dict) -> "TrainerDied | None":
+    """The dead trainer actor behind a trainer rank's failure: this one, or -- a rank whose peer
+    died fails on the broken group, often first -- another whose death shows within
+    ``PEER_DEATH_S``.  None: an error of the run itself (not restarted)."""
+    if not name.startswith("trainer"):
+        return None
+    # the process is gone: killed, the OOM killer (ActorDiedError), Ray's memory monitor, a lost node
+    deaths = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError, ray.exceptions.NodeDiedError)
+    if isinstance(e, deaths):
+        return TrainerDied(int(name.rsplit(" ", 1)[1]), _first_line(e))
+    peers = [ref for ref, n in pending.items() if n.startswith("trainer")]
+    done, _ = ray.wait(peers, num_returns=len(peers), timeout=PEER_DEATH_S) if peers else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except deaths as peer:
+            return TrainerDied(int(pending[ref].rsplit(" ", 1)[1]), _first_line(peer))
+        except ray.exceptions.RayError:
+            pass
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -45,6 +45,12 @@ class RayConfig(_Section):
         2, ge=0, description="Times Ray restarts a rollout engine actor that died (it gets the current weights; "
         "under rollout.weight_sync: group every engine joins a new group, and under ZeRO-3 trainer rank 0 keeps a "
         "host copy of the synced weights for it); 0: an engine that dies ends the run.")
+    trainer_restarts: int = Field(
+        3, ge=0, description="Times a run restarts after a trainer actor died (SIGKILL, OOM, a lost node): every "
+        "trainer rank and engine starts again in the same placement groups from the last complete checkpoint (its "
+        "rollouts in flight, its weights into the engines; none yet: from the start), and the first step record after "
+        "it says what was replayed (restart/*); 0: a dead trainer rank ends the run. An error of the run itself is "
+        "never restarted.")
 
 
 LAUNCHER_DESCRIPTION = (

@@ -348,7 +348,8 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ state
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state)
+        # save_latest=False: arl moves DeepSpeed's 'latest' itself, once the checkpoint is complete (checkpoints.py)
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
         if self.objective.critic is not None:  # a separate critic's engine, beside the policy's
             self.objective.critic.save(directory, tag)
 

@@ -35,13 +35,12 @@ from ..model.lora import merge_and_rewrap
 from ..procs import die_with_parent
 from ..stabilizers import Stabilizers
 from . import faults
-from .checkpoints import (HF_DIR, LATEST_FILE, checkpoint_tag, latest_checkpoint, load_rollouts, rotate_checkpoints,
-                          save_rollouts)
+from .checkpoints import CONFIG_FILE, checkpoint_tag, latest_checkpoint, load_rollouts, save_rollouts, write_checkpoint
 from .dist import (ScatterParts, all_mean, barrier, broadcast_from_rank0, init_distributed, set_rank_env,
                    shutdown)
 from .link import RolloutLink
 from .memory import release_freed_memory
-from .restarts import resync_engine
+from .restarts import restart_note, resync_engine
 from .models import dtype_of, load_policy, reference_model
 from .policy import COUNT_METRICS, PolicyTrainer
 from .sft import run_sft
@@ -156,12 +155,14 @@ class TrainerRank:
         self.batches, self.orders = batches, orders
         self.start_step, self.success, self.finished = 0, None, False
         self.decision = None  # rank 0: the stabilizers' decision of the last step
+        self.restart = {}  # rank 0 after a trainer restart: the first step record says so (restarts.py)
 
     # ------------------------------------------------------------ set-up
     def setup(self, demos: list, resume: bool, sync_addr: Optional[tuple]) -> None:
         cfg, rank = self.cfg, self.rank
         resume_step = latest_checkpoint(self.ckpt_dir) if resume else None
         if rank == 0:
+            self.restart = restart_note(self.run_dir, resume_step)  # before the logger cuts the records back
             lg = cfg.logging
             logger = MetricsLogger(self.run_dir, jsonl=lg.jsonl, tensorboard=lg.tensorboard, progress=lg.progress,
                                    total_steps=self.steps, resume_step=resume_step, wandb=lg.wandb,
@@ -257,7 +258,8 @@ class TrainerRank:
             rec = {"time/step_s": step_s, "time/wait_rollout_s": wait_s, "time/sync_s": sync_s,
                    **self.memory_record(),
                    "perf/train_tokens_per_s": tokens * self.world / max(step_s - wait_s, 1e-9),
-                   **{f"train/{k}": v for k, v in m.items()}, **extra}
+                   **{f"train/{k}": v for k, v in m.items()}, **extra, **self.restart}
+            self.restart = {}
             decision = self.stab.after_step(version, rec, self.success)
             rec.update(self.stab.stab_metrics())
             if decision.action == "stop":  # in the record too: a table reading metrics.jsonl sees why it ended
@@ -315,20 +317,28 @@ class TrainerRank:
             self.link.send(0, ("eval", version, self.cfg.env.eval_tasks))
 
     def checkpoint(self, version: int) -> None:
-        """DeepSpeed's checkpoint (every rank's files are written when it returns), its HF export,
-        then (rank 0) ``latest_step`` and the rotation (arl/trainer/checkpoints.py)."""
+        """DeepSpeed's checkpoint (every rank's files), its HF export, (rank 0) the rollouts in flight
+        and the config, made visible whole by one rename; then ``latest_step`` and the rotation
+        (arl/trainer/checkpoints.py: a writer killed at any point leaves the previous one to resume)."""
         client = {"step": version, "wall_s": self.wall(),
                   "stabilizers": self.stab.state_dict() if self.stab is not None else None}
-        tag = checkpoint_tag(version)
-        self.tr.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=broadcast_from_rank0(client, self.rank))
+        client = broadcast_from_rank0(client, self.rank)
+        export = None
         if self.cfg.trainer.checkpoint_hf:  # a collective under ZeRO-3; rank 0 writes
-            self.tr.export_hf(str(self.ckpt_dir / tag / HF_DIR), tokenizer=self.tokenizer if self.rank == 0 else None)
-        if self.rank == 0:
-            # the next steps' batches, generated while this one trained: they belong to this state
-            save_rollouts(self.ckpt_dir / tag, self.link.ahead(min(self.cfg.rollout.staleness, self.steps - version)))
-            (self.ckpt_dir / LATEST_FILE).write_text(str(version))
-            rotate_checkpoints(self.ckpt_dir, self.cfg.trainer.keep_last, current=version)
-        barrier()  # a rollback right after this reads the same latest_step on every rank
+            def export(path):
+                self.tr.export_hf(path, tokenizer=self.tokenizer if self.rank == 0 else None)
+
+        # rank 0: the next steps' batches, generated while this one trained (this state's), waited for
+        # before anything is written: a rollout failure here is not a failed write
+        held = self.link.ahead(min(self.cfg.rollout.staleness, self.steps - version)) if self.rank == 0 else []
+
+        def extras(staged: Path):
+            save_rollouts(staged, held)
+            (staged / CONFIG_FILE).write_text(self.cfg.model_dump_json(indent=2))
+
+        write_checkpoint(self.ckpt_dir, version, self.rank,
+                         lambda d, tag: self.tr.save_checkpoint(d, tag=tag, client_state=client), export, extras,
+                         self.cfg.trainer.keep_last, barrier)
 
     # ------------------------------------------------------------ the end
     def finish(self) -> None:
