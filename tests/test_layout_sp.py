@@ -42,8 +42,10 @@ def test_config_refuses_what_has_no_sp_path():
     cfg = str(ROOT / "configs" / "tiny_cpu.yaml")
     for overrides, why in [(["trainer.sequence_parallel=3"], "3 must divide trainer.world_size \\(2\\)"),
                            (["trainer.sequence_parallel=2", "trainer.share_prefix=true"], "share_prefix: true"),
-                           (["trainer.sequence_parallel=2", "algo.advantage=gae"], "critic")]:
+                           (["trainer.sequence_parallel=2", "algo.advantage=gae", "critic.model=separate"],
+                            "critic.model: separate")]:
         with pytest.raises(ConfigError, match=f"trainer.sequence_parallel: .*{why}"):
             load_config(cfg, overrides)
+    load_config(cfg, ["trainer.sequence_parallel=2", "algo.advantage=gae"])  # the shared value head has one
     on = load_config(cfg, ["trainer.sequence_parallel=2"])
     assert not on.shares_prefix()  # auto resolves off beside SP: no tree path there

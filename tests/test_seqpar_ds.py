@@ -2,7 +2,8 @@
 sequence (one data-parallel replica) take the same step as one process on the whole batch -- the
 same loss, the same full gradient of every parameter just before the optimizer applies it, the same
 update -- at ZeRO 0, 2 and 3, with chunks and sequences split across the shard boundary; with LoRA
-adapters; and a step resumed from an SP checkpoint is bitwise the uninterrupted one.  All cases run
+adapters; with the critic's shared value head (values read across the shard boundary); and a step
+resumed from an SP checkpoint is bitwise the uninterrupted one.  All cases run
 in one spawn of the two ranks (each case builds its own engine), so the suite pays one start-up."""
 import os
 
@@ -89,7 +90,40 @@ def _cases(rank, world, result_dir):
             tr.save_checkpoint(ckpt, "s1", {})
         runs.append(_step(tr, batches[1], list(tr.module.named_parameters()), False)[2])
     out["resume"] = runs
+    out["critic"] = _critic_case(rank, world)
     return out
+
+
+def _critic_case(rank, world):
+    """The critic (GAE, shared value head) at ZeRO 2: the same step's gradients with the world as two
+    data-parallel ranks (each its own micro-batches, whole) and as one SP group (every micro-batch
+    split over both ranks): the value points each rank reads come from both shards."""
+    from test_critic_ds import CRITIC, LOSS as CLOSS, batches
+
+    from arl.trainer import PolicyTrainer
+    from arl.trainer.rank import update_on_batch
+
+    res = {}
+    for sp in (1, world):
+        torch.manual_seed(0)
+        tr = PolicyTrainer(tiny_model(), optim=OPTIM, zero_stage=2, total_steps=10, objective="critic",
+                           critic=CRITIC, sequence_parallel=sp)
+        mbs = tr.sp.replica_parts(batches(tr.sp.dp)[0])[rank]
+        params = list(tr.module.named_parameters())
+        grads, opt_step = {}, tr.engine.optimizer.step
+
+        def seeing(*a, _g=grads, _s=opt_step, **kw):
+            from deepspeed.utils import safe_get_full_grad
+
+            if not _g:
+                _g.update({n: safe_get_full_grad(p).detach().clone() for n, p in params})
+            return _s(*a, **kw)
+
+        tr.engine.optimizer.step = seeing
+        metrics = update_on_batch(tr, mbs, CLOSS, updates=1)
+        res[sp] = {"grads": grads, "value_loss": metrics.get("value/loss"),
+                   "points": sum(int(mb.critic["pos"].numel()) for mb in mbs if mb.critic is not None)}
+    return res
 
 
 def _worker(rank, world, port, result_dir):
@@ -155,3 +189,10 @@ def test_sequence_parallel_resume_is_bitwise(sp_run):
     assert sorted(uninterrupted) == sorted(resumed)
     for n in uninterrupted:
         assert torch.equal(uninterrupted[n], resumed[n]), n
+
+
+def test_sequence_parallel_critic_gradients_equal_data_parallel(sp_run):
+    dp, sp = sp_run["critic"][1], sp_run["critic"][2]
+    assert sp["points"] > 0 and sp["value_loss"] == pytest.approx(dp["value_loss"], rel=1e-5)
+    assert any("value_head" in n for n in sp["grads"]), sorted(sp["grads"])
+    _close_grads(sp["grads"], dp["grads"])

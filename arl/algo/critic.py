@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..model.ulysses import ShardRows
 from .advantages import gae
 
 VALUE_HEAD = "arl_value_head"  # the head's submodule name on the policy (and its state-dict prefix)
@@ -140,12 +141,16 @@ class Critic:
         the graph; NaN/inf raise."""
         if mb.critic is None:
             raise ValueError("critic: the micro-batch has no value points (arl/algo/step.py attach_roles sets them under algo.advantage: gae)")
-        pos = mb.critic["pos"].to(hidden.device)
-        P = pos.numel()
-        # the head runs once per micro-batch on every rank, also without a value point (then on one
-        # token, sliced away): ZeRO-3 gathers its weight in forward and reduces its gradient in backward
-        idx = pos if P else torch.zeros(1, dtype=torch.int64, device=hidden.device)
-        v = getattr(model, VALUE_HEAD)(hidden.index_select(0, idx)).squeeze(-1)[:P]
+        head = getattr(model, VALUE_HEAD)
+        if isinstance(hidden, ShardRows):  # sequence parallel: each rank its rows, summed over the group
+            v = hidden.select(mb.critic["pos"], lambda h: head(h).squeeze(-1))
+        else:
+            pos = mb.critic["pos"].to(hidden.device)
+            P = pos.numel()
+            # the head runs once per micro-batch on every rank, also without a value point (then on one
+            # token, sliced away): ZeRO-3 gathers its weight in forward and reduces its gradient in backward
+            idx = pos if P else torch.zeros(1, dtype=torch.int64, device=hidden.device)
+            v = head(hidden.index_select(0, idx)).squeeze(-1)[:P]
         v = v.to(torch.promote_types(v.dtype, torch.float32))
         if not bool(torch.isfinite(v).all()):
             bad = int((~torch.isfinite(v)).nonzero()[0])

@@ -264,7 +264,7 @@ class TrainerConfig(Section):
         "on for the CPU layout with those (measured faster there), off on GPU until measured there.")
     sequence_parallel: int = Field(
         1, ge=1, description="Ranks splitting each micro-batch (micro_batch_tokens) along the sequence, Ulysses "
-        "(arl/model/ulysses.py); data parallel = world_size / this; divides the heads. Not with share_prefix or a critic.")
+        "(arl/model/ulysses.py); data parallel = world_size / this; divides the heads. Not with share_prefix or critic.model: separate.")
     deterministic: bool = Field(
         False, description="Reproducible runs: deterministic torch algorithms and batches generated in task order.")
     cpu_threads: Optional[int] = Field(

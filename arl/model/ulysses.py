@@ -202,8 +202,33 @@ class _SumOverGroup(torch.autograd.Function):
         return g, None
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardRows:
+    """This rank's final hidden states of a sequence-parallel forward (rows ``[shard.start, shard.stop)``
+    of the padded batch), as the objective's ``hidden``: ``hidden[k]`` indexes the rows; what reads
+    hidden states at global positions goes through ``select``."""
+    rows: torch.Tensor
+    shard: SPShard
+
+    def __getitem__(self, k):
+        return self.rows[k]
+
+    def select(self, pos: torch.Tensor, fn) -> torch.Tensor:
+        """``fn(hidden[pos])`` -> [len(pos)] for global positions ``pos`` on every rank of the group: each
+        rank applies ``fn`` to the rows it holds and one all-reduce sums the group's vectors (the
+        gradient reaches each rank's own rows).  ``fn`` runs on every rank, on one row when the rank
+        holds none of ``pos``, so every rank's backward reaches the same parameters."""
+        sh, pos = self.shard, pos.to(self.rows.device).long()
+        mine = ((pos >= sh.start) & (pos < sh.start + sh.real)).nonzero().squeeze(1)
+        local = pos.index_select(0, mine) - sh.start
+        v = fn(self.rows.index_select(0, local if local.numel() else local.new_zeros(1)))
+        full = v.new_zeros(pos.numel())
+        full = full.index_copy(0, mine, v) if local.numel() else full + v.sum() * 0.0
+        return _SumOverGroup.apply(full, sh.group)
+
+
 def sp_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, shard: SPShard, temperature: float = 1.0,
-                with_entropy: bool = False, align: str = "target", backend: str = "auto"):
+                with_entropy: bool = False, align: str = "target", backend: str = "auto", return_hidden: bool = False):
     """``packed_logprobs``' [T] logprobs (and entropies) of the WHOLE batch on every rank of the SP
     group, each rank computing its own tokens' rows through the fused head.  The loss then sees the
     batch whole, so chunk and sequence aggregates that straddle a shard boundary are exact, and its
@@ -224,4 +249,4 @@ def sp_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, shard:
     zeros = torch.zeros(T, dtype=lp.dtype, device=device)
     logp = _SumOverGroup.apply(zeros.index_copy(0, dst, lp), shard.group)
     entropy = _SumOverGroup.apply(zeros.index_copy(0, dst, ent), shard.group) if with_entropy else None
-    return logp, entropy
+    return (logp, entropy, ShardRows(hidden, shard)) if return_hidden else (logp, entropy)

@@ -163,8 +163,8 @@ class PolicyTrainer:
                  head_grad=None):
         model = model if model is not None else self.engine.module
         self._begin_forward(model)
-        if self.sp.on:  # the config refuses what SP does not cover (shared prefixes, the critic's hidden states)
-            return self.sp.logprobs(hf_model(model), mb, self.device, self.temperature, with_entropy)
+        if self.sp.on:  # the config refuses what SP does not cover (shared prefixes, the separate critic)
+            return self.sp.logprobs(hf_model(model), mb, self.device, self.temperature, with_entropy, return_hidden)
         return micro_batch_logprobs(hf_model(model), mb, self.device, temperature=self.temperature,  # share_prefix
                                     with_entropy=with_entropy, attn=self.attn, return_hidden=return_hidden,
                                     head_grad=head_grad)

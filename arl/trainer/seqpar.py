@@ -40,7 +40,10 @@ class SequenceParallel:
         """Per rank, its replica's micro-batches, from the packer's per-replica lists."""
         return [parts[r // self.size] for r in range(len(parts) * self.size)]
 
-    def logprobs(self, model, mb, device: torch.device, temperature: float, with_entropy: bool):
+    def logprobs(self, model, mb, device: torch.device, temperature: float, with_entropy: bool,
+                 return_hidden: bool = False):
+        """The micro-batch's whole [T] logprobs (and entropies); with ``return_hidden`` also this rank's
+        hidden rows (``ShardRows``: the critic reads its value points through them)."""
         shard = plan_shard(mb.cu_seqlens, self.size, self.rank, self.group)
         return sp_logprobs(model, mb.token_ids.to(device), mb.cu_seqlens.to(device), shard, temperature=temperature,
-                           with_entropy=with_entropy)
+                           with_entropy=with_entropy, return_hidden=return_hidden)
