@@ -64,7 +64,7 @@ def test_dry_run_from_the_command_line():
     (["loss.clip_low=1.5"], "loss.clip_low: 1.5 must be in [0, 1)"),
     (["loss.surrogate=ppo"], "loss.surrogate: unknown 'ppo'; registered: "),
     (["loss.kl_estimator=k4"], "loss.kl_estimator: unknown 'k4'; registered: k1, k2, k3"),
-    (["loss.clip_hi=0.3"], "loss.clip_hi: unknown key (allowed: agg_constant,"),
+    (["loss.clip_hi=0.3"], "loss.clip_hi: unknown key (allowed: advantages_in_pass, agg_constant,"),
     (["rollout.group_size=0"], "rollout.group_size: Input should be greater than or equal to 1"),
     (["loss.kl_beta=0.1"], "loss.kl_beta > 0 needs trainer.reference_model: true"),
     (["rollout.max_total_tokens=99999"], "exceeds trainer.micro_batch_tokens"),

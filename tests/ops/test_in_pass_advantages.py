@@ -274,3 +274,49 @@ def test_attach_refuses_advantages_that_are_not_the_group_statistic():
     packed = pack_step(prep.trajectories, PackerConfig(token_budget=400), LossConfig(), advantages=prep.advantages)
     with pytest.raises(ValueError, match="not the group estimator of its rewards"):
         attach_in_pass(packed, prep, algo)
+
+
+def _rl_step_worker(rank, world, port, result_dir):
+    import os
+
+    from arl.config import OptimConfig
+    from arl.trainer import PolicyTrainer
+    from arl.trainer.dist import init_distributed, set_rank_env
+    from two_rank import tiny_qwen
+
+    set_rank_env(rank, world, port)
+    init_distributed("cpu")
+    res = {}
+    for in_pass in (False, True):
+        trajs, algo = _trajs(), AlgoConfig(advantage="grpo")
+        loss_cfg = LossConfig(ratio_level="chunk", gamma=0.95, advantages_in_pass=in_pass)
+        prep = step_advantages(trajs, loss_cfg, algo=algo)
+        packed = pack_step(prep.trajectories, PackerConfig(token_budget=40, keep_groups=False), loss_cfg,
+                           advantages=prep.advantages)
+        if in_pass:
+            attach_in_pass(packed, prep, algo)
+        torch.manual_seed(0)
+        tr = PolicyTrainer(tiny_qwen(), optim=OptimConfig(lr=1e-2, grad_clip=1e6), zero_stage=0, total_steps=10)
+        grads = {}
+        for n, p in tr.module.named_parameters():
+            p.register_hook(lambda g, n=n: grads.__setitem__(n, grads.get(n, 0) + g.detach().clone()) or g)
+        res[in_pass] = {"metrics": tr.rl_step(packed.ranks[0], None, loss_cfg), "grads": grads}
+    torch.save(res, os.path.join(result_dir, "res.pt"))
+
+
+@pytest.mark.slow  # one gloo rank and a tiny model through PolicyTrainer.rl_step
+def test_the_trainer_step_with_in_pass_advantages_is_the_same_update(tmp_path):
+    """rl_step over micro-batches that split groups: the same loss and gradients with the advantages
+    computed in the pass as with them given (the head's gradient plan included)."""
+    import torch.multiprocessing as mp
+
+    from arl.procs import free_port
+
+    mp.spawn(_rl_step_worker, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
+    res = torch.load(tmp_path / "res.pt", weights_only=False)
+    given, in_pass = res[False], res[True]
+    assert in_pass["metrics"]["loss"] == pytest.approx(given["metrics"]["loss"], rel=1e-6)
+    assert in_pass["metrics"]["head_grad_in_forward"] == given["metrics"]["head_grad_in_forward"]
+    assert set(in_pass["grads"]) == set(given["grads"]) and given["grads"]
+    for n, g in given["grads"].items():
+        torch.testing.assert_close(in_pass["grads"][n], g, rtol=1e-6, atol=1e-9)
