@@ -1,7 +1,9 @@
 """Advantage estimators: one function each, registered by name, chosen by ``algo.advantage``.
 
 Every estimator runs once per step, before packing, in float64; the loss kernels receive the
-advantages it returns and never look at groups.  Two kinds:
+advantages it returns, or, with ``loss.advantages_in_pass``, the step's group table and compute
+grpo, dr_grpo or rloo in the pass with these functions' operations (arl/ops/policy_loss/group_adv.py,
+tested against them bit for bit).  Two kinds:
 
 * ``group``: ``fn(rewards [N], groups [N], eps) -> advantages [N]``, rewards of the step's
   trajectories and their dense group index 0..G-1.  The registry wraps it with the one rule every
