@@ -38,6 +38,8 @@ from .config import ConfigError, TrainConfig, load_config
 from .env import env_kwargs, make_env
 from .env.bfcl import AST, IRRELEVANCE, MULTI_TURN, bfcl, check_categories, load_entries
 from .env.bfcl.split import held_out_rows, load_split
+from .env.door import prompt_mismatch
+from .env.vllm_parsers import make_parser
 from .rollout.episode import ChatFormat, run_episode
 from .rollout.transcript import format_transcript, transcript
 from .rollout.worker import episode_config, run_engine
@@ -48,6 +50,7 @@ DEFAULT_CATEGORIES = "simple_python,live_simple,irrelevance"
 DEFAULTS = ["env.name=bfcl", "env.kwargs={}", "env.max_turns=24", "env.pool_size=8",
             "rollout.max_turn_tokens=256", "rollout.max_total_tokens=8000",
             "trainer.micro_batch_tokens=8192"]  # (an eval trains nothing; the config asks that a trajectory could be packed)
+PROBE_TOOL = {"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object"}}}
 AGGREGATES = {  # column -> (its categories, BFCL's way of averaging them)
     "non-live AST": (("simple_python", "multiple", "parallel", "parallel_multiple"), "unweighted"),
     "live AST": (("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple"), "weighted"),
@@ -102,6 +105,9 @@ def resolve(args) -> tuple:
     cfg = load_config(args.config, DEFAULTS + [f"env.kwargs.categories={json.dumps(categories)}"] + args.overrides)
     if cfg.env.tool_parser is None:
         cfg.env.tool_parser = default_parser(tok)
+    wrong = prompt_mismatch(make_parser(cfg.env.tool_parser, tok), ChatFormat(tok).supports_tools, [PROBE_TOOL])
+    if wrong:  # a template that renders no tools gets the Hermes block: a parser must read what it teaches
+        raise ValueError(wrong)
     return cfg, str(p), categories, out
 
 

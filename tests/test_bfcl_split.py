@@ -106,3 +106,4 @@ def test_split_errors_are_one_line(argv, msg, capsys, tiny_model_dir):
 def test_unknown_row_id_is_one_line():
     with pytest.raises(ValueError, match="unknown row id 'simple_python_99999'"):
         bsplit.row("simple_python_99999")
+
