@@ -107,3 +107,16 @@ def test_unknown_row_id_is_one_line():
     with pytest.raises(ValueError, match="unknown row id 'simple_python_99999'"):
         bsplit.row("simple_python_99999")
 
+
+
+def test_recipe_reads_a_held_out_evaluation_by_category(doc, tmp_path):
+    from examples.bfcl.recipe import from_heldout, table
+
+    cats = list(doc["held_out"])  # task i is held-out row i, round robin over the categories
+    path = tmp_path / "heldout_step0.jsonl"
+    path.write_text("".join(json.dumps({"task": i, "success": cats[i % len(cats)] == "live_simple" or i < len(cats)})
+                            + "\n" for i in range(4 * len(cats))))
+    got = from_heldout(path)
+    assert got["live_simple"] == 100.0 and got["parallel"] == 25.0 and got["irrelevance"] == 25.0
+    assert got["held_out_ast_mean"] == round((100 + 25 + 25) / 3, 1)
+    assert "| sft | 100.0 |" in table([{"sft": got}])
