@@ -1,4 +1,4 @@
-"""``python -m arl.eval --bench bfcl --model DIR [--categories a,b] [--limit N] [--out F.json] [--show N]``
+"""``python -m arl.eval --bench bfcl --model DIR [--categories a,b] [--split F] [--limit N] [--out F.json] [--show N]``
 
 The Berkeley Function Calling Leaderboard on the model in DIR: BFCL's rows of each category played
 greedily as ``bfcl`` episodes (arl/env/bfcl/) on arl's own engine and episode code (the vLLM
@@ -13,7 +13,9 @@ functions over the categories that were run (docs/bfcl.md):
 
 The tool-call format follows the model family (Llama 3 chat templates: ``llama3_json``; SmolLM2,
 Qwen and the rest: ``hermes``); ``env.tool_parser=NAME`` overrides it.  A row whose checker
-raised is marked (``checker_error``), counted and scored wrong; the run goes on.
+raised is marked (``checker_error``), counted and scored wrong; the run goes on.  ``--split FILE``
+(examples/bfcl/split.json) plays the file's held-out rows instead of BFCL's first ones: its seeded
+order of each held-out category, the first N with ``--limit``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ from transformers import AutoTokenizer
 from .config import ConfigError, TrainConfig, load_config
 from .env import env_kwargs, make_env
 from .env.bfcl import AST, IRRELEVANCE, MULTI_TURN, bfcl, check_categories, load_entries
+from .env.bfcl.split import held_out_rows, load_split
+from .env.door import prompt_mismatch
+from .env.vllm_parsers import make_parser
 from .rollout.episode import ChatFormat, run_episode
 from .rollout.transcript import format_transcript, transcript
 from .rollout.worker import episode_config, run_engine
@@ -45,6 +50,7 @@ DEFAULT_CATEGORIES = "simple_python,live_simple,irrelevance"
 DEFAULTS = ["env.name=bfcl", "env.kwargs={}", "env.max_turns=24", "env.pool_size=8",
             "rollout.max_turn_tokens=256", "rollout.max_total_tokens=8000",
             "trainer.micro_batch_tokens=8192"]  # (an eval trains nothing; the config asks that a trajectory could be packed)
+PROBE_TOOL = {"type": "function", "function": {"name": "f", "description": "", "parameters": {"type": "object"}}}
 AGGREGATES = {  # column -> (its categories, BFCL's way of averaging them)
     "non-live AST": (("simple_python", "multiple", "parallel", "parallel_multiple"), "unweighted"),
     "live AST": (("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple"), "weighted"),
@@ -58,7 +64,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m arl.eval --bench bfcl", description=__doc__.splitlines()[0])
     ap.add_argument("--bench", required=True, choices=["bfcl"])
     ap.add_argument("--model", required=True, help="HF model directory (weights, config.json and tokenizer)")
-    ap.add_argument("--categories", default=DEFAULT_CATEGORIES, help=f"comma-separated (default {DEFAULT_CATEGORIES})")
+    ap.add_argument("--categories", default=None,
+                    help=f"comma-separated (default {DEFAULT_CATEGORIES}; with --split, its held-out ones)")
+    ap.add_argument("--split", default=None, help="a split file (examples/bfcl/split.json): its held-out rows")
     ap.add_argument("--limit", type=int, default=None, help="the first N rows of each category (default: all)")
     ap.add_argument("--config", default=None, help="YAML config for the engine and limits (default: the built-in CPU one)")
     ap.add_argument("--out", default=None, help="write the summary, the rows and their transcripts to FILE.json")
@@ -76,8 +84,10 @@ def default_parser(tokenizer) -> str:
 
 def resolve(args) -> tuple:
     """Config, model directory, categories and output path; a bad one is a one-line ValueError."""
-    categories = check_categories(args.categories)
     bfcl()  # bfcl-eval missing: one line, before any engine starts
+    if args.categories is None:
+        args.categories = ",".join(load_split(args.split)["held_out"]) if args.split else DEFAULT_CATEGORIES
+    categories = check_categories(args.categories)
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit: must be >= 1, got {args.limit}")
     if args.show < 0:
@@ -95,6 +105,9 @@ def resolve(args) -> tuple:
     cfg = load_config(args.config, DEFAULTS + [f"env.kwargs.categories={json.dumps(categories)}"] + args.overrides)
     if cfg.env.tool_parser is None:
         cfg.env.tool_parser = default_parser(tok)
+    wrong = prompt_mismatch(make_parser(cfg.env.tool_parser, tok), ChatFormat(tok).supports_tools, [PROBE_TOOL])
+    if wrong:  # a template that renders no tools gets the Hermes block: a parser must read what it teaches
+        raise ValueError(wrong)
     return cfg, str(p), categories, out
 
 
@@ -195,7 +208,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         cfg, model_dir, categories, out = resolve(args)
-        entries = load_entries(categories, args.limit)
+        entries = (held_out_rows(args.split, categories, args.limit) if args.split
+                   else load_entries(categories, args.limit))
     except (ConfigError, ValueError) as e:
         print(f"arl.eval: error: {e}", file=sys.stderr)
         return 2
@@ -208,7 +222,7 @@ def main(argv=None) -> int:
     render(summary, model_dir)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"model": model_dir, "bench": "bfcl", "bfcl_eval": "2026.3.23", "limit": args.limit,
+        doc = {"model": model_dir, "bench": "bfcl", "bfcl_eval": "2026.3.23", "limit": args.limit, "split": args.split,
                "tool_parser": cfg.env.tool_parser, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "machine": f"{platform.machine()}, {os.cpu_count()} cores", **summary, "rows": rows}
         out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -129,3 +129,10 @@ def test_show_prints_the_verdict_and_the_transcript(rows, tiny_model_dir, capsys
     assert "=== simple_python_0 (simple_python): BFCL valid" in out
     assert "=== simple_python_1 (simple_python): BFCL invalid (simple_function_checker:wrong_count" in out
     assert "The factorial of 5 is 120." in out
+
+
+def test_a_template_without_tools_and_a_parser_that_cannot_read_hermes_is_one_line(capsys, tiny_model_dir):
+    # the tiny model's template renders no tools: the prompt teaches Hermes, which qwen3_xml cannot read
+    assert eval_main(["--bench", "bfcl", "--model", str(tiny_model_dir), "env.tool_parser=qwen3_xml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "chat template does not render tools" in err and len(err.splitlines()) == 1, err

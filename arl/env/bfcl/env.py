@@ -9,7 +9,12 @@
       max_turns: 24           # model turns per episode (multi-turn tasks need several per user turn)
 
 Tasks: BFCL's rows of the categories, in BFCL's order; ``reset(seed)`` plays row ``seed mod N``,
-``reset(seed, task=row)`` a given row (``load_entries``).  Each row's function docs are the env's
+``reset(seed, task=row)`` a given row (``load_entries``).  With ``split: FILE`` (arl/env/bfcl/split.py,
+``examples/bfcl/split.json``) the categories are the file's instead: seed s plays train row s mod N,
+and a held-out seed ``EVAL_SEED_BASE + i`` (below the SFT demonstrations' 2,000,000) plays the
+file's held-out row i, round robin over its held-out categories.  ``expert_turns`` writes BFCL's
+ground truth (the first allowed value of every argument, an optional one left out) in the parser's
+call format, and a short refusal on an irrelevance row: the SFT demonstrations.  Each row's function docs are the env's
 ``tools`` (BFCL's types mapped to JSON schema by ``loader.json_schema``), rendered by the model's
 chat template like any arl tool; the row's first user turn is the prompt.
 
@@ -36,11 +41,15 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from ...config import EVAL_SEED_BASE
 from ..base import Environment, Fault, StepResult
 from ..registry import register_env
 from ..vllm_parsers import make_parser
-from . import scoring
+from . import scoring, split as bsplit
 from .loader import bfcl, check_categories, kind, load_entries, tool_schema
+
+DEMO_SEED_BASE = 2_000_000  # SFT demonstrations (arl.rollout.expert): train rows again
+REFUSAL = "None of the available functions can answer this request."
 
 _ROLES = ("system", "user", "assistant")
 
@@ -49,15 +58,25 @@ def _turn_messages(turn: List[Mapping]) -> List[Dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in turn if m.get("role") in _ROLES]
 
 
+def _first_allowed(args: Mapping[str, list]) -> Dict[str, Any]:
+    """BFCL's possible answers (every argument: a list of allowed values, ``""`` meaning "may be left
+    out"; a dict value's entries likewise) -> the first allowed value of each, optional ones left out."""
+    return {k: _first_allowed(v[0]) if isinstance(v[0], dict) else v[0] for k, v in args.items() if v and v[0] != ""}
+
+
 @register_env("bfcl")
 class BfclEnv(Environment):
     stop = ()  # a turn ends at the end of sequence: it may hold several calls
 
     def __init__(self, categories: Union[str, Sequence[str]] = ("simple_python",), parser: str = "hermes",
                  tokenizer: Any = None, max_turns: int = 24, turn_credit: float = 0.0, limit: Optional[int] = None,
-                 system_prompt: Optional[str] = None):
-        self.categories = check_categories(categories)
+                 system_prompt: Optional[str] = None, split: Optional[str] = None):
         bfcl()  # a missing bfcl-eval: one line, here
+        self.split = split
+        if split is not None:
+            doc = bsplit.load_split(split)
+            categories = doc.get("train_categories") or ["simple_python"]
+        self.categories = check_categories(categories)
         if not 0.0 <= float(turn_credit) < 1.0:
             raise ValueError(f"env.kwargs.turn_credit: must be in [0, 1) so that a success outranks every "
                              f"failure, got {turn_credit}")
@@ -78,8 +97,15 @@ class BfclEnv(Environment):
     @property
     def rows(self) -> List[Dict[str, Any]]:
         if self._rows is None:  # read on first use, shared by the process's envs (reset copies its row)
-            self._rows = load_entries(self.categories, self.limit, copy_rows=False)
+            self._rows = (bsplit.train_rows(self.split)[:self.limit] if self.split
+                          else load_entries(self.categories, self.limit, copy_rows=False))
         return self._rows
+
+    def _row(self, seed: int) -> Mapping:
+        if self.split and EVAL_SEED_BASE <= seed < DEMO_SEED_BASE:
+            held = bsplit.held_out_rows(self.split, interleave=True)
+            return held[(seed - EVAL_SEED_BASE) % len(held)]
+        return self.rows[seed % len(self.rows)]
 
     async def reset(self, seed: int, task: Optional[Mapping] = None) -> List[Dict[str, str]]:
         await self.close()
@@ -88,7 +114,7 @@ class BfclEnv(Environment):
                 raise ValueError("bfcl: a task must be one of BFCL's rows (arl.env.bfcl.load_entries)")
             entry = copy.deepcopy(dict(task))
         else:
-            entry = copy.deepcopy(self.rows[seed % len(self.rows)])
+            entry = copy.deepcopy(dict(self._row(seed)))
         self.entry, self.kind = entry, kind(entry["category"])
         self.tools = [tool_schema(d) for d in entry["function"]] or None
         self.parser.tools = self.tools or []
@@ -99,6 +125,16 @@ class BfclEnv(Environment):
             self.turns: List[List[List[str]]] = [[]]
             self._executor = scoring.Executor(entry)
         return _turn_messages(entry["question"][0])
+
+    def expert_turns(self) -> Optional[List[str]]:
+        """BFCL's ground truth as the model's turn (single-turn rows; None for multi-turn ones)."""
+        if self.kind == "irrelevance":
+            return [REFUSAL]
+        if self.kind != "ast":
+            return None
+        calls = [{"name": name, "arguments": _first_allowed(args)}
+                 for call in self.entry["ground_truth"] for name, args in call.items()]
+        return [self.parser.format_calls("", calls)]
 
     async def step(self, action_text: str) -> StepResult:
         if not self._active:
