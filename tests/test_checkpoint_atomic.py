@@ -158,7 +158,7 @@ def test_rollouts_round_trip(tmp_path):
     assert pickle.loads((tmp_path / ck.ROLLOUTS_FILE).read_bytes()) == [1, 2] == ck.load_rollouts(tmp_path)
 
 
-def _deepspeed_kills(port, result_dir):
+def _deepspeed_kills(_index, port, result_dir):
     """One DeepSpeed rank (ZeRO-2): checkpoint 1, then checkpoint 2 killed at every stage, each time
     loaded into a fresh trainer from what ``latest_step`` names."""
     import torch
