@@ -51,6 +51,45 @@ def _launch_sizes(T: int, N: int, cu: torch.Tensor, block: Optional[int]) -> tup
     return 1024, 4
 
 
+def _reduce_parts(parts: torch.Tensor, io: dict, fo: dict, has_entropy: bool, cdt, dev) -> tuple:
+    """``(loss, stats)`` from the kernel's [N, NPART] per-sequence partials: the normalizer D, the loss and
+    the metrics, reduced on the device in a fixed order (deterministic, no device->host sync)."""
+    tot = parts.sum(0)
+    ntok = parts[:, 1]
+    n_tr = tot[1]
+    agg = io["loss_agg"]
+    if io["has_normalizer"]:
+        D = torch.full((), fo["normalizer"], dtype=torch.float64, device=dev)  # a fill, not a host copy
+    elif agg == LOSS_AGG["token-mean"]:
+        D = n_tr
+    else:
+        S = (ntok > 0).sum().to(torch.float64)
+        if agg == LOSS_AGG["seq-mean-token-sum-norm"]:
+            Lc = ntok.max() if not io["has_agg_constant"] else torch.full((), fo["agg_constant"], dtype=torch.float64,
+                                                                          device=dev)
+            D = S * Lc
+        else:
+            D = S
+    D = D.clamp_min(1e-30)
+    loss = (tot[0] / D).to(cdt)
+    nf = n_tr.clamp_min(1.0)
+    m = {
+        "clip_frac": tot[2] / nf,
+        "dual_clip_frac": tot[3] / nf,
+        "mismatch_masked_frac": tot[4] / nf,
+        "approx_kl": tot[5] / nf,
+        "ratio_mean": tot[6] / nf,
+        "ratio_max": torch.where(n_tr > 0, parts[:, 7].max(), torch.zeros_like(n_tr)),
+        "adv_nonzero_frac": tot[8] / nf,
+        "tokens_kept": tot[9],
+        "pg_loss": tot[10] / nf,
+        "kl_mean": tot[11] / nf if io["kl"] != KL["off"] else torch.zeros_like(n_tr),
+        "entropy_mean": tot[12] / nf if has_entropy else torch.zeros_like(n_tr),
+    }
+    stats = torch.stack([m[k].to(cdt).reshape(()) for k in METRIC_KEYS] + [1.0 / D.to(cdt)])
+    return loss, stats
+
+
 def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float], need_grad: bool = True,
                   block: Optional[int] = None) -> KernelLaunch:
     """One kernel launch: loss, unnormalized dL/dlogp and dL/dentropy, metrics and 1/D."""
@@ -99,39 +138,6 @@ def triton_launch(inp: LossInputs, cfg: LossConfig, normalizer: Optional[float],
         NEED_RANK=need_rank, STORE_Q=store_q, BLOCK=block, NPART_C=NPART, num_warps=warps,
     )
 
-    # deterministic host-side reduction of the [N, NPART] partials (no device->host sync)
-    tot = parts.sum(0)
-    ntok = parts[:, 1]
-    n_tr = tot[1]
-    agg = io["loss_agg"]
-    if io["has_normalizer"]:
-        D = torch.full((), fo["normalizer"], dtype=torch.float64, device=dev)  # a fill, not a host copy
-    elif agg == LOSS_AGG["token-mean"]:
-        D = n_tr
-    else:
-        S = (ntok > 0).sum().to(torch.float64)
-        if agg == LOSS_AGG["seq-mean-token-sum-norm"]:
-            Lc = ntok.max() if not io["has_agg_constant"] else torch.full((), fo["agg_constant"], dtype=torch.float64,
-                                                                          device=dev)
-            D = S * Lc
-        else:
-            D = S
-    D = D.clamp_min(1e-30)
-    loss = (tot[0] / D).to(cdt)
-    nf = n_tr.clamp_min(1.0)
-    m = {
-        "clip_frac": tot[2] / nf,
-        "dual_clip_frac": tot[3] / nf,
-        "mismatch_masked_frac": tot[4] / nf,
-        "approx_kl": tot[5] / nf,
-        "ratio_mean": tot[6] / nf,
-        "ratio_max": torch.where(n_tr > 0, parts[:, 7].max(), torch.zeros_like(n_tr)),
-        "adv_nonzero_frac": tot[8] / nf,
-        "tokens_kept": tot[9],
-        "pg_loss": tot[10] / nf,
-        "kl_mean": tot[11] / nf if io["kl"] != KL["off"] else torch.zeros_like(n_tr),
-        "entropy_mean": tot[12] / nf if entropy is not None else torch.zeros_like(n_tr),
-    }
-    stats = torch.stack([m[k].to(cdt).reshape(()) for k in METRIC_KEYS] + [1.0 / D.to(cdt)])
+    loss, stats = _reduce_parts(parts, io, fo, entropy is not None, cdt, dev)
     return KernelLaunch(loss=loss, grad_logp=glogp if need_grad else None, stats=stats,
                         entropy_grad=(lambda scale: gent * scale) if ent_grad else None)
