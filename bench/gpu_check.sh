@@ -8,6 +8,7 @@
 #   bash bench/gpu_check.sh --prepare [bench/gpu_prepare.py args]   # here, on CPU, first
 #   bash bench/gpu_check.sh [deadline_seconds=540]                   # on the GPU node
 #   STAGES="build smoke trainer_gpu" bash bench/gpu_check.sh         # a subset (build is needed first)
+#   STAGES="build bfcl" BFCL_MODEL=DIR bash bench/gpu_check.sh 960   # BFCL on a model the node has (below)
 # --prepare records the trainer stages' inputs into $PREP (default gpu_check_in/, gitignored: the
 # policy, its rollout batch, the fp32 CPU reference, the wheels the node lacks) and prints the
 # device run's carry list and command.  It starts a vLLM engine and the main job, so it runs under
@@ -32,6 +33,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD
 T0=$(date +%s)
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 STAGES=${STAGES:-build smoke trainer_ref trainer_gpu trainer_perf trainer_lora tests bench_logprob bench_policy_loss profile}
+case " $STAGES " in *" bfcl "*) STAGES="$STAGES bfcl_eval bfcl_train bfcl_steps" ;; esac  # bfcl: its three parts
 stage() {  # stage NAME CAP_SECONDS CMD...: run CMD with min(CAP, time left), log to $OUT/NAME.log
   local name=$1 cap=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) return ;; esac
@@ -128,4 +130,41 @@ for name in ("cuda", "triton"):
     print(f"== {name}: 20 steps")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 PY
+# BFCL on the GPU (stage bfcl, not in the default STAGES): the model $BFCL_MODEL (an HF directory
+# the node has: none travels with the tree) evaluated greedily on a slice of BFCL (AST, live AST,
+# irrelevance, multi-turn), then two RL steps of the multi-turn recipe from it ($BFCL_CONFIG) and
+# a check of their metrics.  It needs arl's whole install (vLLM, Ray, bfcl-eval: bash install.sh
+# --bfcl), which this check's own stages do not, and a model with a 16k-token context (Qwen3).
+case " $STAGES " in *" bfcl_eval "*|*" bfcl_train "*|*" bfcl_steps "*)
+  BFCL_CONFIG=${BFCL_CONFIG:-examples/bfcl/gpu/qwen3-0.6b_multi.yaml}
+  BFCL_RUN=${BFCL_RUN:-/tmp/arl_gpu_check_bfcl}
+  # the recipe's limits (arl.eval puts its own defaults over a --config's)
+  BFCL_LIMITS="env.kwargs.system_prompt=/no_think rollout.max_turn_tokens=512 rollout.max_total_tokens=16384 trainer.micro_batch_tokens=16384"
+  MISSING=$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('vllm', 'ray', 'bfcl_eval') if u.find_spec(m) is None))" 2>&1)
+  if [ -z "${BFCL_MODEL:-}" ] || [ ! -f "$BFCL_MODEL/config.json" ]; then
+    echo "[bfcl] skipped: BFCL_MODEL='${BFCL_MODEL:-}' is not an HF model directory" | tee -a "$OUT/summary.txt"
+  elif [ -n "$MISSING" ]; then
+    echo "[bfcl] skipped: this node lacks $MISSING (arl's install: bash install.sh --bfcl)" | tee -a "$OUT/summary.txt"
+  else
+    # shellcheck disable=SC2086
+    stage bfcl_eval 300 python3 -m arl.eval --bench bfcl --model "$BFCL_MODEL" --config "$BFCL_CONFIG" \
+      --categories simple_python,live_simple,irrelevance,multi_turn_base --limit 5 --out "$OUT/bfcl_eval.json" $BFCL_LIMITS
+    rm -rf "$BFCL_RUN"
+    stage bfcl_train 420 python3 -m arl.train --config "$BFCL_CONFIG" model.name_or_path="$BFCL_MODEL" \
+      output_dir="$BFCL_RUN" trainer.steps=2 rollout.tasks_per_step=4 rollout.group_size=4 env.eval_tasks=0 \
+      stabilizers.dynamic_sampling.enabled=false
+    cp "$BFCL_RUN/metrics.jsonl" "$OUT/bfcl_metrics.jsonl" 2> /dev/null
+    stage bfcl_steps 30 python3 - "$BFCL_RUN/metrics.jsonl" <<'PY'
+import json, math, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+steps = [r for r in rows if r.get("step", 0) >= 1 and "train/loss" in r]
+assert [r["step"] for r in steps] == [1, 2], f"expected RL steps 1 and 2, got {[r['step'] for r in steps]}"
+assert all(math.isfinite(r["train/loss"]) and math.isfinite(r.get("train/grad_norm", 0.0)) for r in steps), steps
+keys = ("rollout/reward_mean", "rollout/turns_mean", "rollout/tool_calls", "train/skipped_no_signal",
+        "train/logp_abs_diff_vs_rollout", "train/grad_norm", "time/step_s")
+print("; ".join(f"step {r['step']}: " + ", ".join(f"{k.split('/')[1]} {r.get(k, float('nan')):.4g}" for k in keys)
+                for r in steps))
+PY
+  fi ;;
+esac
 echo "total $(( $(date +%s) - T0 ))s" | tee -a "$OUT/summary.txt"
