@@ -122,3 +122,37 @@ def test_trl_adapter_plays_arls_episode(peer_setup):
     assert answer_reward([good, bad], envs) == [1.0, 0.0]
     with pytest.raises(ValueError, match="not the env's task"):
         envs[0].reset(seed=6, prompt=[{"role": "user", "content": task}])
+
+
+BFCL_MISSING = _importable("bfcl_eval")
+
+
+@pytest.mark.skipif(TRL_MISSING is not None or BFCL_MISSING is not None, reason=str(TRL_MISSING or BFCL_MISSING))
+def test_trl_bfcl_peer_gets_arls_prompts_and_bfcls_verdicts(tiny_model_dir):
+    """bench/peer_trl_bfcl.py: TRL's text prompts are arl's rendering of the split's train rows (its
+    tokenization of them gives arl's ids), in arl's row order, rows whose prompt alone reaches
+    rollout.max_total_tokens left out; the reward is BFCL's verdict through arl's env: the ground
+    truth scores 1, prose 0."""
+    from peer_trl_bfcl import BfclJudge, check_prompt_ids, task_rows
+    from transformers import AutoTokenizer
+
+    from arl.config import load_config
+    from arl.env.bfcl.split import train_rows
+
+    big = ["rollout.max_total_tokens=16384", "trainer.micro_batch_tokens=16384"]  # the tiny vocabulary's long prompts
+    cfg = load_config(os.path.join(ROOT, "examples/bfcl/config.yaml"), big)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    judge = BfclJudge(cfg, str(tiny_model_dir))
+    rows, left_out = task_rows(cfg, judge, tok, steps=2)
+    assert [r["seed"] for r in rows] == list(range(8)) and not left_out
+    check_prompt_ids(tok, rows)
+    split = train_rows(os.path.join(ROOT, "examples/bfcl/split.json"))
+    assert split[0]["question"][0][-1]["content"] in rows[0]["prompt"]
+    judge._loop.run_until_complete(judge._env.reset(0))
+    truth = judge._env.expert_turns()[0]
+    assert judge.reward(0, truth) == 1.0 and judge.reward(0, "I would call a function here.") == 0.0
+    lens = sorted(len(tok.encode(r["prompt"])) for r in rows)
+    short = load_config(os.path.join(ROOT, "examples/bfcl/config.yaml"),
+                        big[:1] + [f"rollout.max_total_tokens={lens[3]}", "rollout.max_turn_tokens=16"])
+    kept, dropped = task_rows(short, judge, tok, steps=1)
+    assert dropped and all(len(tok.encode(r["prompt"])) < lens[3] for r in kept)
