@@ -60,7 +60,8 @@ def arch_of(cfg: TrainConfig) -> ArchConfig:
         return ArchConfig(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
                           kv_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
                           intermediate=c.intermediate_size, vocab_size=c.vocab_size,
-                          tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+                          tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                          head_dim=getattr(c, "head_dim", None))
     except Exception as e:
         raise ValueError(f"model.arch: needed for a memory estimate of {cfg.model.name_or_path!r} "
                          f"(cannot read its config offline: {type(e).__name__})") from None
@@ -80,9 +81,9 @@ def decoder_linear_names(a: ArchConfig) -> list:
 def lora_param_count(a: ArchConfig, lora) -> int:
     """Adapter parameters: r x (in + out) per adapted linear layer (the decoder's seven per layer;
     named targets count by their last name component)."""
-    kv = a.kv_heads * (a.hidden // a.heads)
-    io = {"q_proj": (a.hidden, a.hidden), "k_proj": (a.hidden, kv), "v_proj": (a.hidden, kv),
-          "o_proj": (a.hidden, a.hidden), "gate_proj": (a.hidden, a.intermediate),
+    q, kv = a.heads * a.head_size, a.kv_heads * a.head_size
+    io = {"q_proj": (a.hidden, q), "k_proj": (a.hidden, kv), "v_proj": (a.hidden, kv),
+          "o_proj": (q, a.hidden), "gate_proj": (a.hidden, a.intermediate),
           "up_proj": (a.hidden, a.intermediate), "down_proj": (a.intermediate, a.hidden)}
     names = _LINEAR_SHAPES if lora.target_modules == "all-linear" else {
         n for t in lora.target_modules for n in _LINEAR_SHAPES if t.rsplit(".", 1)[-1] in (n, "*") or n in t}
@@ -90,9 +91,8 @@ def lora_param_count(a: ArchConfig, lora) -> int:
 
 
 def param_count(a: ArchConfig) -> int:
-    head_dim = a.hidden // a.heads
-    kv = a.kv_heads * head_dim
-    attn = a.hidden * a.hidden * 2 + 2 * a.hidden * kv + a.hidden + 2 * kv  # q, o, k, v (+ qkv biases)
+    q, kv = a.heads * a.head_size, a.kv_heads * a.head_size
+    attn = 2 * a.hidden * q + 2 * a.hidden * kv + q + 2 * kv  # q, o, k, v (+ qkv biases)
     mlp = 3 * a.hidden * a.intermediate
     layer = attn + mlp + 2 * a.hidden
     embed = a.vocab_size * a.hidden

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..ops.policy_loss.config import LossConfig
 from .algo import AlgoConfig, check_algo, check_moved
 from .critic import CriticConfig
+from .model_dims import ArchConfig  # noqa: F401 (re-exported)
 from .log_config import WANDB_PIN, LoggingConfig, WandbConfig  # noqa: F401 (re-exported)
 from .ray import LAUNCHER_DESCRIPTION, LauncherName, RayConfig, check_ray
 from .stabilizers import StabilizerConfig, check_turn_credit_loss
@@ -46,18 +47,6 @@ class TinyModelConfig(Section):
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} must divide heads ({self.heads})")
         return self
-
-
-class ArchConfig(Section):
-    """Dimensions of a model that is not available offline, for --dry-run memory estimates."""
-
-    hidden: int = Field(description="Hidden size of the planned model.")
-    layers: int = Field(description="Transformer layers of the planned model.")
-    heads: int = Field(description="Attention heads of the planned model.")
-    kv_heads: int = Field(description="Key/value heads of the planned model.")
-    intermediate: int = Field(description="MLP intermediate size of the planned model.")
-    vocab_size: int = Field(description="Vocabulary size of the planned model.")
-    tie_word_embeddings: bool = Field(False, description="The planned model's lm_head shares the input embedding.")
 
 
 class LoRAConfig(Section):

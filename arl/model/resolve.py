@@ -50,7 +50,7 @@ def resolve_model(name_or_path: str) -> str:
 # model.arch field -> the config.json key it describes
 _ARCH_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
               "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab_size": "vocab_size",
-              "tie_word_embeddings": "tie_word_embeddings"}
+              "tie_word_embeddings": "tie_word_embeddings", "head_dim": "head_dim"}
 
 
 def arch_mismatches(arch, model_dir: str) -> list[str]:
@@ -62,6 +62,7 @@ def arch_mismatches(arch, model_dir: str) -> list[str]:
         actual = json.load(f)
     out = []
     for field, key in _ARCH_KEYS.items():
-        if key in actual and getattr(arch, field) != actual[key]:
-            out.append(f"{field}={getattr(arch, field)} ({key}={actual[key]})")
+        planned = arch.head_size if field == "head_dim" else getattr(arch, field)  # unset: hidden / heads
+        if key in actual and actual[key] is not None and planned != actual[key]:
+            out.append(f"{field}={planned} ({key}={actual[key]})")
     return out
