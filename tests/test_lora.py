@@ -180,3 +180,26 @@ def test_lora_trainer_step_one_rank(tmp_path):
     for a, b in zip(res[0]["ref_off"], res["ref_model"]):  # adapters off == the base loaded on its own
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_layout_counts_heads_wider_than_hidden_over_heads(tmp_path):
+    """``model.arch.head_dim`` (Qwen3-0.6B: 128 with hidden 1024 and 16 heads): the plan's parameter
+    and adapter counts are those of the model transformers builds, and arch_mismatches compares it
+    with config.json (unset: hidden / heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arl.layout import param_count
+    from arl.model.resolve import arch_mismatches
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    m = Qwen2ForCausalLM(cfg)
+    a = ArchConfig(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab_size=64,
+                   tie_word_embeddings=True, head_dim=16)
+    assert param_count(a) == sum(p.numel() for p in m.parameters())
+    assert param_count(a.model_copy(update={"head_dim": None})) < param_count(a)  # 8-wide heads
+    lora = LoRAConfig(r=4)
+    assert lora_param_count(a, lora) == sum(p.numel() for p in apply_lora(m, lora).parameters() if p.requires_grad)
+    cfg.save_pretrained(tmp_path)
+    assert arch_mismatches(a, tmp_path) == []
+    assert arch_mismatches(a.model_copy(update={"head_dim": None}), tmp_path) == ["head_dim=8 (head_dim=16)"]
