@@ -1,7 +1,7 @@
 """Trainer restarts under Ray (``ray.trainer_restarts``) without Ray: the launcher's attempts and
 what ends them (arl/cluster/launcher.py), the record of a restart (arl/trainer/restarts.py) and the
 test hook that kills a trainer rank (arl/trainer/faults.py).  The run on Ray with a rank killed:
-tests/test_train_e2e.py::test_a_dead_trainer_rank_restarts_the_run_from_its_checkpoint."""
+tests/test_train_e2e.py::test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run[ray] (its third leg)."""
 import json
 import signal
 
