@@ -42,4 +42,9 @@ def run_sft(cfg: TrainConfig, model, demos: list, rank: int, world: int) -> Tupl
     last = {}
     for _ in range(cfg.sft.steps):
         last = run.step()
-    return last, (run.tr.full_state_dict(rank0_only=False) if run.tr.zero3 else None)
+    state = run.tr.full_state_dict(rank0_only=False) if run.tr.zero3 else None
+    # RL builds its own engine over the same parameters: this one's ZeRO gradient hooks would go on
+    # firing in every RL backward, copying each gradient into its reduce bucket, never flushed (its
+    # 5e8-element buffer held, and a full bucket's flush finds the gradients RL's step cleared)
+    run.tr.engine.destroy()
+    return last, state
