@@ -1,8 +1,8 @@
 """The fault soak: the main job on the default launcher (Ray) through environment faults, a dead
 trainer rank and a dead engine, checked step by step.
 
-    python bench/bench_soak.py [--steps 100] [--kill-rank-at 40] [--kill-engine-after 70] [--out runs/soak]
-    python bench/bench_soak.py --quick       # 12 steps, rank killed at 5, engine after its 8th batch
+    python bench/bench_soak.py [--steps 100] [--kill-rank-at 40] [--kill-engine-after 20] [--out runs/soak]
+    python bench/bench_soak.py --quick       # 12 steps, rank killed at 6, engine after its 3rd batch
     python bench/bench_soak.py --parts sandbox   # only the hostile programs inside a Ray actor
 
 The run is ``python -m arl.train --config configs/tiny_cpu.yaml`` with
@@ -11,7 +11,8 @@ The run is ``python -m arl.train --config configs/tiny_cpu.yaml`` with
 drawn per tool call; trainer rank 1 SIGKILLs itself when step ``--kill-rank-at`` starts
 (``ARL_TEST_KILL_RANK``: Ray's trainer restart brings every rank back from the last checkpoint) and
 engine 0 SIGKILLs itself after its ``--kill-engine-after``-th batch (``ARL_TEST_KILL_ENGINE``: Ray
-restarts it with the current weights).  Checked, and printed as one JSON object (last stdout line):
+restarts it with the current weights; the trainer restart starts new engines, whose hook counts
+again, so the default run loses engine 0 twice: after batch 20 and after batch 50).  Checked, and printed as one JSON object (last stdout line):
 rc 0; every planned step logged exactly once; every step's batch whole
 (``rollout/num_trajectories`` = tasks_per_step x group_size); no NaN or missing loss, grad norm or
 reward in any step; the restart named in the step record; the engine's restart line; the faults
@@ -55,6 +56,7 @@ def check(lines: list, steps: int, batch: int, text: str, kill_rank_at: int) -> 
         "no_nan": not bad_numbers, "bad_numbers": bad_numbers[:5],
         "trainer_restart_recorded": bool(restarted) if kill_rank_at <= steps else None,
         "restart_steps": restarted,
+        "engine_restarts": text.count("restarted: it makes batch"),
         "engine_restarted": "restarted: it makes batch" in text,
         "faults_total": sum(recs[s].get("status/faults", 0) for s in recs if s >= 1),
         "trajectories_total": sum(recs[s].get("rollout/num_trajectories", 0) for s in recs if s >= 1),
@@ -113,9 +115,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--kill-rank-at", type=int, default=40, help="trainer rank 1 dies as this step starts")
-    ap.add_argument("--kill-engine-after", type=int, default=70, help="engine 0 dies after this many batches")
+    ap.add_argument("--kill-engine-after", type=int, default=20,
+                    help="engine 0 dies after this many batches (each trainer attempt starts new engines: again)")
     ap.add_argument("--out", default="runs/soak")
-    ap.add_argument("--quick", action="store_true", help="12 steps, rank killed at 5, engine after 8 batches")
+    ap.add_argument("--quick", action="store_true", help="12 steps, rank killed at 6, engine after 3 batches")
     ap.add_argument("--parts", default="soak,sandbox", help="soak, sandbox or both (default)")
     ap.add_argument("overrides", nargs="*", help="more arl.train overrides")
     args = ap.parse_args(argv)
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
 
 def soak(args) -> dict:
     if args.quick:
-        args.steps, args.kill_rank_at, args.kill_engine_after = 12, 5, 8
+        args.steps, args.kill_rank_at, args.kill_engine_after = 12, 6, 3
     from arl.config import load_config
 
     out = Path(args.out).resolve()
