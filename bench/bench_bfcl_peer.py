@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,19 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples.bfcl.recipe import CONFIG, from_heldout  # noqa: E402
+from examples.bfcl.recipe import CONFIG, from_heldout, run  # noqa: E402
 
 PY = sys.executable
 
 
 def sh(cmd: list, log: Path) -> float:
-    t0 = time.monotonic()
-    print("+ " + " ".join(cmd), flush=True)
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    if rc != 0:
-        raise SystemExit(f"bench_bfcl_peer: {' '.join(cmd[:4])} ... failed (exit {rc}); see {log}")
-    return round(time.monotonic() - t0, 1)
+    return run(cmd, log, cwd=ROOT)  # the recipe's runner, from the repository root
 
 
 def sft_start(root: Path, seed: int, common: list, steps: int) -> Path:

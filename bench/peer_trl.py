@@ -178,7 +178,7 @@ def save_snapshot(model, out: Path) -> Path:
     return out
 
 
-def make_callback(budget_s: float, snap_dir: Path, snap_every_s: float, log_path: Path):
+def make_callback(budget_s: float, snap_dir: Path, snap_every_s: float, log_path: Path, save=None):
     """Wall budget, periodic weight snapshots and a per-step log (TRL's logs plus the wall clock).
     ``start()`` starts the clock (before the trainer is built: building it starts TRL's colocated
     vLLM, as arl's clock includes starting its engine); snapshot writes count in it (as in arl's)."""
@@ -198,7 +198,7 @@ def make_callback(budget_s: float, snap_dir: Path, snap_every_s: float, log_path
             return time.perf_counter() - self.t0
 
         def snap(self, model, step: int) -> None:
-            d = save_snapshot(model, snap_dir / f"step{step}")
+            d = (save or save_snapshot)(model, snap_dir / f"step{step}")
             self.snaps.append({"step": step, "wall_s": round(self.wall(), 2), "dir": str(d)})
             self.last_snap = self.wall()
 

@@ -149,8 +149,8 @@ def run_trl(cfg, start_dir: str, out: Path, budget_s: float, max_steps: int, sna
     )
     snaps = out / "snapshots"
 
-    clock = make_callback(budget_s, snaps, snap_every_s, out / "steps.jsonl")
-    clock.snap = lambda m, step: _snap(clock, m, step, start_dir, snaps)  # HF dirs, not bare weights
+    clock = make_callback(budget_s, snaps, snap_every_s, out / "steps.jsonl",
+                          save=lambda m, d: save_hf(m, start_dir, d))  # HF dirs arl.eval loads
     clock.start()
     trainer = GRPOTrainer(model=model, args=args, processing_class=tok, reward_funcs=[bfcl_reward],
                           train_dataset=Dataset.from_list(rows), callbacks=[clock])
@@ -161,12 +161,6 @@ def run_trl(cfg, start_dir: str, out: Path, budget_s: float, max_steps: int, sna
         clock.snap(trainer.model, trainer.state.global_step)  # the end's weights (max_steps reached)
     return {"snapshots": clock.snaps, "steps": clock.steps, "wall_s": round(clock.wall(), 2),
             "setup_s": clock.setup_s, "rows_left_out": left_out, "generation": generation}
-
-
-def _snap(clock, model, step: int, start_dir: str, snaps: Path) -> None:
-    d = save_hf(model, start_dir, snaps / f"step{step}")
-    clock.snaps.append({"step": step, "wall_s": round(clock.wall(), 2), "dir": str(d)})
-    clock.last_snap = clock.wall()
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ def test_a_clean_soak_passes():
     lines = [rec(0), *[rec(s) for s in range(1, 5)]]
     lines[3]["restart/trainer_restarts"] = 1
     v = check(lines, 4, 16, "arl.train: engine 0 restarted: it makes batch 3 on", kill_rank_at=3)
-    assert v["steps_logged_once"] and v["batches_whole"] and v["no_nan"] and v["engine_restarted"]
+    assert v["steps_logged_once"] and v["batches_whole"] and v["no_nan"] and v["engine_restarts"] == 1
     assert v["trainer_restart_recorded"] and v["restart_steps"] == [3]
     assert v["faults_total"] == 8 and v["trajectories_total"] == 64 and v["masked_total"] == 4
 
@@ -30,7 +30,7 @@ def test_each_failure_is_named():
     v = check(lines, 4, 16, "", kill_rank_at=2)
     assert not v["steps_logged_once"]  # step 2 twice, step 4 missing
     assert v["short_batches"] == [(3, 12)] and not v["batches_whole"]
-    assert v["trainer_restart_recorded"] is False and not v["engine_restarted"]
+    assert v["trainer_restart_recorded"] is False and v["engine_restarts"] == 0
     assert not v["no_nan"] and v["bad_numbers"][0][:2] == (2, "train/loss")  # any line, superseded or not
     v = check([rec(1, **{"train/grad_norm": None})], 1, 16, "", kill_rank_at=9)
     assert v["bad_numbers"] == [(1, "train/grad_norm", None)] and v["trainer_restart_recorded"] is None

@@ -63,11 +63,11 @@ def from_heldout(path: Path) -> dict:
     return per_category(succ, list(succ))
 
 
-def run(cmd: list, log: Path) -> float:
+def run(cmd: list, log: Path, cwd=None) -> float:
     t0 = time.monotonic()
     print("+ " + " ".join(cmd), flush=True)
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
     if rc != 0:
         raise SystemExit(f"recipe: {' '.join(cmd[:4])} ... failed (exit {rc}); see {log}")
     return round(time.monotonic() - t0, 1)
