@@ -55,22 +55,28 @@ def _records(out: Path) -> dict:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun, tiny_model_dir):
-    """ZeRO-2 and ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model
-    handed over whole), both with the frozen reference model and the adaptive KL controller; a
-    checkpoint every step with trainer.keep_last=1, each with its HF export.  The model has tied
-    embeddings, as the session engine's (tests/vllm_fixture.py): trained, synced (file and group),
-    exported as one tensor and served."""
+def test_two_rank_zero_run_and_exported_model(tmp_path, vllm_engine, arun, tiny_model_dir):
+    """ZeRO-3 (partitioned weights: gathered for weight sync and export, the SFT model handed over
+    whole) with the frozen reference model and the adaptive KL controller; a checkpoint every step
+    with trainer.keep_last=1, each with its HF export.  The model has tied embeddings, as the session
+    engine's (tests/vllm_fixture.py): trained, synced over the weight-sync group (every rank gathers;
+    rank 0 keeps a host copy for restarts), exported as one tensor and served.  ZeRO-2 with the file
+    sync, the reference model and KL: the LoRA run below; its checkpoint's module state against its
+    export: the kill-resume test's final check.  The run also carries IPA's chunk-initialization
+    resampling: rollouts start from expert prefixes, the loss imitates the prefix (one member per
+    group) and reinforces the resampled chunks, and the sequential schedule moves the start one chunk
+    back per step."""
+    stage = 3
     out = tmp_path / "run"
-    # ZeRO-3 also takes the weight-sync group (every rank gathers; rank 0 keeps a host copy for restarts)
-    sync = ["rollout.weight_sync=group"] if stage == 3 else []
-    res = _train(out, *sync, "model.tiny.tie_word_embeddings=true", "trainer.steps=2",
+    res = _train(out, "rollout.weight_sync=group", "model.tiny.tie_word_embeddings=true", "trainer.steps=2",
                  f"trainer.zero_stage={stage}",
                  "trainer.world_size=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
                  "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
                  "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient even without reward
-                 "trainer.checkpoint_every=1", "trainer.keep_last=1")
+                 "trainer.checkpoint_every=1", "trainer.keep_last=1",
+                 "env.max_turns=6", "rollout.max_total_tokens=400", "stabilizers.ipa.enabled=true",
+                 "stabilizers.ipa.steps_per_chunk=1",
+                 "stabilizers.turn_credit.enabled=false")  # the main job's turn credit does not combine with IPA
     # a successful run ends cleanly: no traceback (vLLM's engine is shut down before exit)
     assert "Traceback" not in res.stderr + res.stdout, (res.stderr + res.stdout)[-3000:]
     if os.environ.get("ARL_TESTS_LAUNCHER") != "local":  # (tests/on_local.py runs it on the local launcher)
@@ -86,6 +92,9 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
         assert r["train/kl_mean"] >= 0 and r["stab/kl_skipped"] == 0  # the KL term ran and fed the controller
         assert r["time/sync_s"] > 0 and r["mem/trainer_rss_peak_gib"] >= r["mem/trainer_peak_over_base_gib"] > 0
         assert r["mem/params_trainable"] == r["mem/params"] > 0  # full fine-tuning (ZeRO-3: the whole counts)
+        assert r["train/ipa/rl_tokens"] > 0
+    assert max(recs[s]["train/ipa/il_tokens"] for s in (1, 2)) > 0  # expert prefixes were imitated
+    assert [recs[s]["stab/ipa_offset"] for s in (1, 2)] == [1, 2]
     assert recs[1]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # step 1's policy is the reference
     assert recs[2]["train/kl_mean"] > 0 and recs[1]["stab/kl_beta"] != 0.05  # ... step 2's moved away
     assert (out / "reference" / "config.json").exists()  # the SFT model, kept for --resume
@@ -105,13 +114,10 @@ def test_two_rank_zero_run_and_exported_model(stage, tmp_path, vllm_engine, arun
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(ckpt_hf.state_dict()[k], v, atol=0, rtol=0)
     trained = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
-    if stage == 3:  # the checkpoint holds partitions: DeepSpeed's own tool reassembles them
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    # the checkpoint holds partitions: DeepSpeed's own tool reassembles them
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        ds_state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step2")
-    else:
-        ds_state = torch.load(out / "checkpoints" / "step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    trained.load_state_dict(ds_state)
+    trained.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step2"))
     ids = torch.randint(0, 500, (40,))
     cu = torch.tensor([0, 25, 40], dtype=torch.int32)
     with torch.no_grad():
@@ -183,7 +189,7 @@ def uninterrupted(tmp_path_factory):
 # Ray in the suite; the local case runs by hand: ARL_TEST_LOCAL_KILLS=1 (docs/ray.md).  In the heavy
 # xdist group (memory): never beside the 3-node cluster's engines
 @pytest.mark.parametrize("launcher", [pytest.param("ray", marks=HEAVY), LOCAL_BY_HAND])
-def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher, uninterrupted, tmp_path):
+def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher, uninterrupted, tmp_path, late_exits):
     """Kill anything, lose nothing, with one command: ``--resume auto`` (a fresh run the first time, the
     last complete checkpoint after).  At the default staleness 1 the next step's batch is in flight
     (generated from the previous policy) whenever a checkpoint is written; the checkpoint holds it.
@@ -203,7 +209,7 @@ def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher,
     default launcher: the launchers train alike."""
     run = tmp_path / "killed"
     restarts = launcher == "ray"
-    _killed_and_resumed(run, [*_DET, f"launcher={launcher}"], restart_rank=restarts)
+    _killed_and_resumed(run, [*_DET, f"launcher={launcher}"], restart_rank=restarts, late_exits=late_exits)
     ref = uninterrupted()
     a, b = _records(ref), _records(run)
     assert sorted(a) == [1, 2, 3, 4]
@@ -215,6 +221,12 @@ def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher,
                 r["restart/replayed_steps"]) == (1, 1, 2, 1)
         assert not any(k.startswith("restart/") for s in (1, 2, 4) for k in b[s])
     _same_as_uninterrupted(ref, run, skip=("restart/",))
+    # the resumed run's last ZeRO-2 checkpoint: its module state is its HF export and the final model
+    module = torch.load(run / "checkpoints" / "step4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    from safetensors.torch import load_file
+
+    for exported in (load_file(run / "checkpoints" / "step4" / "hf" / "model.safetensors"), _final_weights(run)):
+        assert sorted(exported) == sorted(module) and all(torch.equal(exported[k], module[k]) for k in module)
 
 
 def _left_in_session(sid: int, timeout_s: float = 60.0, spare=()) -> list:
@@ -264,10 +276,12 @@ def _drop_ray_dir(pid: int) -> None:
     shutil.rmtree(Path(tempfile.gettempdir()) / f"arl-ray-{pid}", ignore_errors=True)
 
 
-def _killed_and_resumed(run: Path, det: list, restart_rank: bool) -> None:
+def _killed_and_resumed(run: Path, det: list, restart_rank: bool, late_exits: list) -> None:
     """The interrupted run of the test above, every leg the same command (``--resume auto``): killed in
     step 3's backward, killed in step 4's weight sync, then to the end (``restart_rank``: losing
-    trainer rank 1 as step 4 starts, once)."""
+    trainer rank 1 as step 4 starts, once).  A killed leg's Ray agents wait out their report to the
+    dead driver (RAY_AGENT_PUBLISH_S): checked at the session's end (``late_exits``), as in
+    test_killed_launcher_leaves_no_process_behind, while the next leg runs."""
     from arl.trainer.checkpoints import load_rollouts
     from arl.trainer.faults import KILL_ENV, KILL_RANK_ENV
 
@@ -282,7 +296,9 @@ def _killed_and_resumed(run: Path, det: list, restart_rank: bool) -> None:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                left = _left_in_session(proc.pid)
+                agents = _session_agents(proc.pid)
+                late_exits.extend((k, name, time.time() + RAY_AGENT_PUBLISH_S + 30) for k, name in agents)
+                left = _left_in_session(proc.pid, spare={k.pid for k, _ in agents})
                 _drop_ray_dir(proc.pid)
         assert rc == -signal.SIGKILL, proc.stderr.read()[-3000:]
         assert not left, left  # the whole job went, Ray's actors and vLLM's engine too
@@ -343,22 +359,6 @@ def test_lora_run_with_adapter_sync(tmp_path):
     assert recs[1]["mem/params_trainable"] < recs[1]["mem/params"]  # only the adapters train
 
 
-def test_ipa_resampling_run(tmp_path):
-    """IPA chunk-initialization resampling end to end: rollouts start from expert prefixes, the loss
-    imitates the prefix (one member per group) and reinforces the resampled chunks, and the
-    sequential schedule moves the start one chunk back per step."""
-    out = tmp_path / "ipa"
-    _train(out, "trainer.steps=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=0", "env.max_turns=6",
-           "rollout.max_total_tokens=400", "stabilizers.ipa.enabled=true", "stabilizers.ipa.steps_per_chunk=1",
-           "stabilizers.turn_credit.enabled=false")  # the main job's turn credit does not combine with IPA
-    recs = _records(out)
-    for s in (1, 2):
-        r = recs[s]
-        assert r["train/ipa/rl_tokens"] > 0 and r["rollout/num_trajectories"] == 8
-    assert max(recs[s]["train/ipa/il_tokens"] for s in (1, 2)) > 0  # expert prefixes were imitated
-    assert [recs[s]["stab/ipa_offset"] for s in (1, 2)] == [1, 2]
-
-
 def test_rollout_failure_is_reported_not_hung(tmp_path):
     """An error in the rollout process (here: vLLM refuses a context longer than the model's, which
     no check before the launch catches) reaches the launcher as a one-line cause in stderr, instead
@@ -403,6 +403,20 @@ def _running(proc) -> bool:
 RAY_AGENT_PUBLISH_S = 60
 
 
+def _session_agents(sid: int) -> list:
+    """Ray's dashboard and runtime-env agents among the processes of session ``sid``: (process, name)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and _is_ray_agent(p):
+                found.append((p, p.name()))
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return found
+
+
 def _is_ray_agent(proc) -> bool:
     import psutil
 
@@ -432,7 +446,7 @@ def late_exits():
                 proc.kill()
         except psutil.NoSuchProcess:
             pass
-    assert not left, f"left behind by test_killed_launcher_leaves_no_process_behind: {left}"
+    assert not left, f"left behind by a killed run (late_exits): {left}"
 
 
 @pytest.mark.parametrize("launcher", ["ray", LOCAL_BY_HAND])  # as the resume test
