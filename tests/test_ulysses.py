@@ -219,15 +219,17 @@ def _loss_worker(rank, world, port, q):
 
 
 @pytest.mark.slow
-def test_loss_over_a_split_batch_equals_one_rank():
-    """A chunk and a sequence straddle the boundary (the second sequence spans tokens 9-31, the
-    shards are 0-26 and 27-53): token, sequence (GSPO) and chunk (IPA) ratio levels."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_loss_over_a_split_batch_equals_one_rank(world):
+    """A chunk and a sequence straddle a shard boundary (the second sequence spans tokens 9-31; SP=2:
+    shards 0-26 and 27-53; SP=4, 4 processes, 2 kv heads over 4 ranks: 0-13, 14-27, 28-41, 42-55 of
+    the batch padded to 56): token, sequence (GSPO) and chunk (IPA) ratio levels."""
     from arl.procs import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_loss_worker, args=(r, 2, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_loss_worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
     got = {r: (out, err) for r, out, err in (q.get(timeout=180) for _ in procs)}
@@ -235,7 +237,9 @@ def test_loss_over_a_split_batch_equals_one_rank():
         p.join(60)
     assert all(out is not None for out, _ in got.values()), [err for _, err in got.values()]
     chunks, _, _ = _loss_inputs(*_batch()[0].shape, _batch()[1])
-    assert chunks[26] >= 0 and chunks[26] == chunks[27], "no chunk straddles the shard boundary"
+    local = plan_shard(_batch()[1], world, 0).local
+    cuts = [local * k for k in range(1, world)]  # the first token of each shard after the first
+    assert any(chunks[c - 1] >= 0 and chunks[c - 1] == chunks[c] for c in cuts), "no chunk straddles a shard boundary"
     for level, surrogate in LEVELS:
         loss, grads = got[0][0][level]
         ref_loss, ref_g = _loss_reference(level, surrogate)
