@@ -66,10 +66,9 @@ def test_two_rank_zero_run_and_exported_model(tmp_path, vllm_engine, arun, tiny_
     resampling: rollouts start from expert prefixes, the loss imitates the prefix (one member per
     group) and reinforces the resampled chunks, and the sequential schedule moves the start one chunk
     back per step."""
-    stage = 3
     out = tmp_path / "run"
     res = _train(out, "rollout.weight_sync=group", "model.tiny.tie_word_embeddings=true", "trainer.steps=2",
-                 f"trainer.zero_stage={stage}",
+                 "trainer.zero_stage=3",
                  "trainer.world_size=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1", "trainer.reference_model=true",
                  "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
                  "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient even without reward
@@ -223,9 +222,7 @@ def test_sigkill_mid_step_then_resume_reproduces_the_uninterrupted_run(launcher,
     _same_as_uninterrupted(ref, run, skip=("restart/",))
     # the resumed run's last ZeRO-2 checkpoint: its module state is its HF export and the final model
     module = torch.load(run / "checkpoints" / "step4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    from safetensors.torch import load_file
-
-    for exported in (load_file(run / "checkpoints" / "step4" / "hf" / "model.safetensors"), _final_weights(run)):
+    for exported in (_final_weights(run / "checkpoints" / "step4"), _final_weights(run)):
         assert sorted(exported) == sorted(module) and all(torch.equal(exported[k], module[k]) for k in module)
 
 
@@ -237,14 +234,7 @@ def _left_in_session(sid: int, timeout_s: float = 60.0, spare=()) -> list:
     import psutil
 
     def alive():
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == sid and p.pid not in spare and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                pass
-        return found
+        return _in_session(sid, lambda p: p.pid not in spare and p.status() != psutil.STATUS_ZOMBIE)
 
     deadline = time.time() + timeout_s
     while (left := alive()) and time.time() < deadline:
@@ -403,18 +393,24 @@ def _running(proc) -> bool:
 RAY_AGENT_PUBLISH_S = 60
 
 
-def _session_agents(sid: int) -> list:
-    """Ray's dashboard and runtime-env agents among the processes of session ``sid``: (process, name)."""
+def _in_session(sid: int, keep) -> list:
+    """The processes of session ``sid`` for which ``keep(process)`` holds (those that exit while we look
+    are left out)."""
     import psutil
 
     found = []
     for p in psutil.process_iter():
         try:
-            if os.getsid(p.pid) == sid and _is_ray_agent(p):
-                found.append((p, p.name()))
+            if os.getsid(p.pid) == sid and keep(p):
+                found.append(p)
         except (ProcessLookupError, PermissionError, psutil.Error):
             pass
     return found
+
+
+def _session_agents(sid: int) -> list:
+    """Ray's dashboard and runtime-env agents among the processes of session ``sid``: (process, name)."""
+    return [(p, p.name()) for p in _in_session(sid, _is_ray_agent)]
 
 
 def _is_ray_agent(proc) -> bool:
