@@ -2,7 +2,10 @@
 
 ``ARL_TEST_KILL_AT=<point>:<version>`` (never set in a real run) makes the first trainer rank that
 reaches ``point``, in the step that makes policy ``version``, SIGKILL its process group (under the
-spawn launcher: the launcher, every trainer rank and the rollout processes):
+spawn launcher: the launcher, every trainer rank and the rollout processes);
+``<point>:<version>:launcher`` SIGKILLs the launcher process alone (the leader of its process group,
+as a shell or ``start_new_session`` makes it) and then waits there: every other process of the run
+must die with the launcher, none by noticing a step that stopped:
 
   ``backward``  after the first micro-batch's backward (the update half done)
   ``sync``      in the weight sync, the new weights written, the engines not yet told
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 KILL_ENV = "ARL_TEST_KILL_AT"
 LAUNCHER_PGID_ENV = "ARL_LAUNCHER_PGID"  # set by the Ray launcher for its actors
@@ -58,9 +62,13 @@ def reached(point: str) -> None:
     spec = os.environ.get(KILL_ENV)
     if not spec or _version is None:
         return
-    name, _, version = spec.partition(":")
+    name, version, whom = (spec.split(":") + [""])[:3]
     if name == point and version.isdigit() and int(version) == _version:
         launcher = int(os.environ.get(LAUNCHER_PGID_ENV) or os.getpgrp())
+        if whom == "launcher":
+            os.kill(launcher, signal.SIGKILL)
+            while True:
+                time.sleep(60)
         if launcher != os.getpgrp():
             os.killpg(launcher, signal.SIGKILL)
         os.killpg(os.getpgrp(), signal.SIGKILL)
