@@ -142,8 +142,11 @@ def test_tiny_job_on_a_simulated_three_node_cluster(tmp_path):
     current weights."""
     import secrets
 
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
-               HOME=str(tmp_path),  # HOME: no ~/.ray/auth_token of this machine's other Ray runs
+               HOME=str(tmp_path),  # HOME: no ~/.ray/auth_token of this machine's other Ray runs ...
+               # ... but the caches stay: the tiny model, vLLM's model-class inspection (a process per engine)
+               XDG_CACHE_HOME=cache, ARL_CACHE=os.environ.get("ARL_CACHE") or os.path.join(cache, "arl"),
                ARL_TEST_KILL_ENGINE="1:join,0:1")  # read by the engine actors, which the sim's raylets start
     env.pop("RAY_ADDRESS", None)  # not the session's cluster (tests/ray_session.py): this one
     addr, log = tmp_path / "address", tmp_path / "sim.log"
