@@ -221,7 +221,7 @@ def test_three_rl_steps_with_held_out_evaluation(tmp_path, tiny_model_dir):
     """examples/mcp/config.yaml as shipped but on the tests' tiny model: 3 RL steps whose tool calls
     (if the tiny model writes any) go to the example server, held-out evaluations before and after."""
     out = three_rl_steps("mcp", tmp_path, tiny_model_dir, f"env.kwargs.args=[{json.dumps(SERVER)}]",
-                         "env.pool_size=4", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=1536")
+                         "env.pool_size=2", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=1536")
     row = json.loads((out / "transcripts" / "heldout_step3.jsonl").read_text().splitlines()[0])
     assert "convert" in json.dumps(row)  # the server's tools reached the prompt
 
