@@ -134,3 +134,30 @@ def test_the_attempt_reaches_the_ranks(monkeypatch):
     monkeypatch.setenv(faults.KILL_RANK_ENV, "1@3")
     assert restart_env(0, None) == {faults.ATTEMPT_ENV: "0", faults.KILL_RANK_ENV: "1@3"}
     assert restart_env(2, 1)[DEAD_RANK_ENV] == "1"
+
+
+def test_the_kill_at_hook_kills_the_launcher_alone_or_names_a_bad_field(monkeypatch):
+    """``<point>:<version>:launcher``: SIGKILL to the launcher's pid only (then the hook waits);
+    another third field is one line naming it."""
+    kills = []
+    monkeypatch.setattr(faults, "_version", 3)
+    monkeypatch.setenv(faults.LAUNCHER_PGID_ENV, "4242")
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    monkeypatch.setattr(faults.os, "killpg", lambda pgid, sig: pytest.fail("the launcher alone, not a group"))
+
+    class Waited(Exception):
+        pass
+
+    def wait(_):
+        raise Waited
+
+    monkeypatch.setattr(faults.time, "sleep", wait)
+    monkeypatch.setenv(faults.KILL_ENV, "backward:3:launcher")
+    faults.reached("sync")  # another point: nothing
+    assert kills == []
+    with pytest.raises(Waited):
+        faults.reached("backward")
+    assert kills == [(4242, signal.SIGKILL)]
+    monkeypatch.setenv(faults.KILL_ENV, "backward:3:launchr")
+    with pytest.raises(ValueError, match="the third field is 'launcher' or absent, not 'launchr'"):
+        faults.reached("backward")

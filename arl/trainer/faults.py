@@ -63,6 +63,8 @@ def reached(point: str) -> None:
     if not spec or _version is None:
         return
     name, version, whom = (spec.split(":") + [""])[:3]
+    if whom not in ("", "launcher"):
+        raise ValueError(f"{KILL_ENV}={spec!r}: the third field is 'launcher' or absent, not {whom!r}")
     if name == point and version.isdigit() and int(version) == _version:
         launcher = int(os.environ.get(LAUNCHER_PGID_ENV) or os.getpgrp())
         if whom == "launcher":
