@@ -120,3 +120,27 @@ def test_recipe_reads_a_held_out_evaluation_by_category(doc, tmp_path):
     assert got["live_simple"] == 100.0 and got["parallel"] == 25.0 and got["irrelevance"] == 25.0
     assert got["held_out_ast_mean"] == round((100 + 25 + 25) / 3, 1)
     assert "| sft | 100.0 |" in table([{"sft": got}])
+
+
+def test_sft_demonstrations_end_the_turn_as_the_engine_does(tiny_tokenizer):
+    """BFCL's turns end at end of sequence (several calls may come first): each demonstration's
+    turn ends with the end-of-sequence token, which SFT then teaches; a turn that ends on a stop
+    string (the default envs' ``</tool_call>``) gets none, as sampling stops there."""
+    from arl.config import load_config
+    from arl.rollout import ChatFormat
+    from arl.rollout.episode import Episode, EpisodeConfig
+    from arl.rollout.expert import expert_demos, written_turn
+
+    fmt = ChatFormat(tiny_tokenizer)
+    cfg = load_config(str(SPLIT.parent / "config.yaml"), ["model.name_or_path=tiny"])
+    demos = expert_demos(cfg, fmt, 3)
+    assert len(demos) == 3
+    for t in demos:
+        start, end = t.turns[-1]
+        assert end == len(t.tokens) and t.tokens[-1] == fmt.eos_token_id
+        assert all(c == len(t.turns) - 1 for c in t.chunk_ids[start:end])
+    ep = Episode(make_env("bfcl", split=str(SPLIT)), fmt, EpisodeConfig(), 0)
+    assert written_turn(ep, "<tool_call>{}</tool_call>").token_ids[-1] == fmt.eos_token_id
+    ep.env = type("Default", (), {})()  # no stop attribute: the default stop strings
+    ids = written_turn(ep, "<tool_call>{}</tool_call>").token_ids
+    assert ids == fmt.encode("<tool_call>{}</tool_call>")

@@ -29,6 +29,17 @@ def expert_env_kwargs(cfg: TrainConfig, keep_task_definition: bool, model_dir: O
     return {k: v for k, v in env_kwargs(cfg.env, model_dir).items() if k not in FAULT_KEYS or k in keep}
 
 
+def written_turn(ep: Episode, text: str) -> Sample:
+    """A written model turn as the engine returns a sampled one: it ends with the end-of-sequence
+    token unless the text ends on one of the turn's stop strings (sampling stops there and keeps
+    it).  SFT learns to end a turn from this token: an env whose turns end at end of sequence
+    (``stop = ()``: BFCL, MCP tools) would otherwise get a policy that never stops."""
+    ids = ep.fmt.encode(text)
+    if not any(s and text.endswith(s) for s in ep.sampling().stop):
+        ids = ids + [ep.fmt.eos_token_id]
+    return Sample(ids, [0.0] * len(ids), text, "stop")
+
+
 def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_000_000,
                  env_kwargs: Optional[dict] = None) -> list:
     """Up to ``n`` successful expert demonstrations (tasks from ``seed_base`` on), rendered exactly as
@@ -49,8 +60,7 @@ def expert_demos(cfg: TrainConfig, fmt: ChatFormat, n: int, seed_base: int = 2_0
         for text in turns:
             if ep.done:
                 break
-            ids = fmt.encode(text)
-            await ep.apply(Sample(ids, [0.0] * len(ids), text, "stop"))
+            await ep.apply(written_turn(ep, text))
         t = ep.trajectory()
         return t if t.reward > 0 else None
 
