@@ -144,3 +144,23 @@ def test_sft_demonstrations_end_the_turn_as_the_engine_does(tiny_tokenizer):
     ep.env = type("Default", (), {})()  # no stop attribute: the default stop strings
     ids = written_turn(ep, "<tool_call>{}</tool_call>").token_ids
     assert ids == fmt.encode("<tool_call>{}</tool_call>")
+
+
+def test_malformed_call_penalty_shapes_train_irrelevance_rows_only(doc):
+    """A botched call on an irrelevance row is none by BFCL's rule (1.0); with the penalty a train
+    row pays it back (named part ``malformed_call``), a held-out row keeps BFCL's verdict."""
+    train = next(i for i, r in enumerate(doc["train"]) if "|" in r)  # an irrelevance-style train row
+    held = EVAL_SEED_BASE + list(doc["held_out"]).index("irrelevance")
+    botched, refusal = '<tool_call>\n{"name": "f", arguments: {}}\n</tool_call>', REFUSAL
+
+    async def play(seed, text, **kw):
+        env = make_env("bfcl", split=str(SPLIT), **kw)
+        await env.reset(seed)
+        res = await env.step(text)
+        return env.kind, res.reward, res.info["reward_components"]
+
+    assert asyncio.run(play(train, botched)) == ("irrelevance", 1.0, {"bfcl": 1.0})
+    on = dict(malformed_call_penalty=True)
+    assert asyncio.run(play(train, botched, **on)) == ("irrelevance", 0.0, {"bfcl": 1.0, "malformed_call": -1.0})
+    assert asyncio.run(play(train, refusal, **on)) == ("irrelevance", 1.0, {"bfcl": 1.0, "malformed_call": 0.0})
+    assert asyncio.run(play(held, botched, **on))[:2] == ("irrelevance", 1.0)

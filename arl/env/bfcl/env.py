@@ -31,6 +31,11 @@ chat template like any arl tool; the row's first user turn is the prompt.
   ``turn_credit`` (shaping, default 0): a failed episode gets ``turn_credit * k / K``, k the
   leading user turns BFCL's checker passes (``scoring.turns_passed``), K the turns; a success gets
   1.0, so every success still outranks every failure (named part ``turn_credit``).
+* ``malformed_call_penalty`` (shaping, training rows only, default false): on an irrelevance row, a
+  turn that tries a call and botches it (a ``<tool_call>`` block that does not decode) earns 0, not
+  BFCL's 1.0 (its rule counts an undecodable call as none).  Without it RL learns to write broken
+  calls, right on every irrelevance row, and carries them to the rows that need a call.  Named part
+  ``malformed_call`` (-1.0 beside ``bfcl``'s 1.0); held-out rows and given tasks keep BFCL's rule.
 
 A checker that raises on a row is that episode's recoverable fault (``reward_exception``; the
 rollout retries or filters it, ``python -m arl.eval --bench bfcl`` marks and counts the row).
@@ -70,7 +75,8 @@ class BfclEnv(Environment):
 
     def __init__(self, categories: Union[str, Sequence[str]] = ("simple_python",), parser: str = "hermes",
                  tokenizer: Any = None, max_turns: int = 24, turn_credit: float = 0.0, limit: Optional[int] = None,
-                 system_prompt: Optional[str] = None, split: Optional[str] = None):
+                 system_prompt: Optional[str] = None, split: Optional[str] = None,
+                 malformed_call_penalty: bool = False):
         bfcl()  # a missing bfcl-eval: one line, here
         self.split = split
         if split is not None:
@@ -83,6 +89,7 @@ class BfclEnv(Environment):
         if limit is not None and limit < 1:
             raise ValueError(f"env.kwargs.limit: must be >= 1, got {limit}")
         self.turn_credit, self.limit, self.max_turns = float(turn_credit), limit, int(max_turns)
+        self.malformed_call_penalty, self._training_row = bool(malformed_call_penalty), False
         try:
             self.parser = make_parser(parser, tokenizer)
         except ValueError as e:
@@ -115,6 +122,7 @@ class BfclEnv(Environment):
             entry = copy.deepcopy(dict(task))
         else:
             entry = copy.deepcopy(dict(self._row(seed)))
+        self._training_row = task is None and not (self.split and EVAL_SEED_BASE <= seed < DEMO_SEED_BASE)
         self.entry, self.kind = entry, kind(entry["category"])
         self.tools = [tool_schema(d) for d in entry["function"]] or None
         self.parser.tools = self.tools or []
@@ -146,7 +154,8 @@ class BfclEnv(Environment):
             info = self._calls_info(parsed.calls)
             if self.kind == "ast":
                 return self._finish(lambda: scoring.score_ast(self.entry, decoded, why), info)
-            return self._finish(lambda: scoring.score_irrelevance(self.entry, decoded, why), info)
+            botched = self.malformed_call_penalty and self._training_row and decoded is None
+            return self._finish(lambda: scoring.score_irrelevance(self.entry, decoded, why), info, botched)
         if parsed.calls:
             return self._run_calls(parsed.calls)
         return self._next_user_turn()
@@ -192,7 +201,7 @@ class BfclEnv(Environment):
             v["turns_passed"] = scoring.turns_passed(self.entry, self.turns)
         return v
 
-    def _finish(self, judge, info: Dict[str, Any]) -> StepResult:
+    def _finish(self, judge, info: Dict[str, Any], botched: bool = False) -> StepResult:
         self._active = False
         try:
             v = judge()
@@ -206,6 +215,8 @@ class BfclEnv(Environment):
         if self.turn_credit > 0 and self.kind == "multi_turn":
             k, n = v.get("turns_passed", 0), len(self.entry["ground_truth"])
             comps["turn_credit"] = self.turn_credit * k / n if not v["valid"] and n else 0.0
+        if self.malformed_call_penalty and self.kind == "irrelevance":
+            comps["malformed_call"] = -1.0 if botched and v["valid"] else 0.0
         info["reward_components"] = comps
         return StepResult("", sum(comps.values()), True, info)
 
