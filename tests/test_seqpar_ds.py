@@ -17,7 +17,8 @@ from arl.model.packed import packed_logprobs
 from arl.ops.policy_loss import policy_loss
 from test_trainer_ds import LOSS, OPTIM, pack, perturbed_old, single_process_reference, tiny_model, trajectories
 
-pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks
+# 2 DeepSpeed ranks; every test on one pytest worker: the module fixture (~24 s) is run once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("seqpar_ds")]
 STAGES = (0, 2, 3)
 
 

@@ -19,7 +19,9 @@ from arl.algo.step import step_advantages
 
 from two_rank import random_chunk_ids, tiny_qwen
 
-pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks per case
+# 2 DeepSpeed ranks run every case; the cases on one pytest worker, so that they run once (--dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_ds")]
+CASES = [(2, False), (0, False), (3, False), (2, True), (0, True), (3, True)]
 
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-2, grad_clip=1e6)
@@ -51,12 +53,21 @@ def perturbed_old(logp, mb):
     return logp + 0.1 * mb.rollout_logp  # deterministic per token, whatever the packing
 
 
-def _worker(rank, world, port, stage, result_dir, tied):
+def _worker(rank, world, port, result_dir):
     import faulthandler
+
+    import torch.distributed as dist
+
+    from arl.trainer.dist import init_distributed, set_rank_env
 
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints where every thread was
     try:
-        _rank_checks(rank, world, port, stage, result_dir, tied)
+        set_rank_env(rank, world, port)
+        init_distributed("cpu")
+        for stage, tied in CASES:  # one process group, a fresh trainer per case
+            _rank_checks(rank, world, stage, result_dir, tied)
+            dist.barrier()
+        dist.destroy_process_group()
     except BaseException:
         # should the exit of a rank that raised then abort in native code (its process group still
         # up), mp.spawn reports only the SIGABRT: the cause is printed here first
@@ -72,12 +83,9 @@ def _worker(rank, world, port, stage, result_dir, tied):
     exit_process(0)  # as the launcher's ranks end: no finalization after the group is gone
 
 
-def _rank_checks(rank, world, port, stage, result_dir, tied):
+def _rank_checks(rank, world, stage, result_dir, tied):
     from arl.trainer import PolicyTrainer
-    from arl.trainer.dist import init_distributed, set_rank_env
 
-    set_rank_env(rank, world, port)
-    init_distributed("cpu")
     torch.manual_seed(0)
     model = tiny_model(tied=tied)
     tr = PolicyTrainer(model, optim=OPTIM, zero_stage=stage, total_steps=10, ref_model=tiny_model(tied=tied))
@@ -161,11 +169,7 @@ def _rank_checks(rank, world, port, stage, result_dir, tied):
     if rank == 0:
         torch.save({"metrics": metrics, "logged": logged, "grads": grads, "state": state, "n_mb": len(mbs),
                     "mean_n_mb": n_mbs, "skip": skip},
-                   os.path.join(result_dir, "ds.pt"))
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
+                   os.path.join(result_dir, f"ds_{stage}_{int(tied)}.pt"))
 
 
 def single_process_reference(tied=False):
@@ -197,12 +201,19 @@ def single_process_reference(tied=False):
     return total, gn, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, turn
 
 
-@pytest.mark.parametrize("stage,tied", [(2, False), (0, False), (3, False), (2, True), (0, True), (3, True)])
-def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tied, tmp_path):
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory):
+    """Every case's results, from one pair of ranks (a spawn costs seconds of imports per rank)."""
     from arl.procs import free_port
 
-    mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path), tied), nprocs=2, join=True)
-    ds = torch.load(tmp_path / "ds.pt")
+    d = tmp_path_factory.mktemp("ds")
+    mp.spawn(_worker, args=(2, free_port(), str(d)), nprocs=2, join=True)
+    return d
+
+
+@pytest.mark.parametrize("stage,tied", CASES)
+def test_two_rank_deepspeed_step_equals_whole_batch_step(stage, tied, ds_runs):
+    ds = torch.load(ds_runs / f"ds_{stage}_{int(tied)}.pt")
     skip = ds["skip"]
     assert ds["metrics"]["skipped_no_signal"] == 0.0
     assert skip["m0"]["skipped_no_signal"] == 1.0 and skip["still"], "a signal-free batch moved the weights"
