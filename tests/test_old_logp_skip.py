@@ -20,7 +20,9 @@ from arl.ops.policy_loss import LossConfig
 
 from two_rank import random_chunk_ids, tiny_qwen
 
-pytestmark = pytest.mark.slow  # 2 DeepSpeed ranks per case
+# 2 DeepSpeed ranks run both stages; the cases on one pytest worker, so that they run once (--dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("old_logp_skip")]
+STAGES = [2, 3]
 
 # token-level truncated mismatch weight: the old logprobs reach the loss twice (ratio and weight)
 LOSS = LossConfig(ratio_level="chunk", gamma=0.95, clip_high=0.28, mismatch_level="token", mismatch_mode="truncate",
@@ -96,18 +98,33 @@ class GradLog:
         return self.sums
 
 
-def _worker(rank, world, port, stage, result_dir):
+def _worker(rank, world, port, result_dir):
     import faulthandler
 
+    import torch.distributed as dist
+
+    from arl.trainer.dist import init_distributed, set_rank_env
+
     faulthandler.enable(all_threads=True)
+    set_rank_env(rank, world, port)
+    init_distributed("cpu")
+    for stage in STAGES:  # one process group, fresh trainers per stage
+        res = _stage_checks(rank, world, stage)
+        if rank == 0:
+            torch.save(res, os.path.join(result_dir, f"skip{stage}.pt"))
+        dist.barrier()
+    dist.destroy_process_group()
+    from arl.procs import exit_process
+
+    exit_process(0)  # as the launcher's ranks end: no finalization after the group is gone
+
+
+def _stage_checks(rank, world, stage):
     import deepspeed
 
     from arl.trainer import PolicyTrainer
-    from arl.trainer.dist import init_distributed, set_rank_env
     from arl.trainer.rank import engine_mismatch, update_on_batch
 
-    set_rank_env(rank, world, port)
-    init_distributed("cpu")
     # the same arithmetic as keep's head (bitwise-comparable updates); gif: the grad-in-forward head
     # the ipa objective: IPA micro-batches (step 2) get the mixed loss, the others the policy loss
     kw = dict(optim=OPTIM, zero_stage=stage, total_steps=10, objective="ipa")
@@ -156,23 +173,22 @@ def _worker(rank, world, port, stage, result_dir):
         res["dropout_refused"] = ""
     except ValueError as e:
         res["dropout_refused"] = str(e)
-    if rank == 0:
-        torch.save(res, os.path.join(result_dir, "skip.pt"))
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    from arl.procs import exit_process
-
-    exit_process(0)  # as the launcher's ranks end: no finalization after the group is gone
+    return res
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_skipped_old_logp_pass_gives_the_same_update(stage, tmp_path):
+@pytest.fixture(scope="module")
+def skip_runs(tmp_path_factory):
+    """Both stages' results, from one pair of ranks (a spawn costs seconds of imports per rank)."""
     from arl.procs import free_port
 
-    mp.spawn(_worker, args=(2, free_port(), stage, str(tmp_path)), nprocs=2, join=True)
-    res = torch.load(tmp_path / "skip.pt")
+    d = tmp_path_factory.mktemp("skip")
+    mp.spawn(_worker, args=(2, free_port(), str(d)), nprocs=2, join=True)
+    return d
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_skipped_old_logp_pass_gives_the_same_update(stage, skip_runs):
+    res = torch.load(skip_runs / f"skip{stage}.pt")
     assert min(res["n_mb"]) >= 2, f"expected several micro-batches per rank, got {res['n_mb']}"
     assert res["skip_pass_calls"] == 0, "one update, no dropout: the old-logprob pass should not run"
     assert res["needed"] == {"one_update": False, "two_updates": True}
