@@ -20,7 +20,8 @@ from test_critic_ds import CRITIC, LOSS, OPTIM, _weights, batches
 
 from two_rank import tiny_qwen
 
-pytestmark = pytest.mark.slow  # DeepSpeed ranks per case
+# DeepSpeed ranks (1, then 2) run every case once; the tests on one pytest worker (--dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("critic_separate_ds")]
 
 SEPARATE = CRITIC.model_copy(update={"model": "separate", "warmup_steps": 1})
 STAGES = (0, 3)
@@ -112,6 +113,11 @@ def _worker(rank, world, port, result_dir):
     import torch.distributed as dist
 
     dist.barrier()
+    if world == 2:  # the epochs case in the same process group
+        epochs = _epochs_checks(rank, world)
+        if rank == 0:
+            torch.save(epochs, os.path.join(result_dir, "epochs.pt"))
+        dist.barrier()
     dist.destroy_process_group()
     from arl.procs import exit_process
 
@@ -130,12 +136,19 @@ def _close(a: dict, b: dict, start: dict, what: str, atol: float = 1e-5) -> int:
     return n_moved
 
 
-def test_separate_critic_two_ranks_as_one_zero_0_and_3(tmp_path):
+@pytest.fixture(scope="module")
+def sep_runs(tmp_path_factory):
+    """1 rank, then 2 ranks (with the epochs case): every result of this module."""
     from arl.procs import free_port
 
+    d = tmp_path_factory.mktemp("sep")
     for world in (1, 2):
-        mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
-    one, two = torch.load(tmp_path / "sep1.pt"), torch.load(tmp_path / "sep2.pt")
+        mp.spawn(_worker, args=(world, free_port(), str(d)), nprocs=world, join=True)
+    return d
+
+
+def test_separate_critic_two_ranks_as_one_zero_0_and_3(sep_runs):
+    one, two = torch.load(sep_runs / "sep1.pt"), torch.load(sep_runs / "sep2.pt")
     w0 = tiny_qwen().state_dict()
     ref = one[0]
     c0 = {n: torch.zeros_like(t) if "arl_value_head" in n else w0.get(n, t) for n, t in ref["c1"].items()}
@@ -168,15 +181,12 @@ def test_separate_critic_two_ranks_as_one_zero_0_and_3(tmp_path):
 EPOCHS = (1, 3)
 
 
-def _epochs_worker(rank, world, port, result_dir):
+def _epochs_checks(rank, world):
     """ZeRO-3 on 2 ranks (empty micro-batches included): the same two steps with ``critic.epochs`` 1
     and 3, no warm-up."""
     from arl.trainer import PolicyTrainer
-    from arl.trainer.dist import init_distributed, set_rank_env
     from arl.trainer.rank import update_on_batch
 
-    set_rank_env(rank, world, port)
-    init_distributed("cpu")
     steps = [r[rank] for r in batches(world)]
     steps = [s + [_empty(s[0])] if rank == 0 else [_empty(s[0])] + s for s in steps]
     res = {}
@@ -187,25 +197,14 @@ def _epochs_worker(rank, world, port, result_dir):
         w1, c1 = _weights(tr), _critic_weights(tr)
         again = update_on_batch(tr, steps[0], LOSS, updates=1)  # its first pass: the fit the step left
         res[n] = {"m1": m1, "w1": w1, "c1": c1, "again": again, "steps": tr.objective.separate.steps}
-    if rank == 0:
-        torch.save(res, os.path.join(result_dir, "epochs.pt"))
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    from arl.procs import exit_process
-
-    exit_process(0)
+    return res
 
 
-def test_critic_epochs_fit_the_step_again_and_leave_the_policy_update(tmp_path):
+def test_critic_epochs_fit_the_step_again_and_leave_the_policy_update(sep_runs):
     """``critic.epochs: 3``: the policy's update is the one epoch's (its advantages come from the values
     before the step), the reported value figures are the first pass's, the warm-up count moves by one
     trainer step, and the critic fits the batch closer than after one epoch."""
-    from arl.procs import free_port
-
-    mp.spawn(_epochs_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    res = torch.load(tmp_path / "epochs.pt")
+    res = torch.load(sep_runs / "epochs.pt")
     one, three = res[1], res[3]
     for n, w in one["w1"].items():
         torch.testing.assert_close(three["w1"][n], w, rtol=1e-5, atol=1e-7, msg=n)
