@@ -9,6 +9,9 @@ import torch.multiprocessing as mp
 
 from arl.model.ulysses import plan_shard
 
+# the 2-rank cases share one spawned group (the module fixture): keep them on one pytest worker
+pytestmark = pytest.mark.xdist_group("ulysses")
+
 
 
 def tiny_qwen(num_key_value_heads: int = 2):
@@ -88,31 +91,44 @@ def _reference(kv_heads, ckpt=False):
     return h.detach(), w, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank, world, port, kv_heads, q, ckpt=False):
-    import os
+FORWARD_CASES = [(2, False), (1, False), (2, True)]  # (kv heads, gradient checkpointing); 1 kv head: expanded first
 
+
+def _forward_case(rank, world, kv_heads, ckpt):
+    """This rank's hidden states, and (rank 0) the parameter gradients summed over the ranks."""
     import torch.distributed as dist
 
     from arl.model.ulysses import sp_hidden_states
+
+    model = tiny_qwen(num_key_value_heads=kv_heads)
+    if ckpt:  # the layers' forward runs again in backward, all-to-alls included
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ids, cu = _batch()
+    shard = plan_shard(cu, world, rank)
+    h = sp_hidden_states(model, ids, cu, shard)
+    _, w, _ = _reference(kv_heads)
+    (h[:shard.real] * w[shard.start:shard.start + shard.real]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for g in grads.values():  # each rank holds its tokens' share of the gradient
+        dist.all_reduce(g)
+    # numpy: pickled by value (a tensor would travel as a shared-memory handle that dies with this process)
+    return h[:shard.real].detach().numpy(), {n: g.numpy() for n, g in grads.items()} if rank == 0 else None
+
+
+def _worker(rank, world, port, q):
+    """Every case of this module on one SP group: the forward cases (2 ranks), then the loss levels."""
+    import os
+
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        model = tiny_qwen(num_key_value_heads=kv_heads)
-        if ckpt:  # the layers' forward runs again in backward, all-to-alls included
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.train()
-        ids, cu = _batch()
-        shard = plan_shard(cu, world, rank)
-        h = sp_hidden_states(model, ids, cu, shard)
-        _, w, _ = _reference(kv_heads)
-        (h[:shard.real] * w[shard.start:shard.start + shard.real]).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        for g in grads.values():  # each rank holds its tokens' share of the gradient
-            dist.all_reduce(g)
-        # numpy: pickled by value (a tensor would travel as a shared-memory handle that dies with this process)
-        q.put((rank, h[:shard.real].detach().numpy(), {n: g.numpy() for n, g in grads.items()} if rank == 0 else None))
+        out = {"forward": {c: _forward_case(rank, world, *c) for c in FORWARD_CASES}} if world == 2 else {}
+        out["loss"] = _loss_levels(rank, world)
+        q.put((rank, out, None))
     except BaseException as e:  # the parent reads the cause instead of waiting out its timeout
         q.put((rank, None, f"{type(e).__name__}: {e}"))
         raise
@@ -120,22 +136,33 @@ def _worker(rank, world, port, kv_heads, q, ckpt=False):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kv_heads,ckpt", [(2, False), (1, False), (2, True)])  # 1 kv head: expanded first
-def test_two_rank_forward_and_gradients_equal_one_rank(kv_heads, ckpt):
+def _run_ranks(world: int) -> dict:
+    """``world`` spawned ranks of ``_worker``: {rank: its results}; their errors when one failed."""
     from arl.procs import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, kv_heads, q, ckpt)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((r, (h, g)) for r, h, g in (q.get(timeout=120) for _ in procs))
-    assert all(h is not None for h, _ in got.values()), [g for _, g in got.values()]
+    got = {r: (out, err) for r, out, err in (q.get(timeout=240) for _ in procs)}
+    assert all(out is not None for out, _ in got.values()), [err for _, err in got.values()]
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    return {r: out for r, (out, _) in got.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _run_ranks(2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads,ckpt", FORWARD_CASES)
+def test_two_rank_forward_and_gradients_equal_one_rank(kv_heads, ckpt, two_ranks):
+    got = {r: two_ranks[r]["forward"][(kv_heads, ckpt)] for r in (0, 1)}
     ref_h, _, ref_g = _reference(kv_heads)
     torch.testing.assert_close(torch.cat([torch.from_numpy(got[0][0]), torch.from_numpy(got[1][0])]), ref_h, rtol=1e-5, atol=1e-5)
     assert sorted(got[0][1]) == sorted(ref_g)
@@ -188,60 +215,39 @@ def _loss_reference(level, surrogate):
     return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _loss_worker(rank, world, port, q):
-    import os
-
+def _loss_levels(rank, world):
+    """(rank 0) every level's loss and parameter gradients summed over the ranks."""
     import torch.distributed as dist
 
     from arl.model.ulysses import sp_logprobs
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        out = {}
-        for level, surrogate in LEVELS:
-            model = tiny_qwen(2)
-            ids, cu = _batch()
-            logp, _ = sp_logprobs(model, ids, cu, plan_shard(cu, world, rank))
-            loss = _loss(logp, cu, level, surrogate)
-            loss.backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            for g in grads.values():
-                dist.all_reduce(g)
-            out[level] = (float(loss), {n: g.numpy() for n, g in grads.items()})
-        q.put((rank, out if rank == 0 else {}, None))
-    except BaseException as e:
-        q.put((rank, None, f"{type(e).__name__}: {e}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for level, surrogate in LEVELS:
+        model = tiny_qwen(2)
+        ids, cu = _batch()
+        logp, _ = sp_logprobs(model, ids, cu, plan_shard(cu, world, rank))
+        loss = _loss(logp, cu, level, surrogate)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[level] = (float(loss), {n: g.numpy() for n, g in grads.items()})
+    return out if rank == 0 else {}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_loss_over_a_split_batch_equals_one_rank(world):
+def test_loss_over_a_split_batch_equals_one_rank(world, request):
     """A chunk and a sequence straddle a shard boundary (the second sequence spans tokens 9-31; SP=2:
     shards 0-26 and 27-53; SP=4, 4 processes, 2 kv heads over 4 ranks: 0-13, 14-27, 28-41, 42-55 of
     the batch padded to 56): token, sequence (GSPO) and chunk (IPA) ratio levels."""
-    from arl.procs import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_loss_worker, args=(r, world, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {r: (out, err) for r, out, err in (q.get(timeout=180) for _ in procs)}
-    for p in procs:
-        p.join(60)
-    assert all(out is not None for out, _ in got.values()), [err for _, err in got.values()]
+    loss_out = (request.getfixturevalue("two_ranks") if world == 2 else _run_ranks(world))[0]["loss"]
     chunks, _, _ = _loss_inputs(*_batch()[0].shape, _batch()[1])
     local = plan_shard(_batch()[1], world, 0).local
     cuts = [local * k for k in range(1, world)]  # the first token of each shard after the first
     assert any(chunks[c - 1] >= 0 and chunks[c - 1] == chunks[c] for c in cuts), "no chunk straddles a shard boundary"
     for level, surrogate in LEVELS:
-        loss, grads = got[0][0][level]
+        loss, grads = loss_out[level]
         ref_loss, ref_g = _loss_reference(level, surrogate)
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), level
         assert sorted(grads) == sorted(ref_g)
