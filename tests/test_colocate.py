@@ -155,6 +155,37 @@ def test_colocated_run_end_to_end(tmp_path):
         assert "launcher: ray (auto: Ray)" in res.stdout and (out / "ray_actors.json").exists()
 
 
+def test_a_mark_that_comes_in_after_the_last_get_counts():
+    """Fault injection: the engine marks itself up and its task ends while the launcher's last get
+    was timing out (a loaded machine).  Its task is done, but it was up: no error."""
+    import queue
+
+    from arl.cluster.launcher import _wait_up
+
+    class Box:  # the marks the engine put; the first get times out before the first one is there
+        def __init__(self, marks):
+            self.marks, self.calls = list(marks), 0
+
+        def get(self, block=True, timeout=None):
+            self.calls += 1
+            if self.calls == 1 or not self.marks:
+                raise queue.Empty
+            return self.marks.pop(0)
+
+    class Ray:  # the engine's task has ended
+        @staticmethod
+        def wait(refs, num_returns, timeout):
+            return list(refs), []
+
+        @staticmethod
+        def get(ref):
+            return None
+
+    _wait_up(Ray, Box([("ready", 0)]), {"ref": "engine 0"}, 60)
+    with pytest.raises(RuntimeError, match=r"^ray: engine 0 ended before its engine was up \(colocated\)$"):
+        _wait_up(Ray, Box([]), {"ref": "engine 0"}, 60)  # ended and never marked
+
+
 @pytest.mark.slow  # joins the session's Ray cluster (tests/ray_session.py: 2 logical GPUs)
 def test_colocated_engine_shares_its_trainer_ranks_gpus_on_ray():
     """Colocated on Ray, the trainer ranks hold one GPU each and the engine, in the bundle of its

@@ -304,6 +304,14 @@ def _wait_up(ray, ready, running: dict, timeout_s: float) -> None:
         except queue.Empty:
             pass
         done, _ = ray.wait(list(running), num_returns=1, timeout=0)
+        if done:  # its mark may have come in after the last get timed out: take every mark there is first
+            while True:
+                try:
+                    up.add(ready.get(block=False)[1])
+                except queue.Empty:
+                    break
+            if len(up) >= len(running):
+                break
         for ref in done:
             try:
                 ray.get(ref)
