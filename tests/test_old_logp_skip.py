@@ -11,14 +11,13 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from arl.config import OptimConfig
 from arl.data import Trajectory
 from arl.data.packer import PackerConfig, pack_step
 from arl.ops.policy_loss import LossConfig
 
-from two_rank import random_chunk_ids, tiny_qwen
+from two_rank import random_chunk_ids, spawn_ranks, tiny_qwen
 
 # 2 DeepSpeed ranks run both stages; the cases on one pytest worker, so that they run once (--dist loadgroup)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("old_logp_skip")]
@@ -179,10 +178,8 @@ def _stage_checks(rank, world, stage):
 @pytest.fixture(scope="module")
 def skip_runs(tmp_path_factory):
     """Both stages' results, from one pair of ranks (a spawn costs seconds of imports per rank)."""
-    from arl.procs import free_port
-
     d = tmp_path_factory.mktemp("skip")
-    mp.spawn(_worker, args=(2, free_port(), str(d)), nprocs=2, join=True)
+    spawn_ranks(_worker, d)
     return d
 
 

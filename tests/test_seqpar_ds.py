@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from arl.config import LoRAConfig
 from arl.model.lora import apply_lora, hf_model
 from arl.model.packed import packed_logprobs
 from arl.ops.policy_loss import policy_loss
 from test_trainer_ds import LOSS, OPTIM, pack, perturbed_old, single_process_reference, tiny_model, trajectories
+from two_rank import spawn_ranks
 
 # 2 DeepSpeed ranks; every test on one pytest worker: the module fixture (~24 s) is run once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("seqpar_ds")]
@@ -143,10 +143,8 @@ def _worker(rank, world, port, result_dir):
 
 @pytest.fixture(scope="module")
 def sp_run(tmp_path_factory):
-    from arl.procs import free_port
-
     d = tmp_path_factory.mktemp("seqpar")
-    mp.spawn(_worker, args=(2, free_port(), str(d)), nprocs=2, join=True)
+    spawn_ranks(_worker, d)
     return torch.load(d / "sp.pt", weights_only=False)
 
 

@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from arl.config import OptimConfig
 from arl.data import Trajectory
@@ -17,7 +16,7 @@ from arl.model.tied import is_tied
 from arl.ops.policy_loss import LossConfig, policy_loss
 from arl.algo.step import step_advantages
 
-from two_rank import random_chunk_ids, tiny_qwen
+from two_rank import random_chunk_ids, spawn_ranks, tiny_qwen
 
 # 2 DeepSpeed ranks run every case; the cases on one pytest worker, so that they run once (--dist loadgroup)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trainer_ds")]
@@ -204,10 +203,8 @@ def single_process_reference(tied=False):
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory):
     """Every case's results, from one pair of ranks (a spawn costs seconds of imports per rank)."""
-    from arl.procs import free_port
-
     d = tmp_path_factory.mktemp("ds")
-    mp.spawn(_worker, args=(2, free_port(), str(d)), nprocs=2, join=True)
+    spawn_ranks(_worker, d)
     return d
 
 

@@ -25,3 +25,13 @@ def random_chunk_ids(rng: np.random.Generator, L: int) -> np.ndarray:
         k += 1
         pos += span + int(rng.integers(1, 5))
     return chunk
+
+
+def spawn_ranks(worker, result_dir, world: int = 2) -> None:
+    """``worker(rank, world, port, result_dir)`` on ``world`` spawned gloo ranks, to their end; the
+    ranks write their results under ``result_dir``."""
+    import torch.multiprocessing as mp
+
+    from arl.procs import free_port
+
+    mp.spawn(worker, args=(world, free_port(), str(result_dir)), nprocs=world, join=True)
