@@ -164,3 +164,50 @@ def test_malformed_call_penalty_shapes_train_irrelevance_rows_only(doc):
     assert asyncio.run(play(train, botched, **on)) == ("irrelevance", 0.0, {"bfcl": 1.0, "malformed_call": -1.0})
     assert asyncio.run(play(train, refusal, **on)) == ("irrelevance", 1.0, {"bfcl": 1.0, "malformed_call": 0.0})
     assert asyncio.run(play(held, botched, **on))[:2] == ("irrelevance", 1.0)
+
+
+def test_ast_credit_scores_a_failed_train_turn_by_the_share_it_gets_right(doc):
+    """``ast_credit``: a failed AST turn on a train row earns the credit times the share BFCL's checker
+    passes one argument at a time; a valid turn 1.0 (part 0); held-out rows keep BFCL's 0/1."""
+    env = make_env("bfcl", split=str(SPLIT), ast_credit=0.5)
+    seed = next(i for i, r in enumerate(doc["train"]) if r.startswith("simple_python")
+                and len(next(iter(bsplit.row(r)["ground_truth"][0].values()))) >= 2)
+
+    async def play(text, s=seed):
+        await env.reset(s)
+        res = await env.step(text)
+        return res.reward, res.info["reward_components"]
+
+    asyncio.run(env.reset(seed))
+    (name, answers), = env.entry["ground_truth"][0].items()
+    right = {k: v[0] for k, v in answers.items() if v[0] != ""}
+    call = lambda args, n=name: env.parser.format_calls("", [{"name": n, "arguments": args}])  # noqa: E731
+    assert asyncio.run(play(call(right))) == (1.0, {"bfcl": 1.0, "ast_credit": 0.0})
+    k = next(iter(right))
+    wrong = dict(right, **{k: "arl-not-an-answer" if not isinstance(right[k], str) else 12345})
+    n = len(answers)
+    assert asyncio.run(play(call(wrong))) == pytest.approx((0.5 * n / (1 + n), {"bfcl": 0.0, "ast_credit": 0.5 * n / (1 + n)}))
+    extra = dict(right, arl_extra=1)
+    assert asyncio.run(play(call(extra)))[0] == pytest.approx(0.5 * (1 + n) / (2 + n))
+    assert asyncio.run(play(call(right, "arl_other_function")))[0] == 0.0
+    twice = env.parser.format_calls("", [{"name": name, "arguments": right}] * 2)
+    assert asyncio.run(play(twice))[0] == pytest.approx(0.5 * 0.5)  # one expected call, two made
+    assert asyncio.run(play("I cannot help."))[0] == 0.0
+    held = EVAL_SEED_BASE + list(doc["held_out"]).index("live_simple")
+    assert set(asyncio.run(play("<tool_call>\n{}\n</tool_call>", held))[1]) == {"bfcl"}
+    with pytest.raises(ValueError, match="ast_credit: must be in"):
+        make_env("bfcl", split=str(SPLIT), ast_credit=1.0)
+
+
+def test_ast_credit_is_one_exactly_on_the_ground_truth(doc):
+    from arl.env.bfcl import scoring
+    for r in doc["train"][:: max(1, len(doc["train"]) // 60)]:
+        row = bsplit.row(r)
+        if "|" in r:
+            continue
+        env = make_env("bfcl", split=str(SPLIT))
+        asyncio.run(env.reset(doc["train"].index(r)))
+        calls = env.parser.parse(env.expert_turns()[0]).calls
+        decoded, _ = scoring.decode(calls)
+        assert scoring.score_ast(row, decoded, None)["valid"], r
+        assert scoring.ast_credit(row, decoded) == 1.0, r

@@ -36,6 +36,11 @@ chat template like any arl tool; the row's first user turn is the prompt.
   BFCL's 1.0 (its rule counts an undecodable call as none).  Without it RL learns to write broken
   calls, right on every irrelevance row, and carries them to the rows that need a call.  Named part
   ``malformed_call`` (-1.0 beside ``bfcl``'s 1.0); held-out rows and given tasks keep BFCL's rule.
+* ``ast_credit`` (shaping, training rows only, in [0, 1), default 0): a failed AST turn earns
+  ``ast_credit`` times the share of the ground truth it gets right, BFCL's checker run one argument
+  at a time (``scoring.ast_credit``); a valid turn earns 1.0.  Without it a group whose four answers
+  all miss (most AST rows, early) has no signal, and RL learns mostly from the irrelevance rows.
+  Named part ``ast_credit``.
 
 A checker that raises on a row is that episode's recoverable fault (``reward_exception``; the
 rollout retries or filters it, ``python -m arl.eval --bench bfcl`` marks and counts the row).
@@ -76,7 +81,7 @@ class BfclEnv(Environment):
     def __init__(self, categories: Union[str, Sequence[str]] = ("simple_python",), parser: str = "hermes",
                  tokenizer: Any = None, max_turns: int = 24, turn_credit: float = 0.0, limit: Optional[int] = None,
                  system_prompt: Optional[str] = None, split: Optional[str] = None,
-                 malformed_call_penalty: bool = False):
+                 malformed_call_penalty: bool = False, ast_credit: float = 0.0):
         bfcl()  # a missing bfcl-eval: one line, here
         self.split = split
         if split is not None:
@@ -86,6 +91,10 @@ class BfclEnv(Environment):
         if not 0.0 <= float(turn_credit) < 1.0:
             raise ValueError(f"env.kwargs.turn_credit: must be in [0, 1) so that a success outranks every "
                              f"failure, got {turn_credit}")
+        if not 0.0 <= float(ast_credit) < 1.0:
+            raise ValueError(f"env.kwargs.ast_credit: must be in [0, 1) so that a success outranks every "
+                             f"failure, got {ast_credit}")
+        self.ast_credit = float(ast_credit)
         if limit is not None and limit < 1:
             raise ValueError(f"env.kwargs.limit: must be >= 1, got {limit}")
         self.turn_credit, self.limit, self.max_turns = float(turn_credit), limit, int(max_turns)
@@ -153,7 +162,8 @@ class BfclEnv(Environment):
             decoded, why = scoring.decode(parsed.calls)
             info = self._calls_info(parsed.calls)
             if self.kind == "ast":
-                return self._finish(lambda: scoring.score_ast(self.entry, decoded, why), info)
+                credit = self.ast_credit > 0 and self._training_row
+                return self._finish(lambda: self._score_ast(decoded, why, credit), info)
             botched = self.malformed_call_penalty and self._training_row and decoded is None
             return self._finish(lambda: scoring.score_irrelevance(self.entry, decoded, why), info, botched)
         if parsed.calls:
@@ -195,6 +205,12 @@ class BfclEnv(Environment):
             return StepResult(text, 0.0, False, dict(info, user_turn=self.turn))
         return self._finish(self._score_multi_turn, info)
 
+    def _score_ast(self, decoded, why: Optional[str], credit: bool) -> Dict[str, Any]:
+        v = scoring.score_ast(self.entry, decoded, why)
+        if credit:
+            v["ast_credit"] = 0.0 if v["valid"] else scoring.ast_credit(self.entry, decoded)
+        return v
+
     def _score_multi_turn(self) -> Dict[str, Any]:
         v = scoring.score_multi_turn(self.entry, self.turns)
         if self.turn_credit > 0 and not v["valid"]:
@@ -215,6 +231,8 @@ class BfclEnv(Environment):
         if self.turn_credit > 0 and self.kind == "multi_turn":
             k, n = v.get("turns_passed", 0), len(self.entry["ground_truth"])
             comps["turn_credit"] = self.turn_credit * k / n if not v["valid"] and n else 0.0
+        if "ast_credit" in v:
+            comps["ast_credit"] = self.ast_credit * v["ast_credit"]
         if self.malformed_call_penalty and self.kind == "irrelevance":
             comps["malformed_call"] = -1.0 if botched and v["valid"] else 0.0
         info["reward_components"] = comps

@@ -68,6 +68,7 @@ def bfcl() -> types.SimpleNamespace:
     from bfcl_eval import utils
     return types.SimpleNamespace(
         ast_checker=ast_checker.ast_checker, Language=enums.Language,
+        simple_function_checker=ast_checker.simple_function_checker, find_description=ast_checker.find_description,
         is_function_calling_format_output=utils.is_function_calling_format_output,
         is_empty_output=utils.is_empty_output, load_dataset_entry=utils.load_dataset_entry,
         load_ground_truth_entry=utils.load_ground_truth_entry,

@@ -57,6 +57,36 @@ def score_ast(entry: Dict[str, Any], decoded, decode_error: Optional[str], model
     return verdict(out["valid"], out.get("error_type", ""), out.get("error"))
 
 
+def ast_credit(entry: Dict[str, Any], decoded, model_name: str = "arl") -> float:
+    """The share of a single-turn row's ground truth that a decoded turn gets right, in [0, 1], judged
+    by BFCL's own ``simple_function_checker`` one argument at a time (ToolRL's fine-grained reward,
+    arXiv 2504.13958, with BFCL's value rules).  Each expected call is matched to the first unused
+    model call of its name; it scores (1 + arguments right) / (1 + its arguments + arguments it does
+    not name), and the row is the sum over max(expected calls, model calls).  An undecodable turn,
+    or no call, scores 0; only a turn BFCL calls valid can reach 1."""
+    if not decoded:
+        return 0.0
+    b, used, total = bfcl(), set(), 0.0
+    for answer in entry["ground_truth"]:
+        name, params = next(iter(answer.items()))
+        desc = b.find_description(entry["function"], name)
+        j = next((i for i, call in enumerate(decoded) if i not in used and name in call), None)
+        if j is None or desc is None:
+            continue
+        used.add(j)
+        args, props = decoded[j][name], desc["parameters"].get("properties", {})
+        required = desc["parameters"].get("required", [])
+        right = 0
+        for p, answers in params.items():
+            one = {"name": desc["name"], "parameters": {"type": "dict", "properties": {p: props[p]} if p in props else {},
+                                                          "required": [p] if p in required else []}}
+            got = {name: {p: args[p]} if p in args else {}}
+            right += bool(b.simple_function_checker(one, got, {name: {p: answers}}, b.Language.PYTHON, model_name)["valid"])
+        extra = sum(1 for p in args if p not in params)
+        total += (1 + right) / (1 + len(params) + extra)
+    return total / max(len(entry["ground_truth"]), len(decoded))
+
+
 def score_irrelevance(entry: Dict[str, Any], decoded, decode_error: Optional[str]) -> Dict[str, Any]:
     """BFCL's irrelevance verdict: right when the turn holds no decodable call."""
     contains_call = decoded is not None and not bfcl().is_empty_output(decoded)
