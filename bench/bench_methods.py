@@ -474,7 +474,8 @@ def main() -> None:
              "step_horizon": args.step_horizon,
              "lrs": lrs, "sft_lrs": sft_lrs, "seeds": seeds, "top": args.top, "date": time.strftime("%Y-%m-%d"),
              "commit": _git_commit(), "nproc": os.cpu_count(), "png": str(png), "png_step": str(png_step),
-             "grid": {m: {f"{lr:g}": {k: v for k, v in g[lr].items() if k != "curve"} for lr in g}
+             "runs_dir": str(base),  # <method>/lr<lr>/seed<seed> under it; run output, not kept in git
+             "grid": {m: {f"{lr:g}": {k: v for k, v in g[lr].items() if k not in ("curve", "dir")} for lr in g}
                       for m, g in grid.items()},
              "rows": rows, "missing": missing,
              "curves": {m: [{"seed": r.get("run", {}).get("seed"), "curve": r["curve"]} for r in runs[m]]

@@ -175,3 +175,7 @@ def test_table_dir_takes_the_table_and_leaves_the_runs(tmp_path, monkeypatch, ca
     capsys.readouterr()
     assert sorted(p.name for p in tables.iterdir()) == ["curves.png", "curves_step.png", "table.json", "table.md"]
     assert not (runs / "table.json").exists()
+    import json
+    table = json.loads((tables / "table.json").read_text())
+    assert table["runs_dir"] == str(runs)  # the runs are named once, as <method>/lr<lr>/seed<seed> under it
+    assert "dir" not in table["grid"]["grpo_token"]["0.0002"]
