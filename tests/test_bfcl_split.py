@@ -211,3 +211,18 @@ def test_ast_credit_is_one_exactly_on_the_ground_truth(doc):
         decoded, _ = scoring.decode(calls)
         assert scoring.score_ast(row, decoded, None)["valid"], r
         assert scoring.ast_credit(row, decoded) == 1.0, r
+
+
+def test_sft_keeps_only_demonstrations_bfcl_calls_valid_with_ast_credit_on(tiny_tokenizer):
+    """Train row 9 (simple_python_200): its ground truth's first allowed values fail BFCL's checker;
+    with ``ast_credit`` on, its partial credit must not let it into the SFT data."""
+    from arl.config import load_config
+    from arl.rollout import ChatFormat
+    from arl.rollout.expert import expert_demos
+
+    fmt = ChatFormat(tiny_tokenizer)
+    cfgs = [load_config(str(SPLIT.parent / "config.yaml"), ["model.name_or_path=tiny", *o])
+            for o in ([], ["env.kwargs.ast_credit=0.5"])]
+    plain, credit = (expert_demos(c, fmt, 12) for c in cfgs)
+    assert [list(t.tokens) for t in credit] == [list(t.tokens) for t in plain]
+    assert all(t.reward == 1.0 for t in credit)

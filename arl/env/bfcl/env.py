@@ -143,6 +143,12 @@ class BfclEnv(Environment):
             self._executor = scoring.Executor(entry)
         return _turn_messages(entry["question"][0])
 
+    @classmethod
+    def demo_kwargs(cls, kwargs: dict) -> dict:
+        """The demonstrator's env judges by BFCL's verdict alone: SFT keeps a demonstration only when
+        its reward is positive, and partial credit would keep the few ground truths BFCL rejects."""
+        return {k: v for k, v in kwargs.items() if k not in ("ast_credit", "turn_credit")}
+
     def expert_turns(self) -> Optional[List[str]]:
         """BFCL's ground truth as the model's turn (single-turn rows; None for multi-turn ones)."""
         if self.kind == "irrelevance":
