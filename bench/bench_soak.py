@@ -69,6 +69,9 @@ def sandbox_on_ray() -> dict:
     """Every hostile program through ``arl.env.sandbox.Sandbox`` in one Ray actor; the verdicts."""
     import tempfile
 
+    from arl.cluster.launcher import session_token_auth
+
+    session_token_auth()  # before ray's import, as the launcher does: no token left in ~/.ray
     import ray
 
     sys.path.insert(0, str(ROOT / "tests"))

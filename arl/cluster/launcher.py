@@ -86,9 +86,7 @@ def start_ray(cfg: TrainConfig, cpus: int, gpus: int = 0):
     its auth mode when it is first imported."""
     address = join_address(cfg)
     if address is None:
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # this run's: never written to disk
-        _refresh_auth_if_imported()
+        session_token_auth()
         import ray
 
         global _REAPER
@@ -110,6 +108,14 @@ def start_ray(cfg: TrainConfig, cpus: int, gpus: int = 0):
                            "RAY_AUTH_TOKEN the cluster's token?") from None
     print(f"arl.train: ray: joined the cluster at {address}", flush=True)
     return ray
+
+
+def session_token_auth() -> None:
+    """Token auth with a token of this process's own, for a local cluster it starts: never written to
+    disk (a plain ``ray.init()`` with RAY_AUTH_MODE unset writes one to ~/.ray/auth_token)."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _refresh_auth_if_imported()
 
 
 def _refresh_auth_if_imported() -> None:
