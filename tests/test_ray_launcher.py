@@ -123,7 +123,8 @@ def test_actor_failure_is_one_line(tmp_path):
     with one line naming the failed actor and the cause, instead of waiting for a batch."""
     out = tmp_path / "bad"
     cmd = [sys.executable, "-m", "arl.train", "--config", TINY, f"output_dir={out}", *SMALL, "launcher=ray",
-           "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256"]
+           "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256",
+           "trainer.world_size=1"]  # one rank: the engine's failure is the case, not the ranks'
     res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                          text=True, timeout=900)
     assert res.returncode == 1, res.stderr[-3000:]

@@ -373,7 +373,7 @@ def test_rollout_failure_is_reported_not_hung(tmp_path):
     tests/test_ray_launcher.py."""
     out = tmp_path / "bad"
     cmd_res = _train(out, "trainer.steps=2", "sft.enabled=false", "env.eval_tasks=0", "model.tiny.max_position=256",
-                     "launcher=local", expect_fail=True)
+                     "launcher=local", "trainer.world_size=1", expect_fail=True)  # one rank: the engine fails
     assert "rollout process failed" in cmd_res.stderr and "max_model_len" in cmd_res.stderr, cmd_res.stderr[-2000:]
 
 
