@@ -30,8 +30,8 @@ Design (one program per packed sequence, tokens walked in blocks of ``BLOCK``):
   pass 1 entirely (a single streaming pass: the GRPO/DAPO case).
 
 Helpers (triton_parts.py): the per-sequence advantage (given or in-pass), pass 1, the sequence-level
-PPO factor, the mismatch weight, the discount, the surrogate and the KL term are functions of their
-own; the kernel keeps the two walks and the metric partials.  Compiled, they are ``@triton.jit``
+PPO factor, a chunk's mean from the prefix table, the mismatch weight, the discount, the surrogate
+and the token's loss (KL, entropy, aggregation coefficient) are functions of their own; the kernel keeps the two walks and the metric partials.  Compiled, they are ``@triton.jit``
 helpers (inlined).  Under the interpreter they are plain functions, because a jitted helper's call
 re-patches the language module every time there.  Process CPU time per launch of a 16-program
 kernel calling a 3-op function 5 times (``python bench/probe_triton_helpers.py``; 2026-12-07, the
@@ -62,8 +62,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_parts import (_ADD, _CHUNK, _KL_OFF, _MAXF, _NO_LEVEL, _PPO, _SEQ_MEAN_TOKEN_MEAN, _SEQUENCE, _TOKEN,
-                           _discounted, _kl_term, _mismatch_of, _pass1, _sequence_advantage, _sequence_ppo_factor,
+from .triton_parts import (_ADD, _CHUNK, _MAXF, _NO_LEVEL, _PPO, _SEQUENCE, _TOKEN, _chunk_mean, _discounted,
+                           _mismatch_of, _pass1, _sequence_advantage, _sequence_ppo_factor, _token_loss,
                            _token_surrogate)
 
 NPART = 13  # metric partials per program, columns in the order of _PARTS
@@ -170,9 +170,7 @@ def _policy_loss_kernel(
         elif RATIO == _SEQUENCE:
             x = mean_d_seq + d * 0
         else:
-            lo_d = tl.load(sd_ptr + slot, mask=tr, other=0)
-            hi_d = tl.where(has_next, tl.load(sd_ptr + slot + 1, mask=has_next, other=0), tot_d)
-            x = ((hi_d - lo_d) / n_c).to(CDT)
+            x = _chunk_mean(sd_ptr, slot, tr, has_next, tot_d, n_c, CDT)
         r = tl.exp(tl.minimum(tl.maximum(x, -lrc), lrc))
         # rollout/trainer mismatch weight (no gradient)
         if MIS == _NO_LEVEL:
@@ -184,9 +182,7 @@ def _policy_loss_kernel(
             elif MIS == _SEQUENCE:
                 mx = mean_q_seq + d * 0
             else:
-                lo_q = tl.load(sq_ptr + slot, mask=tr, other=0)
-                hi_q = tl.where(has_next, tl.load(sq_ptr + slot + 1, mask=has_next, other=0), tot_q)
-                mx = ((hi_q - lo_q) / n_c).to(CDT)
+                mx = _chunk_mean(sq_ptr, slot, tr, has_next, tot_q, n_c, CDT)
             w, alt = _mismatch_of(mx, lrc, m_lo, m_hi, TRUNC, CDT)
         # discounted advantage of the token's chunk
         if USE_GAMMA:
@@ -195,27 +191,11 @@ def _policy_loss_kernel(
             A = adv_pos + d * 0
         wbar = w
         if SURR == _PPO and RATIO == _CHUNK and MIS == _TOKEN:  # chunk ratio with token weights: the chunk's mean weight
-            lo_w = tl.load(sq_ptr + slot, mask=tr, other=0)
-            hi_w = tl.where(has_next, tl.load(sq_ptr + slot + 1, mask=has_next, other=0), tot_q)
-            wbar = ((hi_w - lo_w) / n_c).to(CDT)
+            wbar = _chunk_mean(sq_ptr, slot, tr, has_next, tot_q, n_c, CDT)
         pg, clipped, dual, g = _token_surrogate(A, r, x, d, w, wbar, lp, cid, seq_gfac, lrc, clip_lo, clip_hi, dual_c,
                                                 SURR, RATIO, DUAL, CDT)
-        tok = w * pg
-        kl = d * 0
-        if KL != _KL_OFF:
-            kl, dkl = _kl_term(lp, tl.load(ref_ptr + offs, mask=tr, other=0).to(CDT), lrc, KL, CDT)
-            g += kl_beta * dkl
-            tok = tok + kl_beta * kl
-        ent = d * 0
-        if HAS_ENT:
-            ent = tl.load(ent_ptr + offs, mask=tr, other=0).to(CDT)
-            if ENT_GRAD:
-                tok = tok - ent_coef * ent
-        g_ent = d * 0 - ent_coef
-        if AGG == _SEQ_MEAN_TOKEN_MEAN:  # seq-mean-token-mean: coefficient 1/n_s
-            tok = tok / n_s_c
-            g = g / n_s_c
-            g_ent = g_ent / n_s_c
+        tok, g, g_ent, kl, ent = _token_loss(w * pg, g, d, lp, ref_ptr, ent_ptr, offs, tr, lrc, kl_beta, ent_coef,
+                                             n_s_c, KL, HAS_ENT, ENT_GRAD, AGG, CDT)
         tl.store(glogp_ptr + offs, tl.where(tr, g, 0.0), mask=inb)
         if ENT_GRAD:
             tl.store(gent_ptr + offs, tl.where(tr, g_ent, 0.0), mask=inb)

@@ -252,3 +252,36 @@ def _kl_term(lp, ref, lrc, KL: tl.constexpr, CDT: tl.constexpr):
         kl = tl.exp(xc) - xc - 1
         dkl = (1 - tl.exp(xc)) * ((xr >= -lrc) & (xr <= lrc)).to(CDT)
     return kl, dkl
+
+
+@_helper
+def _chunk_mean(tab_ptr, slot, tr, has_next, total, n_c, CDT: tl.constexpr):
+    """Mean over the token's chunk of a quantity whose exclusive prefix sums (fp64) the table holds
+    at chunk starts: the next entry (the sequence total after the last chunk) minus this one."""
+    lo = tl.load(tab_ptr + slot, mask=tr, other=0)
+    hi = tl.where(has_next, tl.load(tab_ptr + slot + 1, mask=has_next, other=0), total)
+    return ((hi - lo) / n_c).to(CDT)
+
+
+@_helper
+def _token_loss(tok, g, d, lp, ref_ptr, ent_ptr, offs, tr, lrc, kl_beta, ent_coef, n_s_c, KL: tl.constexpr,
+                HAS_ENT: tl.constexpr, ENT_GRAD: tl.constexpr, AGG: tl.constexpr, CDT: tl.constexpr):
+    """(tok, g, g_ent, kl, ent): the token's loss term (weighted surrogate ``tok`` plus the KL term,
+    minus the entropy bonus) and its gradients w.r.t. logp and entropy, both before the aggregation
+    denominator; seq-mean-token-mean's 1/n_s coefficient applied."""
+    kl = d * 0
+    if KL != _KL_OFF:
+        kl, dkl = _kl_term(lp, tl.load(ref_ptr + offs, mask=tr, other=0).to(CDT), lrc, KL, CDT)
+        g += kl_beta * dkl
+        tok = tok + kl_beta * kl
+    ent = d * 0
+    if HAS_ENT:
+        ent = tl.load(ent_ptr + offs, mask=tr, other=0).to(CDT)
+        if ENT_GRAD:
+            tok = tok - ent_coef * ent
+    g_ent = d * 0 - ent_coef
+    if AGG == _SEQ_MEAN_TOKEN_MEAN:  # seq-mean-token-mean: coefficient 1/n_s
+        tok = tok / n_s_c
+        g = g / n_s_c
+        g_ent = g_ent / n_s_c
+    return tok, g, g_ent, kl, ent
